@@ -1,0 +1,181 @@
+/* attention.c: the driver.  Splits the work into tasks that depend only on
+ * the shapes (never on the thread count, so results are bit-identical for any
+ * number of threads), runs them on OpenMP threads, and merges split-KV
+ * partial results with the log-sum-exp rule. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include "kernel.h"
+#include "mask.h"
+#include "convert.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(FA_HAVE_X86)
+#include <xmmintrin.h>
+#endif
+
+/* Split the keys when there are fewer tasks than this (shape-only rule). */
+#define FA_SPLIT_TASKS 16
+#define FA_SPLIT_MIN_KEYS 512
+
+int fa_openmp_enabled(void)
+{
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int fa_omp_max_threads(void)
+{
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+static void fa_merge_row(const fa_params *p, const fa_task *parts, int64_t nsplit, int64_t r,
+                         int64_t rows, int64_t h, int64_t i, const fa_batch *bi)
+{
+    const int f64 = p->q_dtype == FA_F64;
+    const int64_t Dv = p->Dv;
+    double M = -INFINITY;
+    int nan = 0;
+    for (int64_t s = 0; s < nsplit; s++) {
+        double l = f64 ? ((double *)parts[s].part_lse)[r] : ((float *)parts[s].part_lse)[r];
+        if (l != l) nan = 1;
+        if (l > M) M = l;
+    }
+    (void)rows;
+    int64_t oo = parts[0].b * p->o_sb + h * p->o_sh + (bi->qoff + i) * p->o_sl;
+    double den = 0.0;
+    for (int64_t c = 0; c < Dv; c++) {
+        double acc = 0.0;
+        den = 0.0;
+        if (!nan && M != -INFINITY) {
+            for (int64_t s = 0; s < nsplit; s++) {
+                double l = f64 ? ((double *)parts[s].part_lse)[r] : ((float *)parts[s].part_lse)[r];
+                double wgt = exp(l - M);
+                double o = f64 ? ((double *)parts[s].part_o)[r * Dv + c] : ((float *)parts[s].part_o)[r * Dv + c];
+                if (wgt > 0.0) acc += wgt * o;
+                den += wgt;
+            }
+            acc /= den;
+        } else if (nan) {
+            acc = NAN;
+        }
+        fa_store_elem(p->o, p->o_dtype, oo + c, acc);
+    }
+    if (p->lse) {
+        double lse = nan ? NAN : M == -INFINITY ? -INFINITY : M + log(den > 0 ? den : 1.0);
+        if (Dv == 0 && !nan && M != -INFINITY) {
+            den = 0.0;
+            for (int64_t s = 0; s < nsplit; s++) {
+                double l = f64 ? ((double *)parts[s].part_lse)[r] : ((float *)parts[s].part_lse)[r];
+                den += exp(l - M);
+            }
+            lse = M + log(den);
+        }
+        fa_store_elem(p->lse, f64 ? FA_F64 : FA_F32,
+                      parts[0].b * p->lse_sb + h * p->lse_sh + (bi->qoff + i) * p->lse_sl, lse);
+    }
+}
+
+int fa_attention(const fa_params *p)
+{
+    const fa_kernel *kern = fa_select_kernel(p);
+    const int64_t G = p->Hq / p->Hk;
+    int64_t bmq = kern->block_rows / G;
+    if (bmq < 1) bmq = 1;
+    if (bmq > p->L) bmq = p->L > 0 ? p->L : 1;
+    const int64_t nqb = (p->L + bmq - 1) / bmq;
+    const int64_t base = p->B * p->Hk * nqb;
+    if (base == 0) return FA_OK;
+
+    int64_t nsplit = 1, chunk = p->S > 0 ? p->S : 1;
+    if (base < FA_SPLIT_TASKS && p->S >= 2 * FA_SPLIT_MIN_KEYS) {
+        nsplit = (FA_SPLIT_TASKS + base - 1) / base;
+        if (nsplit > p->S / FA_SPLIT_MIN_KEYS) nsplit = p->S / FA_SPLIT_MIN_KEYS;
+        int64_t bn = kern->block_keys;
+        chunk = ((p->S + nsplit - 1) / nsplit + bn - 1) / bn * bn;
+        nsplit = (p->S + chunk - 1) / chunk;
+    }
+    const int64_t ntask = base * nsplit;
+    const size_t esz = p->q_dtype == FA_F64 ? 8 : 4;
+    const int64_t prow = G * bmq;
+
+    fa_task *tasks = (fa_task *)malloc((size_t)ntask * sizeof(fa_task));
+    char *part_o = NULL, *part_lse = NULL;
+    if (!tasks) return FA_ENOMEM;
+    if (nsplit > 1) {
+        part_o = (char *)malloc((size_t)(ntask * prow * (p->Dv > 0 ? p->Dv : 1)) * esz);
+        part_lse = (char *)malloc((size_t)(ntask * prow) * esz);
+        if (!part_o || !part_lse) { free(tasks); free(part_o); free(part_lse); return FA_ENOMEM; }
+    }
+    /* Later query blocks see more keys under a causal mask: queue them first
+     * so that the dynamic schedule balances the triangle. */
+    int64_t n = 0;
+    for (int64_t qq = 0; qq < nqb; qq++) {
+        int64_t qb = p->causal ? nqb - 1 - qq : qq;
+        for (int64_t b = 0; b < p->B; b++)
+            for (int64_t hk = 0; hk < p->Hk; hk++)
+                for (int64_t s = 0; s < nsplit; s++, n++) {
+                    fa_task *t = &tasks[n];
+                    t->b = b; t->hk = hk; t->i0 = qb * bmq;
+                    t->ni = p->L - t->i0 < bmq ? p->L - t->i0 : bmq;
+                    t->j0 = s * chunk; t->j1 = (s + 1) * chunk < p->S ? (s + 1) * chunk : p->S;
+                    t->part_o = part_o ? part_o + (size_t)(n * prow * p->Dv) * esz : NULL;
+                    t->part_lse = part_lse ? part_lse + (size_t)(n * prow) * esz : NULL;
+                }
+    }
+
+    int failed = 0;
+    int nt = p->num_threads < 1 ? 1 : p->num_threads;
+    if (nt > ntask) nt = (int)ntask;
+    const size_t ws_bytes = kern->scratch_bytes(p);
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+#endif
+    {
+#if defined(FA_HAVE_X86)
+        /* Flush denormals to zero inside the kernel only; restored below. */
+        unsigned int csr = _mm_getcsr();
+        _mm_setcsr(csr | 0x8040);
+#endif
+        void *ws = malloc(ws_bytes);
+        if (!ws) {
+#ifdef _OPENMP
+#pragma omp atomic write
+#endif
+            failed = 1;
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (int64_t t = 0; t < ntask; t++)
+            if (ws) kern->run(p, &tasks[t], ws);
+        free(ws);
+#if defined(FA_HAVE_X86)
+        _mm_setcsr(csr);
+#endif
+    }
+    if (!failed && nsplit > 1) {
+        const int64_t ngroup = base;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static)
+#endif
+        for (int64_t gi = 0; gi < ngroup; gi++) {
+            const fa_task *parts = &tasks[gi * nsplit];
+            fa_batch bi = fa_batch_info(p, parts[0].b);
+            for (int64_t r = 0; r < G * parts[0].ni; r++) {
+                int64_t g = r / parts[0].ni, ii = r % parts[0].ni;
+                fa_merge_row(p, parts, nsplit, r, prow, parts[0].hk * G + g, parts[0].i0 + ii, &bi);
+            }
+        }
+    }
+    free(tasks); free(part_o); free(part_lse);
+    return failed ? FA_ENOMEM : FA_OK;
+}

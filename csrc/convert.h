@@ -1,0 +1,83 @@
+/* convert.h: portable scalar conversions between storage dtypes and the
+ * compute type.  Vectorised versions live in simd.h per ISA. */
+#ifndef FA_CONVERT_H
+#define FA_CONVERT_H
+
+#include <stdint.h>
+#include <string.h>
+#include "fastattn.h"
+
+static inline float fa_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    if (exp == 0) {
+        if (man == 0) bits = sign;
+        else { /* subnormal half: normalise */
+            int e = -1;
+            do { e++; man <<= 1; } while (!(man & 0x400u));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
+    else bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    float f; memcpy(&f, &bits, 4); return f;
+}
+
+/* Round to nearest even, overflow to inf, NaN kept NaN. */
+static inline uint16_t fa_f32_to_f16(float f)
+{
+    uint32_t x; memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u;
+    uint32_t ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0));
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds to >= 65520 */
+    if (ax < 0x38800000u) { /* result is subnormal half or zero */
+        if (ax < 0x33000000u) return (uint16_t)sign;
+        uint32_t e = ax >> 23, m = (ax & 0x7fffffu) | 0x800000u;
+        uint32_t shift = 126 - e; /* 14 + (113 - e) - 1 */
+        uint32_t r = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (r & 1))) r++;
+        return (uint16_t)(sign | r);
+    }
+    uint32_t r = ((ax >> 13) - ((127 - 15) << 10));
+    uint32_t rem = ax & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (r & 1))) r++;
+    return (uint16_t)(sign | r);
+}
+
+static inline float fa_bf16_to_f32(uint16_t h)
+{
+    uint32_t bits = (uint32_t)h << 16; float f; memcpy(&f, &bits, 4); return f;
+}
+
+static inline uint16_t fa_f32_to_bf16(float f)
+{
+    uint32_t x; memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (uint16_t)(x >> 16);
+}
+
+static inline double fa_load_elem(const void *base, int dt, int64_t idx)
+{
+    switch (dt) {
+    case FA_F32: return ((const float *)base)[idx];
+    case FA_F64: return ((const double *)base)[idx];
+    case FA_F16: return fa_f16_to_f32(((const uint16_t *)base)[idx]);
+    default: return fa_bf16_to_f32(((const uint16_t *)base)[idx]);
+    }
+}
+
+static inline void fa_store_elem(void *base, int dt, int64_t idx, double x)
+{
+    switch (dt) {
+    case FA_F32: ((float *)base)[idx] = (float)x; break;
+    case FA_F64: ((double *)base)[idx] = x; break;
+    case FA_F16: ((uint16_t *)base)[idx] = fa_f32_to_f16((float)x); break;
+    default: ((uint16_t *)base)[idx] = fa_f32_to_bf16((float)x); break;
+    }
+}
+
+static inline size_t fa_dtype_size(int dt) { return dt == FA_F64 ? 8 : dt == FA_F32 ? 4 : 2; }
+
+#endif

@@ -1,0 +1,86 @@
+/* fastattn.h: the one contract between the Python binding and the C kernels.
+ *
+ * Vocabulary: B batch, Hq query heads, Hk key/value heads, L query length,
+ * S key length, D head dim of Q and K, Dv head dim of V and O.
+ * All strides are in ELEMENTS (not bytes); the last dimension of q, k, v, o is
+ * contiguous (stride 1).  Index arithmetic is 64-bit throughout.
+ * Masks: bool masks have polarity True = may attend; float masks are added to
+ * the scores.  Causal alignment is bottom-right: query i sees keys
+ * j <= i + (S_b - L_b), where S_b and L_b are the valid lengths of batch b.
+ */
+#ifndef FASTATTN_H
+#define FASTATTN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum fa_dtype { FA_F32 = 0, FA_F64 = 1, FA_F16 = 2, FA_BF16 = 3 };
+enum fa_mask_kind { FA_MASK_NONE = 0, FA_MASK_BOOL = 1, FA_MASK_F32 = 2, FA_MASK_F64 = 3 };
+enum fa_isa { FA_ISA_SCALAR = 0, FA_ISA_AVX2 = 1, FA_ISA_AVX512 = 2 };
+enum fa_status { FA_OK = 0, FA_ENOMEM = 1, FA_EINVAL = 2 };
+
+typedef struct fa_params {
+    int q_dtype, k_dtype, v_dtype, o_dtype; /* enum fa_dtype; FA_F64 only with all F64 */
+    int64_t B, Hq, Hk, L, S, D, Dv;
+
+    const void *q; int64_t q_sb, q_sh, q_sl; /* (B, Hq, L, D)  */
+    const void *k; int64_t k_sb, k_sh, k_sl; /* (B, Hk, S, D)  */
+    const void *v; int64_t v_sb, v_sh, v_sl; /* (B, Hk, S, Dv) */
+    void *o;       int64_t o_sb, o_sh, o_sl; /* (B, Hq, L, Dv) */
+    /* Optional (NULL): natural-log LSE, compute dtype (f32, or f64 for f64). */
+    void *lse;     int64_t lse_sb, lse_sh, lse_sl;
+
+    /* Optional additive / boolean mask, broadcast through (possibly 0) strides
+     * over (B, Hq, L, S). */
+    int mask_kind; const void *mask; int64_t m_sb, m_sh, m_sl, m_ss;
+
+    double scale;            /* multiplies Q.K^T */
+    int causal;              /* bottom-right aligned */
+    int64_t window_left;     /* -1: unbounded; sees keys >= i' - left  */
+    int64_t window_right;    /* -1: unbounded; sees keys <= i' + right */
+    double softcap;          /* 0: off; else s = softcap * tanh(s / softcap) */
+    const double *alibi;     /* optional: slope at alibi[b*alibi_sb + h*alibi_sh]; adds -slope*|i'-j| */
+    int64_t alibi_sb, alibi_sh;
+    const double *sinks;     /* optional (Hq,): logits joining the denominator only */
+
+    /* Optional per-batch valid lengths (B,). Rows i >= L_b are written as zeros
+     * with LSE -inf; keys j >= S_b are ignored. */
+    const int64_t *q_lens, *k_lens;
+    /* Optional packed variable-length batches (B+1,) cumulative offsets along
+     * the sequence axis (flash-attn's cu_seqlens); batch strides are then 0. */
+    const int64_t *cu_q, *cu_k;
+
+    /* Optional block-sparse pattern over (B, Hq, ceil(L/bm_q), ceil(S/bm_k)),
+     * nonzero = block is computed. */
+    const uint8_t *bmask; int64_t bm_sb, bm_sh, bm_si, bm_sj, bm_q, bm_k;
+
+    int num_threads;         /* >= 1 */
+} fa_params;
+
+/* Runs the attention described by p.  Returns enum fa_status. */
+int fa_attention(const fa_params *p);
+
+/* CPU features and ISA selection (dispatch.c). */
+int fa_cpu_has(int isa);             /* 1 when the CPU and OS support isa */
+int fa_isa_best(void);
+int fa_isa_get(void);
+int fa_isa_set(int isa);             /* 0 ok, -1 when the CPU lacks it */
+const char *fa_isa_name(int isa);
+int fa_cpu_has_f16c(void);
+int fa_cpu_has_avx512bf16(void);
+
+/* OpenMP facts (attention.c). */
+int fa_openmp_enabled(void);
+int fa_omp_max_threads(void);
+
+/* Test hook: the vectorised exp2 of an ISA path applied to n floats. */
+int fa_exp2_isa(int isa, const float *x, float *y, int64_t n);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,35 @@
+/* kernel.h: internal contract between the driver (attention.c) and the
+ * per-ISA kernels (kernel_*.c, all generated from kernel_impl.h). */
+#ifndef FA_KERNEL_H
+#define FA_KERNEL_H
+
+#include "fastattn.h"
+
+/* One unit of work: query positions [i0, i0+ni) of every query head served by
+ * key/value head hk of batch b (GQA heads are stacked as rows g*ni + ii), over
+ * keys [j0, j1).  A split task writes compute-dtype results into part_o
+ * (rows x Dv, contiguous) and part_lse (rows) instead of the output. */
+typedef struct fa_task {
+    int64_t b, hk, i0, ni, j0, j1;
+    void *part_o, *part_lse;
+} fa_task;
+
+typedef struct fa_kernel {
+    size_t (*scratch_bytes)(const fa_params *p);
+    void (*run)(const fa_params *p, const fa_task *t, void *scratch);
+    int64_t block_rows;  /* max stacked rows (heads x positions) per task */
+    int64_t block_keys;  /* keys per tile; split points are multiples of it */
+} fa_kernel;
+
+extern const fa_kernel fa_kernel_f32_scalar, fa_kernel_f64_scalar;
+#if defined(__x86_64__) || defined(_M_X64)
+#define FA_HAVE_X86 1
+extern const fa_kernel fa_kernel_f32_avx2, fa_kernel_f32_avx512;
+void fa_exp2_avx2(const float *x, float *y, int64_t n);
+void fa_exp2_avx512(const float *x, float *y, int64_t n);
+#endif
+void fa_exp2_scalar(const float *x, float *y, int64_t n);
+
+const fa_kernel *fa_select_kernel(const fa_params *p); /* dispatch.c */
+
+#endif

@@ -1,0 +1,11 @@
+/* kernel_avx2.c: float32 kernel for AVX2 + FMA + F16C. */
+#define FA_TARGET_AVX2 1
+#define FA_SUFFIX _f32_avx2
+#define FA_ISA_SUFFIX _avx2
+#define MR 6   /* rows per register block: 6 x 2 ymm accumulators */
+#define NV 2
+#define NVO 2
+#define BN 128
+#define BMR 48
+#define RD 4
+#include "kernel_impl.h"

@@ -1,0 +1,398 @@
+/* kernel_impl.h: the fused attention kernel, written once in the vector
+ * vocabulary of simd.h and instantiated per ISA by kernel_<isa>.c, which
+ * define FA_SUFFIX and the tile constants MR, NV, NVO, BN, BMR, RD.
+ *
+ * One task = a block of stacked query rows (GQA heads x query positions) of
+ * one (batch, kv head).  For each tile of BN keys it computes the score tile
+ * S = Qs.K^T (Q pre-scaled by scale*log2(e), so exp2 replaces exp), applies the
+ * masks only where a tile needs them, updates the running max m and sum l of
+ * each row (rescaling the accumulator only when m grows) and accumulates P.V.
+ * Nothing is sized by the sequence length: scratch is bounded by the tiles. */
+#include <math.h>
+#include <string.h>
+#include "simd.h"
+#include "mask.h"
+#include "kernel.h"
+
+#define FA_CAT_(a, b) a##b
+#define FA_CAT(a, b) FA_CAT_(a, b)
+#define FA_NAME(x) FA_CAT(x, FA_SUFFIX)
+#define NR (NV * VW) /* keys per packed K panel */
+
+#define FA_LOG2E 1.4426950408889634
+#define FA_LN2 0.6931471805599453
+
+static inline int64_t fa_rup(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+typedef struct fa_ws {
+    REAL *Qs;   /* BMR x Dp   pre-scaled queries                        */
+    REAL *K;    /* BN x Dp    packed K panels (or converted K rows)      */
+    REAL *V;    /* BN x Dvp   converted V rows (when not read in place)  */
+    REAL *S;    /* BMR x BN   scores, then probabilities                 */
+    REAL *O;    /* BMR x Dvp  unnormalised output accumulator            */
+    REAL *m, *l, *tmp;
+} fa_ws;
+
+#define FA_ALIGN 64
+static inline size_t fa_al(size_t n) { return (n + FA_ALIGN - 1) / FA_ALIGN * FA_ALIGN; }
+
+static size_t FA_NAME(scratch_bytes)(const fa_params *p)
+{
+    int64_t Dp = fa_rup(p->D, VW), Dvp = fa_rup(p->Dv, VW), W = Dp > Dvp ? Dp : Dvp;
+    size_t e = sizeof(REAL);
+    return fa_al(BMR * Dp * e) + fa_al(BN * Dp * e) + fa_al(BN * Dvp * e) + fa_al(BMR * BN * e) +
+           fa_al(BMR * Dvp * e) + 2 * fa_al(BMR * e) + fa_al(W * e) + FA_ALIGN;
+}
+
+static void FA_NAME(carve)(const fa_params *p, void *scratch, fa_ws *w)
+{
+    int64_t Dp = fa_rup(p->D, VW), Dvp = fa_rup(p->Dv, VW);
+    size_t e = sizeof(REAL);
+    char *c = (char *)(((uintptr_t)scratch + FA_ALIGN - 1) / FA_ALIGN * FA_ALIGN);
+    w->Qs = (REAL *)c; c += fa_al(BMR * Dp * e);
+    w->K = (REAL *)c; c += fa_al(BN * Dp * e);
+    w->V = (REAL *)c; c += fa_al(BN * Dvp * e);
+    w->S = (REAL *)c; c += fa_al(BMR * BN * e);
+    w->O = (REAL *)c; c += fa_al(BMR * Dvp * e);
+    w->m = (REAL *)c; c += fa_al(BMR * e);
+    w->l = (REAL *)c; c += fa_al(BMR * e);
+    w->tmp = (REAL *)c;
+}
+
+/* S[i][0:NR] = sum_d Q[i][d] * Kp[d][0:NR] for mr rows (register blocked). */
+FA_INLINE void FA_NAME(qk_ukernel)(int mr, const REAL *Q, int64_t ldq, const REAL *Kp,
+                                   int64_t D, REAL *S, int64_t lds)
+{
+    vf acc[MR][NV];
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < NV; v++) acc[i][v] = vf_zero();
+    for (int64_t d = 0; d < D; d++) {
+        vf kv[NV];
+        for (int v = 0; v < NV; v++) kv[v] = vf_load(Kp + d * NR + v * VW);
+        for (int i = 0; i < mr; i++) {
+            vf a = vf_set1(Q[i * ldq + d]);
+            for (int v = 0; v < NV; v++) acc[i][v] = vf_fma(a, kv[v], acc[i][v]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < NV; v++) vf_store(S + i * lds + v * VW, acc[i][v]);
+}
+
+/* O[i][0:nv*VW] += sum_j P[i][j] * V[j][0:nv*VW] for mr rows, nj keys. */
+FA_INLINE void FA_NAME(pv_ukernel)(int mr, int nv, const REAL *P, int64_t ldp, int64_t nj,
+                                   const REAL *V, int64_t ldv, REAL *O, int64_t ldo)
+{
+    vf acc[MR][NVO];
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < nv; v++) acc[i][v] = vf_load(O + i * ldo + v * VW);
+    for (int64_t j = 0; j < nj; j++) {
+        vf vv[NVO];
+        for (int v = 0; v < nv; v++) vv[v] = vf_load(V + j * ldv + v * VW);
+        for (int i = 0; i < mr; i++) {
+            vf a = vf_set1(P[i * ldp + j]);
+            for (int v = 0; v < nv; v++) acc[i][v] = vf_fma(a, vv[v], acc[i][v]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < nv; v++) vf_store(O + i * ldo + v * VW, acc[i][v]);
+}
+
+/* Few rows (decode): S[r][jj] = Q[r] . K[jj] straight from the key rows,
+ * which need no packing; Dp is a multiple of VW and rows are zero-padded. */
+FA_INLINE void FA_NAME(qk_rowdot)(int nr, const REAL *Q, int64_t Dp, const REAL *k,
+                                  REAL *S, int64_t lds)
+{
+    vf acc[RD];
+    for (int r = 0; r < nr; r++) acc[r] = vf_zero();
+    for (int64_t d = 0; d < Dp; d += VW) {
+        vf kv = vf_load(k + d);
+        for (int r = 0; r < nr; r++) acc[r] = vf_fma(vf_load(Q + r * Dp + d), kv, acc[r]);
+    }
+    for (int r = 0; r < nr; r++) S[r * lds] = vf_hsum(acc[r]);
+}
+
+/* Few rows (decode): O[r] += sum_j P[r][j] V[j], four key rows at a time so
+ * that V streams in order and O (in L1) is touched once per four keys. */
+FA_INLINE void FA_NAME(pv_rows)(int nr, const REAL *P, int64_t ldp, int64_t nj,
+                                const REAL *V, int64_t ldv, REAL *O, int64_t Dvp)
+{
+    int64_t j = 0;
+    for (; j + 4 <= nj; j += 4) {
+        const REAL *v0 = V + j * ldv, *v1 = v0 + ldv, *v2 = v1 + ldv, *v3 = v2 + ldv;
+        for (int r = 0; r < nr; r++) {
+            vf p0 = vf_set1(P[r * ldp + j]), p1 = vf_set1(P[r * ldp + j + 1]);
+            vf p2 = vf_set1(P[r * ldp + j + 2]), p3 = vf_set1(P[r * ldp + j + 3]);
+            REAL *o = O + r * Dvp;
+            for (int64_t c = 0; c < Dvp; c += VW) {
+                vf a = vf_fma(p0, vf_load(v0 + c), vf_load(o + c));
+                vf b = vf_mul(p1, vf_load(v1 + c));
+                a = vf_fma(p2, vf_load(v2 + c), a);
+                b = vf_fma(p3, vf_load(v3 + c), b);
+                vf_store(o + c, vf_add(a, b));
+            }
+        }
+    }
+    for (; j < nj; j++) {
+        const REAL *v0 = V + j * ldv;
+        for (int r = 0; r < nr; r++) {
+            vf p0 = vf_set1(P[r * ldp + j]);
+            REAL *o = O + r * Dvp;
+            for (int64_t c = 0; c < Dvp; c += VW) vf_store(o + c, vf_fma(p0, vf_load(v0 + c), vf_load(o + c)));
+        }
+    }
+}
+
+#define FA_MR_CASES(n, CALL) \
+    switch (n) { \
+    case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; \
+    case 4: CALL(4); break; case 5: CALL(5 <= MR ? 5 : MR); break; \
+    case 6: CALL(6 <= MR ? 6 : MR); break; case 7: CALL(7 <= MR ? 7 : MR); break; \
+    case 8: CALL(8 <= MR ? 8 : MR); break; case 9: CALL(9 <= MR ? 9 : MR); break; \
+    case 10: CALL(10 <= MR ? 10 : MR); break; case 11: CALL(11 <= MR ? 11 : MR); break; \
+    default: CALL(MR); break; }
+
+/* Row r of a task is query head hk*G + r/ni at position i0 + r%ni. */
+static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
+{
+    const int64_t G = p->Hq / p->Hk, D = p->D, Dv = p->Dv, b = t->b;
+    const int64_t Dp = fa_rup(D, VW), Dvp = fa_rup(Dv, VW);
+    fa_ws w;
+    FA_NAME(carve)(p, scratch, &w);
+    const fa_batch bi = fa_batch_info(p, b);
+    const int64_t delta = bi.Sb - bi.Lb;
+    int64_t ni = fa_min64(t->ni, bi.Lb - t->i0);
+    if (ni < 0) ni = 0;
+    const int64_t R = G * ni;
+    const int use_log2 = p->softcap == 0.0;
+    const REAL qscale = (REAL)(p->scale * (use_log2 ? FA_LOG2E : 1.0));
+    const int64_t ksz = (int64_t)fa_dtype_size(p->k_dtype), vsz = (int64_t)fa_dtype_size(p->v_dtype);
+    const char *kbase = (const char *)p->k + (b * p->k_sb + t->hk * p->k_sh + bi.koff * p->k_sl) * ksz;
+    const char *vbase = (const char *)p->v + (b * p->v_sb + t->hk * p->v_sh + bi.koff * p->v_sl) * vsz;
+    const int rowdot = R <= RD;
+    const int self_dt = sizeof(REAL) == 8 ? FA_F64 : FA_F32;
+    const int kdirect = p->k_dtype == self_dt && D % VW == 0;
+    const int vdirect = p->v_dtype == self_dt && Dv % VW == 0;
+
+    /* Key range any row may see, and the range every row sees. */
+    int64_t jlo = 0, jhi = 0, flo = 0, fhi = 0;
+    if (R > 0) {
+        int64_t lo0, hi0, lo1, hi1;
+        fa_row_range(p, t->i0 + delta, bi.Sb, &lo0, &hi0);
+        fa_row_range(p, t->i0 + ni - 1 + delta, bi.Sb, &lo1, &hi1);
+        jlo = fa_max64(lo0, t->j0);
+        jhi = fa_min64(hi1, fa_min64(t->j1, bi.Sb));
+        flo = lo1;
+        fhi = hi0;
+    }
+    const int elem_always = p->mask_kind != FA_MASK_NONE || p->alibi || !use_log2 || p->bmask;
+
+    for (int64_t r = 0; r < R; r++) {
+        int64_t h = t->hk * G + r / ni, i = t->i0 + r % ni;
+        const char *src = (const char *)p->q +
+            (b * p->q_sb + h * p->q_sh + (bi.qoff + i) * p->q_sl) * (int64_t)fa_dtype_size(p->q_dtype);
+        REAL *qd = w.Qs + r * Dp;
+        fa_cvt_row(qd, src, p->q_dtype, D);
+        for (int64_t d = 0; d < D; d++) qd[d] *= qscale;
+        for (int64_t d = D; d < Dp; d++) qd[d] = 0;
+        w.m[r] = -INFINITY;
+        w.l[r] = 0;
+    }
+    memset(w.O, 0, (size_t)(R * Dvp) * sizeof(REAL));
+
+    for (int64_t jt = jlo; jt < jhi; jt += BN) {
+        const int64_t nj = fa_min64(BN, jhi - jt), njp = fa_rup(nj, VW);
+        if (p->bmask) {
+            int any = 0;
+            for (int64_t g = 0; g < G && !any; g++)
+                any = fa_bmask_any(p, b, t->hk * G + g, t->i0, t->i0 + ni, jt, jt + nj);
+            if (!any) continue;
+        }
+        /* ---- scores ---- */
+        if (rowdot) {
+            for (int64_t jj = 0; jj < nj; jj++) {
+                const char *ks = kbase + (jt + jj) * p->k_sl * ksz;
+                const REAL *kr = (const REAL *)ks;
+                if (!kdirect) {
+                    REAL *kd = w.K + jj * Dp;
+                    fa_cvt_row(kd, ks, p->k_dtype, D);
+                    for (int64_t d = D; d < Dp; d++) kd[d] = 0;
+                    kr = kd;
+                }
+#define FA_CALL_QKR(n) FA_NAME(qk_rowdot)((n) <= RD ? (n) : RD, w.Qs, Dp, kr, w.S + jj, BN)
+                switch (R) { case 1: FA_CALL_QKR(1); break; case 2: FA_CALL_QKR(2); break;
+                             case 3: FA_CALL_QKR(3); break; default: FA_CALL_QKR(4); break; }
+#undef FA_CALL_QKR
+            }
+        } else {
+            const int64_t np = (nj + NR - 1) / NR;
+            for (int64_t c = 0; c < np * NR; c++) {
+                REAL *kp = w.K + (c / NR) * D * NR + (c % NR);
+                if (c < nj) {
+                    const char *ks = kbase + (jt + c) * p->k_sl * ksz;
+                    const REAL *kr = (const REAL *)ks;
+                    if (p->k_dtype != self_dt) { fa_cvt_row(w.tmp, ks, p->k_dtype, D); kr = w.tmp; }
+                    for (int64_t d = 0; d < D; d++) kp[d * NR] = kr[d];
+                } else {
+                    for (int64_t d = 0; d < D; d++) kp[d * NR] = 0;
+                }
+            }
+            for (int64_t r0 = 0; r0 < R; r0 += MR) {
+                int mr = (int)fa_min64(MR, R - r0);
+                for (int64_t pp = 0; pp < np; pp++) {
+#define FA_CALL_QK(n) FA_NAME(qk_ukernel)(n, w.Qs + r0 * Dp, Dp, w.K + pp * D * NR, D, w.S + r0 * BN + pp * NR, BN)
+                    FA_MR_CASES(mr, FA_CALL_QK)
+#undef FA_CALL_QK
+                }
+            }
+        }
+        /* ---- masks, only where the tile needs them ---- */
+        const int partial = jt < flo || jt + nj > fhi;
+        for (int64_t r = 0; r < R; r++) {
+            REAL *s = w.S + r * BN;
+            for (int64_t jj = nj; jj < njp; jj++) s[jj] = -INFINITY;
+            if (!(elem_always || partial)) continue;
+            int64_t h = t->hk * G + r / ni, i = t->i0 + r % ni, ip = i + delta, lo, hi;
+            fa_row_range(p, ip, bi.Sb, &lo, &hi);
+            const char *mrow = p->mask ? (const char *)p->mask +
+                (b * p->m_sb + h * p->m_sh + i * p->m_sl) * (p->mask_kind == FA_MASK_BOOL ? 1 : p->mask_kind == FA_MASK_F32 ? 4 : 8) : NULL;
+            const double slope = p->alibi ? p->alibi[b * p->alibi_sb + h * p->alibi_sh] * FA_LOG2E : 0.0;
+            for (int64_t jj = 0; jj < nj; jj++) {
+                int64_t j = jt + jj;
+                if (j < lo || j >= hi) { s[jj] = -INFINITY; continue; }
+                double x = s[jj];
+                if (!use_log2) x = p->softcap * tanh(x / p->softcap) * FA_LOG2E;
+                if (p->alibi) x -= slope * (double)(ip > j ? ip - j : j - ip);
+                if (mrow) {
+                    int64_t mo = j * p->m_ss;
+                    if (p->mask_kind == FA_MASK_BOOL) { if (!((const uint8_t *)mrow)[mo]) x = -INFINITY; }
+                    else if (p->mask_kind == FA_MASK_F32) x += ((const float *)mrow)[mo] * FA_LOG2E;
+                    else x += ((const double *)mrow)[mo] * FA_LOG2E;
+                }
+                if (p->bmask && !fa_bmask_at(p, b, h, i, j)) x = -INFINITY;
+                s[jj] = (REAL)x;
+            }
+        }
+        /* ---- online softmax ---- */
+        for (int64_t r = 0; r < R; r++) {
+            REAL *s = w.S + r * BN;
+            vf mv = vf_set1(-INFINITY);
+            for (int64_t jj = 0; jj < njp; jj += VW) mv = vf_max(mv, vf_load(s + jj));
+            REAL mx = vf_hmax(mv), mold = w.m[r];
+            REAL mnew = mx > mold ? mx : mold;
+            if (mx != mx) mnew = mx; /* NaN poisons the row */
+            if (mnew == -INFINITY) {
+                /* Nothing visible yet; NaN scores still poison the row. */
+                for (int64_t jj = 0; jj < nj; jj++) { if (s[jj] != s[jj]) w.l[r] = NAN; s[jj] = 0; }
+                continue;
+            }
+            if (mnew > mold) {
+                if (mold != -INFINITY) {
+                    REAL alpha = (REAL)exp2((double)(mold - mnew));
+                    REAL *o = w.O + r * Dvp;
+                    vf av = vf_set1(alpha);
+                    for (int64_t c = 0; c < Dvp; c += VW) vf_store(o + c, vf_mul(av, vf_load(o + c)));
+                    w.l[r] *= alpha;
+                }
+                w.m[r] = mnew;
+            }
+            vf mn = vf_set1(mnew), sum = vf_zero();
+            for (int64_t jj = 0; jj < njp; jj += VW) {
+                vf e = vf_exp2(vf_sub(vf_load(s + jj), mn));
+                vf_store(s + jj, e);
+                sum = vf_add(sum, e);
+            }
+            w.l[r] += vf_hsum(sum);
+        }
+        /* ---- P.V ---- */
+        const REAL *V = (const REAL *)(vbase + jt * p->v_sl * vsz);
+        int64_t ldv = p->v_sl;
+        if (!vdirect) {
+            for (int64_t jj = 0; jj < nj; jj++) {
+                REAL *vd = w.V + jj * Dvp;
+                fa_cvt_row(vd, vbase + (jt + jj) * p->v_sl * vsz, p->v_dtype, Dv);
+                for (int64_t c = Dv; c < Dvp; c++) vd[c] = 0;
+            }
+            V = w.V;
+            ldv = Dvp;
+        }
+        if (rowdot) {
+#define FA_CALL_PVR(n) FA_NAME(pv_rows)((n) <= RD ? (n) : RD, w.S, BN, nj, V, ldv, w.O, Dvp)
+            switch (R) { case 1: FA_CALL_PVR(1); break; case 2: FA_CALL_PVR(2); break;
+                         case 3: FA_CALL_PVR(3); break; default: FA_CALL_PVR(4); break; }
+#undef FA_CALL_PVR
+        } else {
+            for (int64_t r0 = 0; r0 < R; r0 += MR) {
+                int mr = (int)fa_min64(MR, R - r0);
+                int64_t c0 = 0;
+                for (; c0 + NVO * VW <= Dvp; c0 += NVO * VW) {
+#define FA_CALL_PV(n) FA_NAME(pv_ukernel)(n, NVO, w.S + r0 * BN, BN, nj, V + c0, ldv, w.O + r0 * Dvp + c0, Dvp)
+                    FA_MR_CASES(mr, FA_CALL_PV)
+#undef FA_CALL_PV
+                }
+                for (; c0 < Dvp; c0 += VW) {
+#define FA_CALL_PV1(n) FA_NAME(pv_ukernel)(n, 1, w.S + r0 * BN, BN, nj, V + c0, ldv, w.O + r0 * Dvp + c0, Dvp)
+                    FA_MR_CASES(mr, FA_CALL_PV1)
+#undef FA_CALL_PV1
+                }
+            }
+        }
+    }
+
+    /* ---- normalise once and write (rows past L_b: zeros, LSE -inf) ---- */
+    const int self_lse = sizeof(REAL) == 8 ? FA_F64 : FA_F32;
+    for (int64_t r = 0; r < G * t->ni; r++) {
+        int64_t g = r / t->ni, ii = r % t->ni, h = t->hk * G + g, i = t->i0 + ii;
+        int64_t ra = g * ni + ii; /* row in the active block */
+        double mm = -INFINITY, ll = 0.0, f = 0.0;
+        const int valid = ii < ni;
+        if (valid) {
+            mm = w.m[ra]; /* log2 domain */
+            ll = w.l[ra];
+            f = 1.0;
+            if (p->sinks) {
+                double sk = p->sinks[h] * FA_LOG2E, M = mm > sk ? mm : sk;
+                f = mm == -INFINITY ? 0.0 : exp2(mm - M);
+                ll = ll * f + exp2(sk - M);
+                mm = M;
+            }
+        }
+        double lse = (mm == -INFINITY || ll == 0.0) ? -INFINITY : (mm + log2(ll)) * FA_LN2;
+        double inv = ll != ll ? NAN : (valid && mm != -INFINITY && ll > 0.0) ? f / ll : 0.0;
+        if (ll != ll) lse = NAN;
+        const REAL *o = w.O + ra * Dvp;
+        if (t->part_o) {
+            REAL *po = (REAL *)t->part_o + r * Dv;
+            for (int64_t c = 0; c < Dv; c++) po[c] = valid ? (REAL)(o[c] * inv) : 0;
+            ((REAL *)t->part_lse)[r] = (REAL)lse;
+        } else {
+            int64_t oo = b * p->o_sb + h * p->o_sh + (bi.qoff + i) * p->o_sl;
+            if (p->o_dtype == self_dt) {
+                REAL *od = (REAL *)p->o + oo;
+                for (int64_t c = 0; c < Dv; c++) od[c] = valid ? (REAL)(o[c] * inv) : 0;
+            } else {
+                for (int64_t c = 0; c < Dv; c++) fa_store_elem(p->o, p->o_dtype, oo + c, valid ? o[c] * inv : 0.0);
+            }
+            if (p->lse)
+                fa_store_elem(p->lse, self_lse, b * p->lse_sb + h * p->lse_sh + (bi.qoff + i) * p->lse_sl, lse);
+        }
+    }
+}
+
+const fa_kernel FA_NAME(fa_kernel) = { FA_NAME(scratch_bytes), FA_NAME(run), BMR, BN };
+
+/* Test hook: the vectorised exp2 of this ISA over n values. */
+void FA_CAT(fa_exp2, FA_ISA_SUFFIX)(const float *x, float *y, int64_t n)
+{
+#if VW > 1
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) vf_store(y + i, vf_exp2(vf_load(x + i)));
+    if (i < n) {
+        float tx[VW], ty[VW];
+        for (int64_t k = 0; k < VW; k++) tx[k] = i + k < n ? x[i + k] : 0.0f;
+        vf_store(ty, vf_exp2(vf_load(tx)));
+        for (int64_t k = 0; i + k < n; k++) y[i + k] = ty[k];
+    }
+#else
+    for (int64_t i = 0; i < n; i++) y[i] = (float)vf_exp2((REAL)x[i]);
+#endif
+}

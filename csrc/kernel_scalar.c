@@ -1,0 +1,11 @@
+/* kernel_scalar.c: portable C float32 kernel (the only path off x86). */
+#define REAL float
+#define FA_SUFFIX _f32_scalar
+#define FA_ISA_SUFFIX _scalar
+#define MR 4
+#define NV 4
+#define NVO 4
+#define BN 64
+#define BMR 32
+#define RD 4
+#include "kernel_impl.h"

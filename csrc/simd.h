@@ -1,0 +1,181 @@
+/* simd.h: the small vector vocabulary each kernel is written in.  Exactly one
+ * of FA_TARGET_AVX512, FA_TARGET_AVX2 or neither (portable, REAL = float or double)
+ * is defined by the including compile unit, which is built with matching
+ * compiler flags.  Every ISA-specific instruction of fastattn lives here. */
+#ifndef FA_SIMD_H
+#define FA_SIMD_H
+
+#include <math.h>
+#include <stdint.h>
+#include "convert.h"
+
+#define FA_INLINE static inline __attribute__((always_inline))
+
+/* 2^f on f in [-0.5, 0.5]: Taylor series of degree 7 (truncation < 6e-9). */
+#define FA_EXP2_C1 0.6931471805599453f
+#define FA_EXP2_C2 0.2402265069591007f
+#define FA_EXP2_C3 0.05550410866482158f
+#define FA_EXP2_C4 0.009618129107628477f
+#define FA_EXP2_C5 0.0013333558146428443f
+#define FA_EXP2_C6 0.00015403530393381606f
+#define FA_EXP2_C7 1.525273380405984e-05f
+
+#if defined(FA_TARGET_AVX512) || defined(FA_TARGET_AVX2)
+#include <immintrin.h>
+#endif
+
+#if defined(FA_TARGET_AVX512)
+/* ------------------------------------------------------------ AVX-512F */
+typedef float REAL;
+typedef __m512 vf;
+#define VW 16
+#define vf_load(p) _mm512_loadu_ps(p)
+#define vf_store(p, x) _mm512_storeu_ps((p), (x))
+#define vf_set1(x) _mm512_set1_ps(x)
+#define vf_zero() _mm512_setzero_ps()
+#define vf_fma(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define vf_mul(a, b) _mm512_mul_ps((a), (b))
+#define vf_add(a, b) _mm512_add_ps((a), (b))
+#define vf_sub(a, b) _mm512_sub_ps((a), (b))
+#define vf_max(a, b) _mm512_max_ps((a), (b))
+FA_INLINE float vf_hsum(vf x) { return _mm512_reduce_add_ps(x); }
+FA_INLINE float vf_hmax(vf x) { return _mm512_reduce_max_ps(x); }
+
+/* 2^x for any x: NaN propagates, <= -150 gives 0, >= 128 gives inf. */
+FA_INLINE vf vf_exp2(vf x)
+{
+    /* max/min return the SECOND operand when one is NaN: keep x second. */
+    vf xc = _mm512_min_ps(_mm512_set1_ps(128.0f), _mm512_max_ps(_mm512_set1_ps(-150.0f), x));
+    vf n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf f = _mm512_sub_ps(xc, n);
+    vf p = _mm512_set1_ps(FA_EXP2_C7);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_C6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_C5));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_C4));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_C3));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_C2));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_C1));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    /* 2^n as two factors in the normal range so that denormal results round once. */
+    __m512i ni = _mm512_cvtps_epi32(n);
+    __m512i n1 = _mm512_srai_epi32(ni, 1);
+    __m512i n2 = _mm512_sub_epi32(ni, n1);
+    vf s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, _mm512_set1_epi32(127)), 23));
+    vf s2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, _mm512_set1_epi32(127)), 23));
+    return _mm512_mul_ps(_mm512_mul_ps(p, s1), s2);
+}
+
+/* dst[0:n] = src[0:n] converted to float; n is a multiple of VW or a tail. */
+FA_INLINE void fa_cvt_row(float *dst, const void *src, int dt, int64_t n)
+{
+    int64_t j = 0;
+    if (dt == FA_F32) { memcpy(dst, src, (size_t)n * 4); return; }
+    const uint16_t *s = (const uint16_t *)src;
+    if (dt == FA_F16) {
+        for (; j + 16 <= n; j += 16)
+            _mm512_storeu_ps(dst + j, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + j))));
+        for (; j < n; j++) dst[j] = fa_f16_to_f32(s[j]);
+    } else {
+        for (; j + 16 <= n; j += 16) {
+            __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(s + j)));
+            _mm512_storeu_ps(dst + j, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+        }
+        for (; j < n; j++) dst[j] = fa_bf16_to_f32(s[j]);
+    }
+}
+
+#elif defined(FA_TARGET_AVX2)
+/* ------------------------------------------------------ AVX2 + FMA + F16C */
+typedef float REAL;
+typedef __m256 vf;
+#define VW 8
+#define vf_load(p) _mm256_loadu_ps(p)
+#define vf_store(p, x) _mm256_storeu_ps((p), (x))
+#define vf_set1(x) _mm256_set1_ps(x)
+#define vf_zero() _mm256_setzero_ps()
+#define vf_fma(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define vf_mul(a, b) _mm256_mul_ps((a), (b))
+#define vf_add(a, b) _mm256_add_ps((a), (b))
+#define vf_sub(a, b) _mm256_sub_ps((a), (b))
+#define vf_max(a, b) _mm256_max_ps((a), (b))
+FA_INLINE float vf_hsum(vf x)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+FA_INLINE float vf_hmax(vf x)
+{
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+FA_INLINE vf vf_exp2(vf x)
+{
+    vf xc = _mm256_min_ps(_mm256_set1_ps(128.0f), _mm256_max_ps(_mm256_set1_ps(-150.0f), x));
+    vf n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf f = _mm256_sub_ps(xc, n);
+    vf p = _mm256_set1_ps(FA_EXP2_C7);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FA_EXP2_C6));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FA_EXP2_C5));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FA_EXP2_C4));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FA_EXP2_C3));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FA_EXP2_C2));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FA_EXP2_C1));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256i ni = _mm256_cvtps_epi32(n);
+    __m256i n1 = _mm256_srai_epi32(ni, 1);
+    __m256i n2 = _mm256_sub_epi32(ni, n1);
+    vf s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
+    vf s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+
+FA_INLINE void fa_cvt_row(float *dst, const void *src, int dt, int64_t n)
+{
+    int64_t j = 0;
+    if (dt == FA_F32) { memcpy(dst, src, (size_t)n * 4); return; }
+    const uint16_t *s = (const uint16_t *)src;
+    if (dt == FA_F16) {
+        for (; j + 8 <= n; j += 8)
+            _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + j))));
+        for (; j < n; j++) dst[j] = fa_f16_to_f32(s[j]);
+    } else {
+        for (; j + 8 <= n; j += 8) {
+            __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + j)));
+            _mm256_storeu_ps(dst + j, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+        }
+        for (; j < n; j++) dst[j] = fa_bf16_to_f32(s[j]);
+    }
+}
+
+#else
+/* ---------------------------------------------------- portable C, width 1 */
+#ifndef REAL
+#define REAL float
+#endif
+typedef REAL vf;
+#define VW 1
+#define vf_load(p) (*(p))
+#define vf_store(p, x) (*(p) = (x))
+#define vf_set1(x) ((REAL)(x))
+#define vf_zero() ((REAL)0)
+#define vf_fma(a, b, c) ((a) * (b) + (c))
+#define vf_mul(a, b) ((a) * (b))
+#define vf_add(a, b) ((a) + (b))
+#define vf_sub(a, b) ((a) - (b))
+#define vf_max(a, b) ((a) > (b) ? (a) : (b))
+#define vf_hsum(x) (x)
+#define vf_hmax(x) (x)
+#define vf_exp2(x) ((REAL)(sizeof(REAL) == 4 ? (double)exp2f((float)(x)) : exp2((double)(x))))
+
+FA_INLINE void fa_cvt_row(REAL *dst, const void *src, int dt, int64_t n)
+{
+    for (int64_t j = 0; j < n; j++) dst[j] = (REAL)fa_load_elem(src, dt, j);
+}
+#endif
+
+#endif

@@ -1,0 +1,84 @@
+"""Argument checking shared by the public functions.  Every check raises
+``TypeError`` or ``ValueError`` naming the argument, before any C code runs."""
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+try:
+    import ml_dtypes
+
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+    BFLOAT16 = None
+
+F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
+STORAGE_DTYPES = (F32, F64, F16) + ((BFLOAT16,) if BFLOAT16 is not None else ())
+_DTYPE_NAMES = "float32, float64, float16 or bfloat16"
+
+
+def as_array(x, name):
+    """``np.asarray`` without copying when possible; rejects non-array-likes."""
+    if isinstance(x, np.ndarray):
+        return x
+    if x is None or isinstance(x, (str, bytes, dict, set)):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    try:
+        a = np.asarray(x)
+    except Exception as e:  # noqa: BLE001 - any conversion failure is a type error
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}: {e}") from None
+    if a.dtype == object:
+        raise TypeError(f"{name} must be a numeric array, got an object array")
+    return a
+
+
+def check_float(a, name):
+    if a.dtype not in STORAGE_DTYPES:
+        raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}, got {a.dtype}")
+
+
+def kernel_ready(a):
+    """A view the kernel can read: native byte order, aligned, last dim contiguous."""
+    item = a.dtype.itemsize
+    ok = (
+        a.dtype.isnative
+        and a.ctypes.data % item == 0
+        and (a.shape[-1] <= 1 or a.strides[-1] == item)
+        and all(s % item == 0 for s in a.strides)
+    )
+    if ok:
+        return a
+    b = np.empty(a.shape, dtype=a.dtype.newbyteorder("=") if a.dtype.byteorder not in "=|" else a.dtype)
+    b[...] = a
+    return b
+
+
+def scale_value(scale, D):
+    if scale is None:
+        return 1.0 / math.sqrt(D)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    s = float(scale)
+    if not math.isfinite(s):
+        raise ValueError(f"scale must be finite, got {scale!r}")
+    return s
+
+
+def threads_value(num_threads, default):
+    if num_threads is None:
+        return default()
+    if isinstance(num_threads, (bool, np.bool_)) or not isinstance(num_threads, numbers.Integral):
+        raise TypeError(f"num_threads must be an int or None, got {type(num_threads).__name__}")
+    if num_threads < 1:
+        raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+    return int(num_threads)
+
+
+def int_value(x, name, minimum=None):
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    if minimum is not None and x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    return int(x)

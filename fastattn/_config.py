@@ -1,0 +1,117 @@
+"""Run-time knobs.  Each ``FASTATTN_*`` environment variable is read here
+and nowhere else; ``show_config()`` reports every one of them."""
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+from . import _build_config
+from . import _kernels
+
+__all__ = ["get_num_threads", "set_num_threads", "show_config", "get_isa", "set_isa", "config"]
+
+_ENV_THREADS = os.environ.get("FASTATTN_NUM_THREADS")
+_ENV_ISA = os.environ.get("FASTATTN_ISA")
+_thread_override: int | None = None
+
+
+def _parse_threads(value: str | None) -> int | None:
+    if value is None or value.strip() == "":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"FASTATTN_NUM_THREADS must be a positive integer, got {value!r}") from None
+    if n < 1:
+        raise ValueError(f"FASTATTN_NUM_THREADS must be a positive integer, got {value!r}")
+    return n
+
+
+_env_threads = _parse_threads(_ENV_THREADS)
+
+
+def get_num_threads() -> int:
+    """Threads a call uses when ``num_threads=None``.
+
+    In order: the value given to :func:`set_num_threads`, else the environment
+    variable ``FASTATTN_NUM_THREADS``, else OpenMP's current default (which
+    follows ``OMP_NUM_THREADS`` and ``threadpoolctl.threadpool_limits``).
+    """
+    if _thread_override is not None:
+        return _thread_override
+    if _env_threads is not None:
+        return _env_threads
+    return max(1, _kernels.omp_max_threads())
+
+
+def set_num_threads(n: int | None) -> None:
+    """Set the default thread count for later calls (``None`` restores the default)."""
+    global _thread_override
+    if n is None:
+        _thread_override = None
+        return
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"num_threads must be an int, got {type(n).__name__}")
+    if n < 1:
+        raise ValueError(f"num_threads must be >= 1, got {n}")
+    _thread_override = n
+
+
+def get_isa() -> str:
+    """The instruction-set path float32 kernels run on: 'avx512', 'avx2' or 'scalar'."""
+    return _kernels.isa_get()
+
+
+def set_isa(isa: str) -> None:
+    """Force an ISA path ('avx512', 'avx2', 'scalar'); ValueError if the CPU lacks it."""
+    if isa not in _kernels.ISA_NAMES:
+        raise ValueError(f"isa must be one of {', '.join(_kernels.ISA_NAMES)}, got {isa!r}")
+    if not _kernels.isa_set(isa):
+        raise ValueError(
+            f"this CPU cannot run the {isa!r} path (it supports: "
+            f"{', '.join(i for i in _kernels.ISA_NAMES if _kernels.cpu_has(i))})")
+
+
+if _ENV_ISA:
+    try:
+        set_isa(_ENV_ISA.strip().lower())
+    except ValueError as e:
+        raise ImportError(f"FASTATTN_ISA={_ENV_ISA!r}: {e}") from None
+
+
+def config() -> dict:
+    """The configuration as a dict (what :func:`show_config` prints)."""
+    from . import __version__
+
+    try:
+        from . import cuda as _cuda
+
+        cuda_built, cuda_available = _cuda.is_built(), _cuda.is_available()
+    except Exception:  # noqa: BLE001 - optional module
+        cuda_built = cuda_available = False
+    return {
+        "version": __version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "compiler": _build_config.COMPILER,
+        "cflags": _build_config.CFLAGS,
+        "native_build (FASTATTN_NATIVE)": _build_config.NATIVE,
+        "openmp": _kernels.openmp_enabled(),
+        "cpu_features": _kernels.cpu_features(),
+        "isa": get_isa(),
+        "isa_best": _kernels.isa_best(),
+        "FASTATTN_ISA": _ENV_ISA,
+        "num_threads": get_num_threads(),
+        "FASTATTN_NUM_THREADS": _ENV_THREADS,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "cuda_requested (FASTATTN_CUDA)": _build_config.CUDA_REQUESTED,
+        "cuda_built": cuda_built,
+        "cuda_available": cuda_available,
+    }
+
+
+def show_config() -> None:
+    """Print version, compiler, kernel path, OpenMP, threads and CUDA build."""
+    for k, v in config().items():
+        print(f"{k:32s} {v}")
