@@ -1,0 +1,65 @@
+"""Combining partial attention results computed over disjoint key sets."""
+from __future__ import annotations
+
+import numpy as np
+
+from ._checks import as_array
+
+__all__ = ["merge_attention_states"]
+
+
+def merge_attention_states(outs, lses):
+    """Merge partial attention outputs with the log-sum-exp rule.
+
+    Part p attended over a disjoint subset of the keys and produced ``outs[p]``
+    (shape ``(..., L, Dv)``, already normalised) and ``lses[p]`` (shape
+    ``(..., L)``, natural log of its softmax denominator, -inf for a part that
+    saw no key).  The result equals attention over the union of the keys::
+
+        lse = log(sum_p exp(lse_p));  out = sum_p exp(lse_p - lse) * out_p
+
+    ``outs`` and ``lses`` are sequences of arrays (or arrays with the parts on
+    axis 0).  Returns ``(out, lse)``; rows where every part is -inf give zeros
+    and -inf.  Computed in float64 for float64 parts, else float32; ``out``
+    keeps the dtype of the first part.
+    """
+    if isinstance(outs, np.ndarray):
+        outs = list(outs)
+    if isinstance(lses, np.ndarray):
+        lses = list(lses)
+    if not isinstance(outs, (list, tuple)) or not isinstance(lses, (list, tuple)):
+        raise TypeError("outs and lses must be sequences of arrays")
+    if len(outs) == 0:
+        raise ValueError("outs must hold at least one part")
+    if len(outs) != len(lses):
+        raise ValueError(f"outs and lses must have the same number of parts, got {len(outs)} and {len(lses)}")
+    o = [as_array(x, f"outs[{i}]") for i, x in enumerate(outs)]
+    s = [as_array(x, f"lses[{i}]") for i, x in enumerate(lses)]
+    for i, (a, b) in enumerate(zip(o, s)):
+        if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
+            raise TypeError(f"outs[{i}] must be floating, got {a.dtype}")
+        if b.dtype.kind != "f":
+            raise TypeError(f"lses[{i}] must be floating, got {b.dtype}")
+        if a.ndim < 1 or a.shape != o[0].shape:
+            raise ValueError(f"outs[{i}] has shape {a.shape}, expected {o[0].shape}")
+        if b.shape != a.shape[:-1]:
+            raise ValueError(f"lses[{i}] has shape {b.shape}, expected {a.shape[:-1]}")
+    cdt = np.float64 if o[0].dtype == np.float64 else np.float32
+    L = np.stack([b.astype(cdt, copy=False) for b in s])  # (P, ..., L)
+    M = np.max(L, axis=0)
+    live = np.isfinite(M)
+    Ms = np.where(live, M, 0.0).astype(cdt)
+    with np.errstate(invalid="ignore"):
+        w = np.exp(L - Ms)  # parts at -inf weigh 0
+    w = np.where(np.isneginf(L), 0.0, w).astype(cdt)
+    den = w.sum(axis=0)
+    out = np.zeros(o[0].shape, dtype=cdt)
+    for p, a in enumerate(o):
+        wp = w[p][..., None]
+        out += np.where(wp > 0, wp * a.astype(cdt, copy=False), 0.0).astype(cdt)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(live[..., None], out / den[..., None], 0.0)
+        lse = np.where(live, Ms + np.log(den), M)
+    nan = np.isnan(M)
+    out = np.where(nan[..., None], np.nan, out)
+    return out.astype(o[0].dtype, copy=False), lse.astype(cdt, copy=False)
