@@ -10,7 +10,6 @@ fastattn/_build_config.py so that ``fastattn.show_config()`` reports them):
 import os
 import platform
 import subprocess
-import sys
 import tempfile
 
 import numpy as np
@@ -98,10 +97,17 @@ extensions = [
 
 ext_modules = cythonize(extensions, compiler_directives={"language_level": 3})
 
+cmdclass = {"build_ext": BuildExt}
 if CUDA:
-    sys.path.insert(0, HERE)
-    from csrc.cuda.build import cuda_extension  # noqa: E402
+    # Optional fastattn._cuda (csrc/cuda/build.py, loaded by path; only now is CUDA looked for).
+    # No nvcc is a hard error (CudaNotFoundError) rather than a silent CPU-only build.
+    import importlib.util
 
-    ext_modules.append(cuda_extension())
+    _spec = importlib.util.spec_from_file_location(
+        "fastattn_cuda_build", os.path.join(HERE, "csrc", "cuda", "build.py"))
+    _cuda_build = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_cuda_build)
+    ext_modules.append(_cuda_build.cuda_extension())
+    cmdclass["build_ext"] = _cuda_build.with_cuda(BuildExt)
 
-setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildExt})
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -1,16 +1,24 @@
 """fastattn: fused, cache-tiled scaled dot-product attention for NumPy on the CPU."""
 __version__ = "0.1.0"
 
-from . import reference  # noqa: E402
+from . import reference, sparse  # noqa: E402
 from ._config import get_isa, get_num_threads, set_isa, set_num_threads, show_config  # noqa: E402
 from .functional import scaled_dot_product_attention, varlen_attention  # noqa: E402
 from .merge import merge_attention_states  # noqa: E402
+from .jax_compat import dot_product_attention  # noqa: E402
+from .kvcache import KVCache, attention_with_kvcache  # noqa: E402
+from .modules import MultiHeadAttention  # noqa: E402
 
 __all__ = [
     "__version__",
     "scaled_dot_product_attention",
     "varlen_attention",
+    "dot_product_attention",
     "merge_attention_states",
+    "KVCache",
+    "attention_with_kvcache",
+    "MultiHeadAttention",
+    "sparse",
     "reference",
     "get_num_threads",
     "set_num_threads",
@@ -18,3 +26,12 @@ __all__ = [
     "set_isa",
     "show_config",
 ]
+
+
+def __getattr__(name):
+    # fastattn.cuda is imported on first use only (it never fails without CUDA).
+    if name == "cuda":
+        import importlib
+
+        return importlib.import_module(".cuda", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,9 +20,10 @@ _DTYPE_NAMES = "float32, float64, float16 or bfloat16"
 
 
 def as_array(x, name):
-    """``np.asarray`` without copying when possible; rejects non-array-likes."""
+    """``np.asarray`` without copying when possible; rejects non-array-likes.
+    Non-native byte order is converted to native (a copy)."""
     if isinstance(x, np.ndarray):
-        return x
+        return x if x.dtype.isnative else x.astype(x.dtype.newbyteorder("="))
     if x is None or isinstance(x, (str, bytes, dict, set)):
         raise TypeError(f"{name} must be an array, got {type(x).__name__}")
     try:
@@ -31,7 +32,7 @@ def as_array(x, name):
         raise TypeError(f"{name} must be an array, got {type(x).__name__}: {e}") from None
     if a.dtype == object:
         raise TypeError(f"{name} must be a numeric array, got an object array")
-    return a
+    return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
 
 
 def check_float(a, name):

@@ -93,6 +93,45 @@ def _lengths(x, name, lead, limit):
     return np.ascontiguousarray(a, dtype=np.int64).reshape(-1)
 
 
+def _check_shapes(q, k, v, layout, enable_gqa):
+    """Shape checks shared with fastattn.cuda (uses only ``.ndim`` and ``.shape``).
+
+    Returns ``(lead, (Hq, L, D), (Hk, S, Dv))`` of the bhsd view."""
+    min_nd = 2 if layout == "bhsd" else 3
+    for a, n in ((q, "query"), (k, "key"), (v, "value")):
+        if a.ndim < min_nd:
+            raise ValueError(f"{n} must have at least {min_nd} dimensions for layout={layout!r}, got shape {a.shape}")
+    if not (q.ndim == k.ndim == v.ndim):
+        raise ValueError(f"query, key and value must have the same number of dimensions, got "
+                         f"{q.shape}, {k.shape}, {v.shape}")
+
+    def bhsd(shape):
+        if layout == "bshd":
+            return shape[:-3] + (shape[-2], shape[-3], shape[-1])
+        return (1,) + shape if len(shape) == 2 else shape
+
+    qs, ks, vs = bhsd(tuple(q.shape)), bhsd(tuple(k.shape)), bhsd(tuple(v.shape))
+    lead = qs[:-3]
+    if ks[:-3] != lead or vs[:-3] != lead:
+        raise ValueError(f"query, key and value must share their batch dims, got {q.shape}, {k.shape}, {v.shape}")
+    Hq, L, D = qs[-3:]
+    Hk, S, Dk = ks[-3:]
+    Hv, Sv, Dv = vs[-3:]
+    if D != Dk:
+        raise ValueError(f"query and key must have the same head dim, got {D} and {Dk}")
+    if D == 0 or Dv == 0:
+        raise ValueError("head dims of query, key and value must be >= 1")
+    if Hk != Hv or S != Sv:
+        raise ValueError(f"key and value must have the same heads and length, got key {k.shape}, value {v.shape}")
+    if Hq != Hk:
+        if not enable_gqa:
+            raise ValueError(f"query has {Hq} heads but key/value have {Hk}; pass enable_gqa=True for "
+                             "grouped-query attention")
+        if Hk == 0 or Hq % Hk:
+            raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hk})")
+    return lead, (Hq, L, D), (Hk, S, Dv)
+
+
 def _merge_lead(a, B):
     """(*lead, x, y, z) -> (B, x, y, z) as a view, or None when the strides of
     the leading dims cannot merge (a reshape would copy)."""
@@ -161,6 +200,7 @@ def scaled_dot_product_attention(
     query_lengths=None,
     block_mask=None,
     block_size=None,
+    device=None,
 ):
     """softmax(query @ key^T * scale + mask) @ value, fused and tiled.
 
@@ -200,48 +240,43 @@ def scaled_dot_product_attention(
 
     Order of score transforms: scale, softcap, ALiBi, attn_mask, then the
     causal / window / length / block restrictions.
+
+    device: None or "cpu" (this kernel), or "cuda": run
+        :func:`fastattn.cuda.scaled_dot_product_attention` (NumPy or
+        ``__cuda_array_interface__`` inputs; RuntimeError when fastattn was
+        built without CUDA or no GPU is present).  ``num_threads``, ``sinks``,
+        ``query_lengths`` and ``block_mask`` are CPU-only.
     """
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a number, got {type(dropout_p).__name__}")
     if dropout_p != 0:
         raise NotImplementedError("dropout_p must be 0: fastattn is an inference library")
+    if device is not None and device != "cpu":
+        if device != "cuda":
+            raise ValueError(f"device must be None, 'cpu' or 'cuda', got {device!r}")
+        cpu_only = dict(num_threads=num_threads, sinks=sinks, query_lengths=query_lengths,
+                        block_mask=block_mask, block_size=block_size)
+        for name, val in cpu_only.items():
+            if val is not None:
+                raise ValueError(f"{name} is not supported with device='cuda'")
+        from . import cuda
+
+        return cuda.scaled_dot_product_attention(
+            query, key, value, attn_mask, is_causal, scale, enable_gqa, layout=layout, return_lse=return_lse,
+            out=out, window=window, alibi_slopes=alibi_slopes, softcap=softcap, key_lengths=key_lengths)
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     q = as_array(query, "query")
     k = as_array(key, "key")
     v = as_array(value, "value")
     _check_dtypes(q, k, v)
-    min_nd = 2 if layout == "bhsd" else 3
-    for a, n in ((q, "query"), (k, "key"), (v, "value")):
-        if a.ndim < min_nd:
-            raise ValueError(f"{n} must have at least {min_nd} dimensions for layout={layout!r}, got shape {a.shape}")
-    if not (q.ndim == k.ndim == v.ndim):
-        raise ValueError(f"query, key and value must have the same number of dimensions, got "
-                         f"{q.shape}, {k.shape}, {v.shape}")
+    lead, (Hq, L, D), (Hk, S, Dv) = _check_shapes(q, k, v, layout, enable_gqa)
     if layout == "bshd":
         qh, kh, vh = (np.swapaxes(a, -2, -3) for a in (q, k, v))
     elif q.ndim == 2:
         qh, kh, vh = q[None], k[None], v[None]
     else:
         qh, kh, vh = q, k, v
-    lead = qh.shape[:-3]
-    if kh.shape[:-3] != lead or vh.shape[:-3] != lead:
-        raise ValueError(f"query, key and value must share their batch dims, got {q.shape}, {k.shape}, {v.shape}")
-    Hq, L, D = qh.shape[-3:]
-    Hk, S, Dk = kh.shape[-3:]
-    Hv, Sv, Dv = vh.shape[-3:]
-    if D != Dk:
-        raise ValueError(f"query and key must have the same head dim, got {D} and {Dk}")
-    if D == 0 or Dv == 0:
-        raise ValueError("head dims of query, key and value must be >= 1")
-    if Hk != Hv or S != Sv:
-        raise ValueError(f"key and value must have the same heads and length, got key {k.shape}, value {v.shape}")
-    if Hq != Hk:
-        if not enable_gqa:
-            raise ValueError(f"query has {Hq} heads but key/value have {Hk}; pass enable_gqa=True for "
-                             "grouped-query attention")
-        if Hk == 0 or Hq % Hk:
-            raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hk})")
     sc = scale_value(scale, D)
     threads = threads_value(num_threads, get_num_threads)
     wl, wr = _window(window)

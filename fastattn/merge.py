@@ -21,7 +21,8 @@ def merge_attention_states(outs, lses):
     ``outs`` and ``lses`` are sequences of arrays (or arrays with the parts on
     axis 0).  Returns ``(out, lse)``; rows where every part is -inf give zeros
     and -inf.  Computed in float64 for float64 parts, else float32; ``out``
-    keeps the dtype of the first part.
+    keeps the dtype of the first part.  A NaN LSE gives a NaN row; a +inf LSE
+    (an overflowed denominator) gives NaN outputs and a +inf LSE.
     """
     if isinstance(outs, np.ndarray):
         outs = list(outs)
@@ -60,6 +61,7 @@ def merge_attention_states(outs, lses):
     with np.errstate(divide="ignore", invalid="ignore"):
         out = np.where(live[..., None], out / den[..., None], 0.0)
         lse = np.where(live, Ms + np.log(den), M)
-    nan = np.isnan(M)
+    # NaN anywhere poisons the row; an overflowed (+inf) LSE leaves the weights undefined: NaN output.
+    nan = np.isnan(M) | np.isposinf(M)
     out = np.where(nan[..., None], np.nan, out)
     return out.astype(o[0].dtype, copy=False), lse.astype(cdt, copy=False)

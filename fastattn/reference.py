@@ -73,7 +73,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if sinks is not None:  # an extra column that takes probability but adds no value
         sink_col = np.broadcast_to(np.asarray(sinks, dtype=np.float64)[:, None, None], s.shape[:-1] + (1,))
         s = np.concatenate([s, sink_col], axis=-1)
-    m = np.max(s, axis=-1, keepdims=True)
+    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)  # S = 0 -> -inf
     m_safe = np.where(np.isfinite(m), m, 0.0)
     e = np.exp(s - m_safe)
     denom = np.sum(e, axis=-1, keepdims=True)

@@ -1,0 +1,188 @@
+"""``dot_product_attention`` with the argument names, layout and masking rules of
+``jax.nn.dot_product_attention``, computed by fastattn's fused kernel on NumPy arrays.
+
+JAX letters: B batch, T query length, S key length, N query heads, K key/value
+heads (N a multiple of K), H head dim.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Any, Optional, Union
+
+import numpy as np
+import numpy.typing as npt
+
+from ._checks import as_array
+from .functional import scaled_dot_product_attention
+
+__all__ = ["dot_product_attention"]
+
+_IMPLEMENTATIONS = (None, "xla", "fastattn")
+
+
+def _ensure_4d(a: np.ndarray) -> np.ndarray:
+    return a.reshape((1,) * (4 - a.ndim) + a.shape) if a.ndim < 4 else a
+
+
+def _seq_lengths(x: Any, name: str, B: int, limit: int) -> Optional[np.ndarray]:
+    if x is None:
+        return None
+    a = as_array(x, name)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer array, got dtype {a.dtype}")
+    if a.shape != (B,):
+        raise ValueError(f"{name} must have shape ({B},) (the batch size), got {a.shape}")
+    # JAX keeps position t when t < length: lengths beyond the array mean "all".
+    return np.clip(a.astype(np.int64), 0, limit)
+
+
+def _window_size(w: Any) -> Optional[tuple[int, int]]:
+    if w is None:
+        return None
+    pair = (w, w) if isinstance(w, numbers.Integral) and not isinstance(w, (bool, np.bool_)) else w
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        raise TypeError(f"local_window_size must be an int or a (left, right) pair of ints, got {w!r}")
+    out = []
+    for side, v in zip(("left", "right"), pair):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"local_window_size {side} must be an int, got {type(v).__name__}")
+        if v < 0:
+            raise ValueError(f"local_window_size {side} must be >= 0, got {v}")
+        out.append(int(v))
+    return out[0], out[1]
+
+
+def dot_product_attention(
+    query: npt.ArrayLike,
+    key: npt.ArrayLike,
+    value: npt.ArrayLike,
+    bias: Optional[npt.ArrayLike] = None,
+    mask: Optional[npt.ArrayLike] = None,
+    *,
+    scale: Optional[float] = None,
+    is_causal: bool = False,
+    query_seq_lengths: Optional[npt.ArrayLike] = None,
+    key_value_seq_lengths: Optional[npt.ArrayLike] = None,
+    local_window_size: Union[int, tuple[int, int], None] = None,
+    implementation: Optional[str] = None,
+    num_threads: Optional[int] = None,
+) -> np.ndarray:
+    """softmax(query·keyᵀ·scale + bias, masked)·value in JAX's conventions.
+
+    Same arguments and semantics as ``jax.nn.dot_product_attention`` (its XLA
+    implementation), computed on the CPU by :func:`fastattn.scaled_dot_product_attention`
+    with ``layout="bshd"``; NumPy arrays in and out (anything ``numpy.asarray``
+    accepts, read without a copy when possible).
+
+    Args:
+        query: ``(B, T, N, H)`` or ``(T, N, H)``.
+        key: ``(B, S, K, H)`` or ``(S, K, H)``; ``N`` must be a multiple of ``K``
+            (grouped-query attention: query head ``n`` uses key/value head ``n // (N // K)``).
+        value: ``(B, S, K, Hv)`` or ``(S, K, Hv)``, same dtype as ``key``.
+        bias: float, added to the scaled scores; broadcastable to ``(B, N, T, S)``
+            (a 4-D shape, or fewer dims that numpy broadcasting aligns on the right).
+        mask: bool, ``True`` = the query may attend to that key (keep);
+            broadcastable to ``(B, N, T, S)``.
+        scale: multiplies ``query·keyᵀ``; None means ``1/sqrt(H)``.
+        is_causal: query ``t`` sees keys ``s <= t``.  As in JAX this causal
+            mask is aligned to the TOP LEFT on absolute positions (unlike
+            :func:`fastattn.scaled_dot_product_attention`, which aligns
+            bottom-right); the two agree when ``T == S``.
+        query_seq_lengths: ``(B,)`` ints; query rows ``t >= query_seq_lengths[b]``
+            are padding (their output is zeros).
+        key_value_seq_lengths: ``(B,)`` ints; keys ``s >= key_value_seq_lengths[b]``
+            are ignored.
+        local_window_size: int ``w`` or ``(left, right)``: query ``t`` sees keys
+            ``t - left <= s <= t + right`` (absolute positions, as in JAX);
+            ``w`` means ``(w, w)``.
+        implementation: None, ``"xla"`` or ``"fastattn"`` (all compute the same
+            thing here); ``"cudnn"`` is not available and raises ValueError.
+        num_threads: threads for this call (fastattn extension); None uses
+            :func:`fastattn.get_num_threads`.
+
+    Returns:
+        ``(B, T, N, Hv)`` (or ``(T, N, Hv)``), the query's dtype.
+
+    Differences from JAX: a query row that can see no key at all (fully
+    masked, or a padded query row) gives zeros here; JAX's XLA path gives the
+    mean of all values for such a row (its masked logits are a large finite
+    negative number, so the softmax is uniform), except padded query rows when
+    both length arrays are given, which JAX also zeroes.
+    """
+    if implementation not in _IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of None, 'xla', 'fastattn', got {implementation!r}")
+    q = as_array(query, "query")
+    k = as_array(key, "key")
+    v = as_array(value, "value")
+    for a, n in ((q, "query"), (k, "key"), (v, "value")):
+        if a.ndim not in (3, 4):
+            raise ValueError(f"{n} must have shape (B, T|S, heads, H) or (T|S, heads, H), got {a.shape}")
+    if not (q.ndim == k.ndim == v.ndim):
+        raise ValueError(f"query, key and value must have the same number of dimensions, got "
+                         f"{q.shape}, {k.shape}, {v.shape}")
+    squeeze = q.ndim == 3
+    q4, k4, v4 = _ensure_4d(q), _ensure_4d(k), _ensure_4d(v)
+    B, T, N, _ = q4.shape
+    S, K = k4.shape[1], k4.shape[2]
+    if k4.shape[0] != B or v4.shape[0] != B:
+        raise ValueError(f"query, key and value must have the same batch size, got {q.shape}, {k.shape}, "
+                         f"{v.shape}")
+    if K == 0 or N % K:
+        raise ValueError(f"the number of query heads ({N}) must be a multiple of key/value heads ({K})")
+    window = _window_size(local_window_size)
+    q_lens = _seq_lengths(query_seq_lengths, "query_seq_lengths", B, T)
+    kv_lens = _seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", B, S)
+
+    attn_mask = None
+    if bias is not None:
+        b = as_array(bias, "bias")
+        if b.dtype.kind != "f" and b.dtype.name != "bfloat16":
+            raise TypeError(f"bias must be a floating array, got dtype {b.dtype}")
+        if b.ndim > 4:
+            raise ValueError(f"bias must have at most 4 dimensions (B, N, T, S), got shape {b.shape}")
+        attn_mask = b
+    if mask is not None:
+        m = as_array(mask, "mask")
+        if m.dtype != np.bool_:
+            raise TypeError(f"mask must be a bool array (True = keep; pass additive masks as bias), "
+                            f"got dtype {m.dtype}")
+        if m.ndim > 4:
+            raise ValueError(f"mask must have at most 4 dimensions (B, N, T, S), got shape {m.shape}")
+        if attn_mask is None:
+            attn_mask = m
+        else:
+            fdt = np.float64 if q.dtype == np.float64 else np.float32
+            try:
+                attn_mask = np.where(m, attn_mask.astype(fdt, copy=False), fdt(-np.inf))
+            except ValueError:
+                raise ValueError(f"bias {attn_mask.shape} and mask {m.shape} do not broadcast "
+                                 "together") from None
+
+    # JAX's causal and window masks use absolute positions (top-left).  The
+    # kernel aligns them bottom-right on the valid lengths; the two coincide
+    # when every batch element has as many valid queries as valid keys.
+    native_kw: dict[str, Any] = {}
+    if is_causal or window is not None:
+        ql = np.full(B, T) if q_lens is None else q_lens
+        kl = np.full(B, S) if kv_lens is None else kv_lens
+        if np.array_equal(ql, kl):
+            native_kw = {"is_causal": bool(is_causal), "window": window}
+        else:
+            t = np.arange(T)[:, None]
+            s = np.arange(S)[None, :]
+            keep = np.ones((T, S), dtype=bool)
+            if is_causal:
+                keep &= s <= t
+            if window is not None:
+                keep &= (s >= t - window[0]) & (s <= t + window[1])
+            if attn_mask is None:
+                attn_mask = keep
+            elif attn_mask.dtype == np.bool_:
+                attn_mask = attn_mask & keep
+            else:
+                attn_mask = np.where(keep, attn_mask, attn_mask.dtype.type(-np.inf))
+    out = scaled_dot_product_attention(
+        q4, k4, v4, attn_mask=attn_mask, scale=scale, enable_gqa=N != K, layout="bshd",
+        key_lengths=kv_lens, query_lengths=q_lens, num_threads=num_threads, **native_kw)
+    return out[0] if squeeze else out

@@ -1,0 +1,463 @@
+"""Decoding with a key/value cache: :class:`KVCache` and :func:`attention_with_kvcache`.
+
+Autoregressive decoding appends the keys and values of the newest tokens to a
+preallocated cache and attends the newest queries over each sequence's valid
+prefix.  Nothing here copies the cache: the kernel receives the full
+preallocated arrays together with the per-sequence lengths
+(``key_lengths``) and skips every key tile past a sequence's length, so a
+decode step costs O(length) reads and an append costs O(new tokens).
+
+Causal alignment is bottom-right per sequence: the ``Lq`` queries of a step
+are the ``Lq`` newest cached positions, so query ``i`` of sequence ``b`` (with
+``n_b`` valid keys) sees keys ``j <= i + n_b - Lq``.
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from ._checks import BFLOAT16, F32, F64, STORAGE_DTYPES, as_array, int_value, scale_value, threads_value
+from .functional import _per_head, _softcap, _window, scaled_dot_product_attention
+
+__all__ = ["KVCache", "attention_with_kvcache"]
+
+def _cache_dtype(dtype):
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be float16, bfloat16, float32 or float64, got {dtype!r}") from None
+    if dt not in STORAGE_DTYPES:
+        raise TypeError(f"dtype must be float16, bfloat16, float32 or float64, got {dt}")
+    return dt
+
+
+def _is_real_float(dt):
+    return dt.kind == "f" or dt == BFLOAT16
+
+
+def _query_dtype_ok(qdt, cdt):
+    """Queries may be float32 or the cache dtype (float64 caches need float64 queries)."""
+    if cdt == F64:
+        return qdt == F64
+    return qdt == F32 or qdt == cdt
+
+
+def _batch_indices(batch_index, B, name="batch_index"):
+    """None -> None; int / slice / 1-D int array -> int64 array of distinct indices in [0, B)."""
+    if batch_index is None:
+        return None
+    if isinstance(batch_index, slice):
+        return np.arange(B, dtype=np.int64)[batch_index]
+    if isinstance(batch_index, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int, a slice or an integer array, got bool")
+    if isinstance(batch_index, numbers.Integral):
+        i = int(batch_index)
+        if not 0 <= i < B:
+            raise ValueError(f"{name} {i} is out of range for a batch of {B}")
+        return np.array([i], dtype=np.int64)
+    a = as_array(batch_index, name)
+    if a.ndim == 1 and a.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an int, a slice or an integer array, got dtype {a.dtype}")
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    if a.size and (a.min() < 0 or a.max() >= B):
+        raise ValueError(f"{name} values must lie in [0, {B}), got range [{a.min()}, {a.max()}]")
+    a = a.astype(np.int64)
+    if np.unique(a).size != a.size:
+        raise ValueError(f"{name} must not repeat an index")
+    return a
+
+
+def _progression(idx):
+    """(start, step) when idx is start, start+step, ... with step >= 1 (a strided view suffices)."""
+    if idx.size == 1:
+        return int(idx[0]), 1
+    d = np.diff(idx)
+    if d[0] >= 1 and np.all(d == d[0]):
+        return int(idx[0]), int(d[0])
+    return None
+
+
+def _rows(a, idx):
+    """``a[idx]`` as a view when idx is an arithmetic progression, else None."""
+    if idx is None:
+        return a
+    pr = _progression(idx) if idx.size else None
+    if idx.size == 0:
+        return a[:0]
+    if pr is None:
+        return None
+    start, step = pr
+    return a[start:start + step * (idx.size - 1) + 1:step]
+
+
+def _new_tokens(x, name, n, Hk, Dx, allow_3d):
+    """Check one block of new keys/values: shape (n, Hk, T, Dx), real floating; returns it converted."""
+    a = as_array(x, name)
+    if not _is_real_float(a.dtype):
+        raise TypeError(f"{name} must be a real floating array, got dtype {a.dtype}")
+    if allow_3d and a.ndim == 3:
+        a = a[None]
+    if a.ndim != 4 or a.shape[0] != n or a.shape[1] != Hk or a.shape[3] != Dx:
+        want = f"({n}, {Hk}, T, {Dx})" + (f" or ({Hk}, T, {Dx})" if allow_3d else "")
+        raise ValueError(f"{name} must have shape {want}, got {np.shape(x)}")
+    return a
+
+
+class KVCache:
+    """A preallocated key/value cache for ``batch`` sequences of up to ``max_len`` tokens.
+
+    Keys are stored as ``(batch, num_kv_heads, max_len, head_dim)`` and values
+    as ``(batch, num_kv_heads, max_len, value_dim)`` in ``dtype`` (float16,
+    bfloat16, float32 or float64); ``lengths[b]`` tokens of sequence ``b`` are
+    valid.  Typical use, one layer::
+
+        cache = fastattn.KVCache(1, 8, 4096, 128, dtype=np.float16)
+        cache.append(k_prompt, v_prompt)          # (1, 8, P, 128)
+        out = cache.attend(q_prompt)              # (1, 32, P, 128), causal
+        for step in range(n):
+            cache.append(k_tok, v_tok)            # (1, 8, 1, 128)
+            out = cache.attend(q_tok)             # (1, 32, 1, 128)
+
+    Appends convert to the cache dtype and cost O(new tokens); attention reads
+    the cache in place and skips the part past each sequence's length.
+    Ragged batches: ``batch_index`` restricts ``append``/``attend``/``reset``
+    to some sequences.
+
+    Thread safety: ``append`` and ``reset`` mutate the cache and must not run
+    concurrently with each other or with ``attend`` on the same cache;
+    concurrent ``attend`` calls (and reads of ``k``/``v``/``lengths``) are safe
+    (the kernel releases the GIL and only reads the cache).
+    """
+
+    def __init__(self, batch, num_kv_heads, max_len, head_dim, *, dtype=np.float16, value_dim=None):
+        B = int_value(batch, "batch", 1)
+        Hk = int_value(num_kv_heads, "num_kv_heads", 1)
+        S = int_value(max_len, "max_len", 1)
+        D = int_value(head_dim, "head_dim", 1)
+        Dv = D if value_dim is None else int_value(value_dim, "value_dim", 1)
+        dt = _cache_dtype(dtype)
+        self._k = np.zeros((B, Hk, S, D), dtype=dt)
+        self._v = np.zeros((B, Hk, S, Dv), dtype=dt)
+        self._len = np.zeros(B, dtype=np.int64)
+
+    # ----------------------------------------------------------- properties
+    @property
+    def batch(self):
+        """Number of sequences."""
+        return self._k.shape[0]
+
+    @property
+    def num_kv_heads(self):
+        """Key/value heads (Hk)."""
+        return self._k.shape[1]
+
+    @property
+    def max_len(self):
+        """Capacity in tokens of each sequence."""
+        return self._k.shape[2]
+
+    @property
+    def head_dim(self):
+        """Key head dim (D)."""
+        return self._k.shape[3]
+
+    @property
+    def value_dim(self):
+        """Value head dim (Dv)."""
+        return self._v.shape[3]
+
+    @property
+    def dtype(self):
+        """Storage dtype of keys and values."""
+        return self._k.dtype
+
+    @property
+    def lengths(self):
+        """Valid tokens per sequence: an int64 copy, shape (batch,)."""
+        return self._len.copy()
+
+    @property
+    def nbytes(self):
+        """Bytes held by the key and value arrays."""
+        return self._k.nbytes + self._v.nbytes
+
+    @property
+    def k(self):
+        """The whole preallocated key array (read-only view; only ``[b, :, :lengths[b]]`` is valid)."""
+        view = self._k.view()
+        view.flags.writeable = False
+        return view
+
+    @property
+    def v(self):
+        """The whole preallocated value array (read-only view)."""
+        view = self._v.view()
+        view.flags.writeable = False
+        return view
+
+    def __repr__(self):
+        return (f"KVCache(batch={self.batch}, num_kv_heads={self.num_kv_heads}, max_len={self.max_len}, "
+                f"head_dim={self.head_dim}, value_dim={self.value_dim}, dtype={self.dtype}, "
+                f"lengths={self._len.tolist()})")
+
+    # -------------------------------------------------------------- mutation
+    def append(self, k_new, v_new, *, batch_index=None):
+        """Append T tokens to each selected sequence.
+
+        ``k_new``: ``(B, Hk, T, D)`` (``(len(idx), Hk, T, D)`` with
+        ``batch_index``; an int ``batch_index`` also takes ``(Hk, T, D)``),
+        ``v_new`` likewise with ``Dv``.  Any real floating dtype; converted to
+        the cache dtype.  Every check runs before anything is written: on an
+        error (e.g. a sequence would exceed ``max_len``) the cache is unchanged.
+        Returns the new lengths of the selected sequences.
+        """
+        idx = _batch_indices(batch_index, self.batch)
+        n = self.batch if idx is None else idx.size
+        allow_3d = isinstance(batch_index, numbers.Integral) and not isinstance(batch_index, bool)
+        dt = self.dtype
+        k = _new_tokens(k_new, "k_new", n, self.num_kv_heads, self.head_dim, allow_3d)
+        v = _new_tokens(v_new, "v_new", n, self.num_kv_heads, self.value_dim, allow_3d)
+        T = k.shape[2]
+        if v.shape[2] != T:
+            raise ValueError(f"k_new and v_new must hold the same number of tokens, got {T} and {v.shape[2]}")
+        sel = self._len if idx is None else self._len[idx]
+        if sel.size and sel.max() + T > self.max_len:
+            b = int(np.argmax(sel)) if idx is None else int(idx[np.argmax(sel)])
+            raise ValueError(f"appending {T} tokens to sequence {b} (length {int(self._len[b])}) exceeds "
+                             f"max_len={self.max_len}")
+        # Convert before the first write so that a failing conversion changes nothing.
+        with np.errstate(over="ignore"):
+            kc = k if k.dtype == dt else k.astype(dt)
+            vc = v if v.dtype == dt else v.astype(dt)
+        rows = np.arange(self.batch, dtype=np.int64) if idx is None else idx
+        if T and rows.size:
+            start = self._len[rows]
+            if np.all(start == start[0]):
+                s0 = int(start[0])
+                kv = _rows(self._k, idx)
+                if kv is not None:
+                    kv[:, :, s0:s0 + T] = kc
+                    _rows(self._v, idx)[:, :, s0:s0 + T] = vc
+                else:
+                    self._k[rows, :, s0:s0 + T] = kc
+                    self._v[rows, :, s0:s0 + T] = vc
+            else:
+                for r, (b, s) in enumerate(zip(rows.tolist(), start.tolist())):
+                    self._k[b, :, s:s + T] = kc[r]
+                    self._v[b, :, s:s + T] = vc[r]
+            self._len[rows] += T
+        return self._len[rows].copy()
+
+    def reset(self, batch_index=None):
+        """Forget the tokens of the selected sequences (all when None): their lengths become 0."""
+        idx = _batch_indices(batch_index, self.batch)
+        if idx is None:
+            self._len[:] = 0
+        else:
+            self._len[idx] = 0
+
+    # -------------------------------------------------------------- attention
+    def attend(self, q, *, window=None, alibi_slopes=None, softcap=None, scale=None, return_lse=False,
+               num_threads=None, batch_index=None):
+        """Causal attention of the ``Lq`` newest tokens over each sequence's cached prefix.
+
+        ``q``: ``(B, Hq, Lq, D)`` (``(len(idx), Hq, Lq, D)`` with
+        ``batch_index``), float32 or the cache dtype; Hq a multiple of Hk
+        (grouped-query attention without copies).  The queries are the last
+        ``Lq`` cached positions of each sequence (append first, then attend),
+        so every selected sequence needs ``lengths[b] >= Lq``.  Returns
+        ``(.., Hq, Lq, Dv)`` in q's dtype (and the float32 LSE ``(.., Hq, Lq)``
+        with ``return_lse``).  ``window``, ``alibi_slopes`` (``(Hq,)`` or
+        ``(B, Hq)``), ``softcap``, ``scale``, ``num_threads`` as in
+        :func:`fastattn.scaled_dot_product_attention`.
+        """
+        idx = _batch_indices(batch_index, self.batch)
+        n = self.batch if idx is None else idx.size
+        qa = as_array(q, "q")
+        if not _query_dtype_ok(qa.dtype, self.dtype):
+            allowed = "float64" if self.dtype == F64 else f"float32 or {self.dtype}"
+            raise TypeError(f"q must have dtype {allowed} for a {self.dtype} cache, got {qa.dtype}")
+        if qa.ndim != 4 or qa.shape[0] != n or qa.shape[3] != self.head_dim:
+            raise ValueError(f"q must have shape ({n}, Hq, Lq, {self.head_dim}), got {qa.shape}")
+        Hq, Lq = qa.shape[1], qa.shape[2]
+        if Hq % self.num_kv_heads:
+            raise ValueError(f"q heads ({Hq}) must be a multiple of the cache's kv heads "
+                             f"({self.num_kv_heads})")
+        lens = self._len if idx is None else self._len[idx]
+        if lens.size and lens.min() < Lq:
+            b = int(np.argmin(lens)) if idx is None else int(idx[np.argmin(lens)])
+            raise ValueError(f"q holds {Lq} query tokens but sequence {b} has only {int(self._len[b])} "
+                             "cached tokens; append the new tokens' keys and values before attending")
+        if alibi_slopes is not None:
+            al = as_array(alibi_slopes, "alibi_slopes")
+            if al.ndim == 2 and al.shape[0] != n:
+                raise ValueError(f"alibi_slopes must have shape ({Hq},) or ({n}, {Hq}), got {al.shape}")
+        opts = dict(is_causal=True, enable_gqa=True, window=window, softcap=softcap, scale=scale,
+                    return_lse=return_lse, num_threads=num_threads)
+        kv = _rows(self._k, idx)
+        if kv is not None:
+            return scaled_dot_product_attention(qa, kv, _rows(self._v, idx), key_lengths=lens.copy(),
+                                                alibi_slopes=alibi_slopes, **opts)
+        # Scattered indices: one kernel call per sequence, each on a view of the cache.
+        out = np.empty(qa.shape[:3] + (self.value_dim,), dtype=qa.dtype)
+        lse = np.empty(qa.shape[:3], dtype=F32) if return_lse else None
+        al = None if alibi_slopes is None else as_array(alibi_slopes, "alibi_slopes")
+        for r, b in enumerate(idx.tolist()):
+            slopes = None if al is None else (al[r:r + 1] if al.ndim == 2 else al)
+            res = scaled_dot_product_attention(qa[r:r + 1], self._k[b:b + 1], self._v[b:b + 1],
+                                               key_lengths=self._len[b:b + 1].copy(), alibi_slopes=slopes,
+                                               **opts)
+            if return_lse:
+                out[r:r + 1], lse[r:r + 1] = res
+            else:
+                out[r:r + 1] = res
+        return (out, lse) if return_lse else out
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *, is_causal=True,
+                           window=None, alibi_slopes=None, softcap=None, scale=None, return_lse=False,
+                           num_threads=None, layout="bhsd"):
+    """Attention over caller-owned caches, optionally appending new keys/values first
+    (the semantics of flash-attn's ``flash_attn_with_kvcache``).
+
+    Shapes (``layout="bhsd"``): q ``(B, Hq, Lq, D)``, k_cache ``(B, Hk, S_max,
+    D)``, v_cache ``(B, Hk, S_max, Dv)``, k_new/v_new ``(B, Hk, T, D/Dv)``;
+    with ``layout="bshd"`` (flash-attn's): ``(B, Lq, Hq, D)``, ``(B, S_max, Hk,
+    D)``, ``(B, T, Hk, D)``.  ``cache_seqlens``: an int or ``(B,)`` integer
+    array, the tokens already valid in each cache row.
+
+    With ``k_new``/``v_new`` (given together) their T tokens are written in
+    place into the caches at positions ``cache_seqlens[b] .. + T`` (converted
+    to the cache dtype), and attention runs over ``cache_seqlens + T`` keys;
+    ``cache_seqlens`` itself is not modified (the caller advances it, as with
+    flash-attn).  All checks run before anything is written.
+
+    ``is_causal`` (default True) aligns bottom-right: query i of sequence b
+    sees keys ``j <= i + n_b - Lq`` with ``n_b`` the attended length; it then
+    requires ``Lq <= n_b``.  The caches may be float16, bfloat16, float32 or
+    float64 (k_cache and v_cache alike); q float32 or the cache dtype.
+    Returns the output in q's dtype and layout (and the LSE ``(B, Hq, Lq)``
+    with ``return_lse``).
+    """
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    qa = as_array(q, "q")
+    if not isinstance(k_cache, np.ndarray):
+        raise TypeError(f"k_cache must be a numpy.ndarray, got {type(k_cache).__name__}")
+    if not isinstance(v_cache, np.ndarray):
+        raise TypeError(f"v_cache must be a numpy.ndarray, got {type(v_cache).__name__}")
+    cdt = k_cache.dtype
+    if cdt not in STORAGE_DTYPES:
+        raise TypeError(f"k_cache must have dtype float16, bfloat16, float32 or float64, got {cdt}")
+    if v_cache.dtype != cdt:
+        raise TypeError(f"v_cache must have the dtype of k_cache ({cdt}), got {v_cache.dtype}")
+    if not _query_dtype_ok(qa.dtype, cdt):
+        allowed = "float64" if cdt == F64 else f"float32 or {cdt}"
+        raise TypeError(f"q must have dtype {allowed} for {cdt} caches, got {qa.dtype}")
+    for a, name in ((qa, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        if a.ndim != 4:
+            raise ValueError(f"{name} must be 4-D ({layout}), got shape {a.shape}")
+
+    def bhsd(a):
+        return a if layout == "bhsd" else np.swapaxes(a, 1, 2)
+
+    qh, kc, vc = bhsd(qa), bhsd(k_cache), bhsd(v_cache)
+    B, Hq, Lq, D = qh.shape
+    _, Hk, S, Dk = kc.shape
+    if kc.shape[0] != B or vc.shape[0] != B:
+        raise ValueError(f"q, k_cache and v_cache must share the batch size, got {qa.shape}, "
+                         f"{k_cache.shape}, {v_cache.shape}")
+    if Dk != D:
+        raise ValueError(f"k_cache head dim ({Dk}) must equal q's ({D})")
+    if vc.shape[1] != Hk or vc.shape[2] != S:
+        raise ValueError(f"v_cache must have the heads and length of k_cache, got {v_cache.shape} and "
+                         f"{k_cache.shape}")
+    Dv = vc.shape[3]
+    if Hk == 0 or Hq % Hk:
+        raise ValueError(f"q heads ({Hq}) must be a multiple of the cache's kv heads ({Hk})")
+
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, (bool, np.bool_)):
+        seq = np.full(B, int(cache_seqlens), dtype=np.int64)
+    else:
+        s = as_array(cache_seqlens, "cache_seqlens")
+        if s.dtype.kind not in "iu":
+            raise TypeError(f"cache_seqlens must be an int or an integer array, got dtype {s.dtype}")
+        if s.ndim == 0:
+            s = np.broadcast_to(s, (B,))
+        if s.shape != (B,):
+            raise ValueError(f"cache_seqlens must have shape ({B},), got {s.shape}")
+        seq = s.astype(np.int64)
+    if seq.size and (seq.min() < 0 or seq.max() > S):
+        raise ValueError(f"cache_seqlens values must lie in [0, {S}], got range [{seq.min()}, {seq.max()}]")
+
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together")
+    T = 0
+    if k_new is not None:
+        kn = bhsd(_as_new(k_new, "k_new", layout))
+        vn = bhsd(_as_new(v_new, "v_new", layout))
+        if kn.shape[:2] != (B, Hk) or kn.shape[3] != D:
+            raise ValueError(f"k_new must have {B} sequences, {Hk} heads and head dim {D}, "
+                             f"got {np.shape(k_new)}")
+        if vn.shape[:2] != (B, Hk) or vn.shape[3] != Dv:
+            raise ValueError(f"v_new must have {B} sequences, {Hk} heads and head dim {Dv}, "
+                             f"got {np.shape(v_new)}")
+        T = kn.shape[2]
+        if vn.shape[2] != T:
+            raise ValueError(f"k_new and v_new must hold the same number of tokens, "
+                             f"got {T} and {vn.shape[2]}")
+        if seq.size and seq.max() + T > S:
+            b = int(np.argmax(seq))
+            raise ValueError(f"cache_seqlens[{b}] + {T} new tokens = {int(seq[b]) + T} exceeds the cache "
+                             f"length {S}")
+        for a, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+            if not a.flags.writeable:
+                raise ValueError(f"{name} must be writable to append k_new/v_new")
+        if np.may_share_memory(k_cache, v_cache):
+            raise ValueError("k_cache and v_cache must not share memory")
+    total = seq + T
+    if is_causal and total.size and total.min() < Lq:
+        b = int(np.argmin(total))
+        raise ValueError(f"q holds {Lq} query tokens but sequence {b} has only {int(total[b])} keys; "
+                         "causal decoding needs cache_seqlens + new tokens >= query length "
+                         "(or pass is_causal=False)")
+    _check_options(window, alibi_slopes, softcap, scale, num_threads, B, Hq, D)
+    if T and B:
+        with np.errstate(over="ignore"):
+            kw = kn if kn.dtype == cdt else kn.astype(cdt)
+            vw = vn if vn.dtype == cdt else vn.astype(cdt)
+        if np.all(seq == seq[0]):
+            s0 = int(seq[0])
+            kc[:, :, s0:s0 + T] = kw
+            vc[:, :, s0:s0 + T] = vw
+        else:
+            for b, s0 in enumerate(seq.tolist()):
+                kc[b, :, s0:s0 + T] = kw[b]
+                vc[b, :, s0:s0 + T] = vw[b]
+    return scaled_dot_product_attention(
+        qa, k_cache, v_cache, is_causal=bool(is_causal), enable_gqa=True, layout=layout, key_lengths=total,
+        window=window, alibi_slopes=alibi_slopes, softcap=softcap, scale=scale, return_lse=return_lse,
+        num_threads=num_threads)
+
+
+def _as_new(x, name, layout):
+    a = as_array(x, name)
+    if not _is_real_float(a.dtype):
+        raise TypeError(f"{name} must be a real floating array, got dtype {a.dtype}")
+    if a.ndim != 4:
+        raise ValueError(f"{name} must be 4-D ({layout}), got shape {a.shape}")
+    return a
+
+
+def _check_options(window, alibi_slopes, softcap, scale, num_threads, B, Hq, D):
+    """The option checks of scaled_dot_product_attention, run before the caches are written."""
+    _window(window)
+    _softcap(softcap)
+    scale_value(scale, D)
+    threads_value(num_threads, lambda: 1)
+    if alibi_slopes is not None:
+        _per_head(alibi_slopes, "alibi_slopes", (B,), Hq, True)

@@ -1,0 +1,470 @@
+"""``MultiHeadAttention``: the projections around the fused kernel, with the
+weights and conventions of ``torch.nn.MultiheadAttention``.
+
+Inputs are batch-first ``(B, L, E)`` or unbatched ``(L, E)``.  The projected
+queries/keys/values are ``(B, L, H, head_dim)`` views handed to the kernel in
+its ``"bshd"`` layout, so no transposes are made; grouped-query attention
+(``num_kv_heads < num_heads``) uses ``enable_gqa`` and never repeats keys.
+
+Masks (note the polarities):
+
+=====================  ==============================  =========================
+argument               bool                            float
+=====================  ==============================  =========================
+``key_padding_mask``   True = padding, IGNORED          added to the scores
+(B, S)                 (torch's convention)
+``attn_mask``          True = MAY attend                added to the scores
+(L, S) ...             (fastattn's / torch SDPA's)
+torch MHA attn_mask    True = NOT allowed (opposite!)   added to the scores
+=====================  ==============================  =========================
+
+Given a torch-style bool ``attn_mask`` for ``torch.nn.MultiheadAttention``,
+pass ``~mask`` here.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from ._checks import as_array
+from .functional import scaled_dot_product_attention
+
+__all__ = ["MultiHeadAttention"]
+
+_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _pos_int(x, name):
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    if x < 1:
+        raise ValueError(f"{name} must be >= 1, got {x}")
+    return int(x)
+
+
+def _to_numpy(x, name):
+    """A torch tensor (detached, on the CPU) or an array-like as a NumPy array."""
+    if hasattr(x, "detach") and hasattr(x, "cpu"):
+        x = x.detach().cpu()
+        if str(getattr(x, "dtype", "")) == "torch.bfloat16":
+            x = x.float()
+        x = x.numpy()
+    return as_array(x, name)
+
+
+class MultiHeadAttention:
+    """Multi-head attention: ``out_proj(attention(q_proj(query), k_proj(key), v_proj(value)))``.
+
+    Parameters
+    ----------
+    embed_dim : int
+        E, the query (and output) feature size; a multiple of ``num_heads``.
+    num_heads : int
+        Query heads H; ``head_dim = embed_dim // num_heads``.
+    num_kv_heads : int, optional
+        Key/value heads Hk (a divisor of ``num_heads``); fewer than H gives
+        grouped-query attention (Hk = 1: multi-query attention).  Default H.
+    kdim, vdim : int, optional
+        Feature sizes of ``key`` and ``value`` (cross-attention); default E.
+    bias : bool
+        Add biases to the four projections.
+    dtype : float32 or float64
+        Dtype of the weights and of the computation; inputs are converted to it.
+    seed : int or numpy.random.Generator, optional
+        Source of the initial weights, drawn like torch's: Xavier-uniform
+        input projections (on the packed ``(E + 2*Hk*head_dim, E)`` matrix when
+        ``kdim == vdim == E``, else each separately), the output projection
+        uniform in ``±1/sqrt(E)``, all biases zero.
+
+    Attributes
+    ----------
+    q_proj_weight (E, E), k_proj_weight (Hk*head_dim, kdim),
+    v_proj_weight (Hk*head_dim, vdim), out_proj_weight (E, E): NumPy arrays
+    ``(out_features, in_features)`` (``y = x @ W.T + b``);
+    q_proj_bias, k_proj_bias, v_proj_bias, out_proj_bias: NumPy arrays or None.
+    """
+
+    def __init__(
+        self,
+        embed_dim,
+        num_heads,
+        *,
+        num_kv_heads=None,
+        kdim=None,
+        vdim=None,
+        bias=True,
+        dtype=np.float32,
+        seed=None,
+    ):
+        self.embed_dim = _pos_int(embed_dim, "embed_dim")
+        self.num_heads = _pos_int(num_heads, "num_heads")
+        if self.embed_dim % self.num_heads:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        self.num_kv_heads = self.num_heads if num_kv_heads is None else _pos_int(num_kv_heads, "num_kv_heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.kdim = self.embed_dim if kdim is None else _pos_int(kdim, "kdim")
+        self.vdim = self.embed_dim if vdim is None else _pos_int(vdim, "vdim")
+        try:
+            dt = np.dtype(dtype)
+        except TypeError:
+            raise TypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
+        if dt not in _DTYPES:
+            raise TypeError(f"dtype must be float32 or float64, got {dt}")
+        self.dtype = dt
+        self.head_dim = self.embed_dim // self.num_heads
+        self.bias = bool(bias)
+        self._init_weights(np.random.default_rng(seed))
+
+    # ------------------------------------------------------------------ weights
+    @property
+    def kv_dim(self):
+        """Output features of the key and value projections: ``num_kv_heads * head_dim``."""
+        return self.num_kv_heads * self.head_dim
+
+    def _shapes(self):
+        E, kv = self.embed_dim, self.kv_dim
+        return {
+            "q_proj_weight": (E, E),
+            "k_proj_weight": (kv, self.kdim),
+            "v_proj_weight": (kv, self.vdim),
+            "out_proj_weight": (E, E),
+            "q_proj_bias": (E,),
+            "k_proj_bias": (kv,),
+            "v_proj_bias": (kv,),
+            "out_proj_bias": (E,),
+        }
+
+    @property
+    def _packed(self):
+        return self.kdim == self.embed_dim and self.vdim == self.embed_dim
+
+    def _init_weights(self, rng):
+        E, kv, dt = self.embed_dim, self.kv_dim, self.dtype
+
+        def xavier(fan_out, fan_in):
+            bound = math.sqrt(6.0 / (fan_in + fan_out))
+            return rng.uniform(-bound, bound, size=(fan_out, fan_in)).astype(dt)
+
+        if self._packed:
+            w = xavier(E + 2 * kv, E)
+            self.q_proj_weight, self.k_proj_weight, self.v_proj_weight = (
+                np.ascontiguousarray(w[:E]),
+                np.ascontiguousarray(w[E : E + kv]),
+                np.ascontiguousarray(w[E + kv :]),
+            )
+        else:
+            self.q_proj_weight = xavier(E, E)
+            self.k_proj_weight = xavier(kv, self.kdim)
+            self.v_proj_weight = xavier(kv, self.vdim)
+        # torch's Linear init (kaiming_uniform with a=sqrt(5)) is uniform(+-1/sqrt(fan_in)).
+        bound = 1.0 / math.sqrt(E)
+        self.out_proj_weight = rng.uniform(-bound, bound, size=(E, E)).astype(dt)
+        if self.bias:
+            self.q_proj_bias = np.zeros(E, dt)
+            self.k_proj_bias = np.zeros(kv, dt)
+            self.v_proj_bias = np.zeros(kv, dt)
+            self.out_proj_bias = np.zeros(E, dt)
+        else:
+            self.q_proj_bias = self.k_proj_bias = self.v_proj_bias = self.out_proj_bias = None
+
+    def state_dict(self):
+        """The weights under ``torch.nn.MultiheadAttention``'s names (copies):
+        ``in_proj_weight`` (packed q, k, v rows) when ``kdim == vdim == embed_dim``,
+        else ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight``; then
+        ``in_proj_bias`` (packed), ``out_proj.weight`` and ``out_proj.bias``
+        (biases only when ``bias=True``)."""
+        d = {}
+        if self._packed:
+            d["in_proj_weight"] = np.concatenate([self.q_proj_weight, self.k_proj_weight, self.v_proj_weight])
+        else:
+            d["q_proj_weight"] = self.q_proj_weight.copy()
+            d["k_proj_weight"] = self.k_proj_weight.copy()
+            d["v_proj_weight"] = self.v_proj_weight.copy()
+        if self.bias:
+            d["in_proj_bias"] = np.concatenate([self.q_proj_bias, self.k_proj_bias, self.v_proj_bias])
+        d["out_proj.weight"] = self.out_proj_weight.copy()
+        if self.bias:
+            d["out_proj.bias"] = self.out_proj_bias.copy()
+        return d
+
+    def load_state_dict(self, state_dict):
+        """Load weights named as in :meth:`state_dict` (NumPy arrays or torch
+        tensors, e.g. ``torch_mha.state_dict()``); converted to ``self.dtype``.
+        Every expected key must be present, with the right shape, and no other."""
+        if not hasattr(state_dict, "keys"):
+            raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+        E, kv = self.embed_dim, self.kv_dim
+        expected = set(self.state_dict())
+        got = set(state_dict.keys())
+        if got != expected:
+            missing, extra = sorted(expected - got), sorted(got - expected)
+            raise ValueError(
+                f"state_dict keys do not match this module: missing {missing}, unexpected {extra}"
+            )
+        arrs = {}
+        for name in expected:
+            a = _to_numpy(state_dict[name], f"state_dict[{name!r}]")
+            if a.dtype.kind not in "fiu" or a.dtype == np.bool_:
+                raise TypeError(f"state_dict[{name!r}] must be a real array, got dtype {a.dtype}")
+            arrs[name] = np.array(a, dtype=self.dtype)  # a copy: never aliases the caller's arrays
+        new = {}
+        if self._packed:
+            w = arrs["in_proj_weight"]
+            if w.shape != (E + 2 * kv, E):
+                raise ValueError(
+                    f"state_dict['in_proj_weight'] must have shape {(E + 2 * kv, E)}, got {w.shape}"
+                )
+            new["q_proj_weight"], new["k_proj_weight"], new["v_proj_weight"] = (
+                np.ascontiguousarray(w[:E]),
+                np.ascontiguousarray(w[E : E + kv]),
+                np.ascontiguousarray(w[E + kv :]),
+            )
+        else:
+            for n in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+                new[n] = arrs[n]
+        new["out_proj_weight"] = arrs["out_proj.weight"]
+        if self.bias:
+            b = arrs["in_proj_bias"]
+            if b.shape != (E + 2 * kv,):
+                raise ValueError(f"state_dict['in_proj_bias'] must have shape {(E + 2 * kv,)}, got {b.shape}")
+            new["q_proj_bias"], new["k_proj_bias"], new["v_proj_bias"] = (
+                b[:E].copy(),
+                b[E : E + kv].copy(),
+                b[E + kv :].copy(),
+            )
+            new["out_proj_bias"] = arrs["out_proj.bias"]
+        shapes = self._shapes()
+        for n, a in new.items():
+            if a.shape != shapes[n]:
+                src = {"out_proj_weight": "out_proj.weight", "out_proj_bias": "out_proj.bias"}.get(n, n)
+                raise ValueError(f"state_dict[{src!r}] must have shape {shapes[n]}, got {a.shape}")
+        for n, a in new.items():
+            setattr(self, n, a)
+
+    @classmethod
+    def from_torch(cls, module, *, dtype=None):
+        """A module with the weights of a ``torch.nn.MultiheadAttention``.
+
+        Works for ``batch_first`` True or False (this module is always batch
+        first: give it ``(B, L, E)`` inputs).  ``add_bias_kv`` and
+        ``add_zero_attn`` are not supported (ValueError); dropout is ignored
+        (inference).  ``dtype`` defaults to float64 for a float64 module, else
+        float32.
+        """
+        for attr in ("embed_dim", "num_heads", "in_proj_bias", "out_proj"):
+            if not hasattr(module, attr):
+                raise TypeError(f"module must be a torch.nn.MultiheadAttention, got {type(module).__name__}")
+        if getattr(module, "bias_k", None) is not None or getattr(module, "add_zero_attn", False):
+            raise ValueError("module: add_bias_kv and add_zero_attn are not supported")
+        if dtype is None:
+            dtype = np.float64 if str(module.out_proj.weight.dtype) == "torch.float64" else np.float32
+        m = cls(
+            module.embed_dim,
+            module.num_heads,
+            kdim=module.kdim,
+            vdim=module.vdim,
+            bias=module.in_proj_bias is not None,
+            dtype=dtype,
+        )
+        m.load_state_dict({k: v for k, v in module.state_dict().items() if k in m.state_dict()})
+        return m
+
+    # ------------------------------------------------------------------ forward
+    def _input(self, x, name, feat, batched):
+        a = as_array(x, name)
+        if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
+            raise TypeError(f"{name} must be a floating array, got dtype {a.dtype}")
+        want = 3 if batched else 2
+        if a.ndim != want:
+            raise ValueError(
+                f"{name} must be {'(B, L, E)' if batched else '(L, E)'} like query, got shape {a.shape}"
+            )
+        if a.shape[-1] != feat:
+            raise ValueError(f"{name} must have {feat} features in its last dim, got shape {a.shape}")
+        return a if a.dtype == self.dtype else a.astype(self.dtype)
+
+    def _project(self, x, w, b, heads):
+        y = np.matmul(x, w.T)
+        if b is not None:
+            y += b
+        return y.reshape(x.shape[:-1] + (heads, self.head_dim))
+
+    def _masks(self, key_padding_mask, attn_mask, B, L, S):
+        """The combined mask, broadcastable to (B, H, L, S), or None."""
+        H, ft = self.num_heads, self.dtype
+        kpm = None
+        if key_padding_mask is not None:
+            k = as_array(key_padding_mask, "key_padding_mask")
+            if k.shape != (B, S):
+                raise ValueError(
+                    f"key_padding_mask must have shape {(B, S)} (batch, key length), got {k.shape}"
+                )
+            if k.dtype == np.bool_:
+                kpm = ~k  # True = may attend
+            elif k.dtype.kind == "f":
+                kpm = k.astype(ft, copy=False)
+            else:
+                raise TypeError(f"key_padding_mask must be bool or floating, got dtype {k.dtype}")
+            kpm = kpm[:, None, None, :]
+        am = None
+        if attn_mask is not None:
+            a = as_array(attn_mask, "attn_mask")
+            if a.dtype != np.bool_ and a.dtype.kind != "f":
+                raise TypeError(f"attn_mask must be bool or floating, got dtype {a.dtype}")
+            if a.dtype.kind == "f":
+                a = a.astype(ft, copy=False)
+            if a.ndim == 3 and a.shape[0] == B * H and B > 1:
+                a = a.reshape(B, H, L, S)  # torch's (B * num_heads, L, S)
+            elif a.ndim == 4 and a.shape[0] not in (1, B):
+                raise ValueError(f"attn_mask of shape {a.shape} does not broadcast to {(B, H, L, S)}")
+            try:
+                np.broadcast_shapes(a.shape, (B, H, L, S))
+            except ValueError:
+                raise ValueError(
+                    f"attn_mask of shape {a.shape} must broadcast to {(B, H, L, S)} or be ({B * H}, {L}, {S})"
+                ) from None
+            if a.ndim > 4:
+                raise ValueError(f"attn_mask must have at most 4 dims, got shape {a.shape}")
+            am = a
+        if kpm is None or am is None:
+            return kpm if am is None else am
+        if kpm.dtype == np.bool_ and am.dtype == np.bool_:
+            return np.logical_and(am, kpm)
+
+        def add(m):
+            return np.where(m, ft.type(0), ft.type(-np.inf)) if m.dtype == np.bool_ else m
+
+        return add(am) + add(kpm)
+
+    def __call__(
+        self,
+        query,
+        key=None,
+        value=None,
+        *,
+        key_padding_mask=None,
+        attn_mask=None,
+        is_causal=False,
+        need_weights=False,
+        average_attn_weights=True,
+        num_threads=None,
+    ):
+        """Attend ``query`` to ``key``/``value``.
+
+        query: ``(B, L, E)`` or unbatched ``(L, E)``.  key: ``(B, S, kdim)``,
+        value: ``(B, S, vdim)``; key defaults to query (self-attention) and
+        value to key.
+        key_padding_mask: ``(B, S)`` (``(S,)`` unbatched); bool True marks a
+            padding key to IGNORE (torch's convention), a float is added.
+        attn_mask: fastattn's convention, bool True = MAY attend (the opposite
+            of torch.nn.MultiheadAttention's bool attn_mask), float added;
+            ``(L, S)``, torch's ``(B * num_heads, L, S)``, or anything
+            broadcastable to ``(B, num_heads, L, S)``.  Only a mask given at
+            full size is full size: a key padding mask alone is passed as
+            ``(B, 1, 1, S)``; with an attn_mask the two are combined at their
+            broadcast shape.
+        is_causal: query i sees keys j <= i + (S - L) (bottom-right aligned;
+            the usual lower triangle for self-attention), applied in the kernel
+            without a mask.  Combined with attn_mask when both are given.
+        need_weights: also return the attention probabilities, recomputed
+            from the log-sum-exp the kernel returns so that they are the
+            weights that produced the output.  ``(B, H, L, S)``, or
+            ``(B, L, S)`` averaged over heads when ``average_attn_weights``.
+            Without it nothing of size L x S is allocated.
+        num_threads: threads of the attention kernel (the projections use
+            NumPy's BLAS).
+
+        Rows whose keys are all masked give zeros (torch gives NaN) and zero weights.
+        Returns ``out`` ``(B, L, E)`` (``(L, E)`` unbatched) in ``self.dtype``,
+        or ``(out, weights)`` when ``need_weights``.
+        """
+        q_in = as_array(query, "query")
+        batched = q_in.ndim == 3
+        if q_in.ndim not in (2, 3):
+            raise ValueError(f"query must be (B, L, E) or (L, E), got shape {q_in.shape}")
+        x = self._input(q_in, "query", self.embed_dim, batched)
+        if key is None and value is not None:
+            raise ValueError("value given without key")
+        kx = x if key is None else self._input(key, "key", self.kdim, batched)
+        vx = kx if value is None else self._input(value, "value", self.vdim, batched)
+        if value is None and self.vdim != self.kdim:
+            raise ValueError(f"value must be given when vdim ({self.vdim}) != kdim ({self.kdim})")
+        if not batched:
+            x, kx, vx = x[None], kx[None], vx[None]
+            if key_padding_mask is not None:
+                key_padding_mask = as_array(key_padding_mask, "key_padding_mask")[None]
+            if attn_mask is not None:
+                am = as_array(attn_mask, "attn_mask")
+                attn_mask = am[None] if am.ndim == 3 else am
+        B, L, _ = x.shape
+        if kx.shape[0] != B or vx.shape[0] != B:
+            raise ValueError(
+                f"query, key and value must have the same batch size, got "
+                f"{x.shape[0]}, {kx.shape[0]}, {vx.shape[0]}"
+            )
+        S = kx.shape[1]
+        if vx.shape[1] != S:
+            raise ValueError(f"key and value must have the same length, got {kx.shape[1]} and {vx.shape[1]}")
+        mask = self._masks(key_padding_mask, attn_mask, B, L, S)
+
+        H, Hk = self.num_heads, self.num_kv_heads
+        q = self._project(x, self.q_proj_weight, self.q_proj_bias, H)  # (B, L, H, hd)
+        k = self._project(kx, self.k_proj_weight, self.k_proj_bias, Hk)  # (B, S, Hk, hd)
+        v = self._project(vx, self.v_proj_weight, self.v_proj_bias, Hk)
+        res = scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            mask,
+            is_causal=bool(is_causal),
+            enable_gqa=Hk != H,
+            layout="bshd",
+            return_lse=bool(need_weights),
+            num_threads=num_threads,
+        )
+        o, lse = res if need_weights else (res, None)
+        y = np.matmul(o.reshape(B, L, self.embed_dim), self.out_proj_weight.T)
+        if self.out_proj_bias is not None:
+            y += self.out_proj_bias
+        if not batched:
+            y = y[0]
+        if not need_weights:
+            return y
+        w = self._weights(q, k, mask, bool(is_causal), lse)
+        if average_attn_weights:
+            w = w.mean(axis=1)
+        return y, (w if batched else w[0])
+
+    def _weights(self, q, k, mask, is_causal, lse):
+        """exp(scores * scale + mask - lse): (B, H, L, S)."""
+        B, L, H, hd = q.shape
+        S, Hk = k.shape[1], k.shape[2]
+        g = H // Hk
+        qg = q.reshape(B, L, Hk, g, hd).transpose(0, 2, 3, 1, 4)  # (B, Hk, g, L, hd)
+        kt = k.transpose(0, 2, 3, 1)[:, :, None]  # (B, Hk, 1, hd, S)
+        s = np.matmul(qg, kt).reshape(B, H, L, S)
+        s *= self.dtype.type(1.0 / math.sqrt(hd))
+        if mask is not None:
+            if mask.dtype == np.bool_:
+                s = np.where(mask, s, -np.inf)
+            else:
+                s += mask
+        if is_causal:
+            s = np.where(np.arange(S)[None, :] <= np.arange(L)[:, None] + (S - L), s, -np.inf)
+        lse = lse[..., None]
+        with np.errstate(invalid="ignore", over="ignore"):
+            p = np.exp(s - lse)
+        return np.where(np.isfinite(lse), p, 0).astype(self.dtype, copy=False)
+
+    def __repr__(self):
+        extra = "" if self.num_kv_heads == self.num_heads else f", num_kv_heads={self.num_kv_heads}"
+        if not self._packed:
+            extra += f", kdim={self.kdim}, vdim={self.vdim}"
+        return (
+            f"MultiHeadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}{extra}, "
+            f"bias={self.bias}, dtype={self.dtype.name})"
+        )

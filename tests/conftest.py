@@ -1,0 +1,99 @@
+"""Shared helpers for the fastattn test suite.
+
+Every test compares the kernel with :mod:`fastattn.reference` (a float64 NumPy
+oracle) at a tolerance derived from the precision of the inputs.
+
+With ``FASTATTN_TEST_INSTALLED=1`` (set by ``.ci/run``) the session refuses to
+start unless ``fastattn`` was imported from an installed copy (site-packages),
+so that CI tests what a user installs rather than the source tree.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import fastattn
+from fastattn import _kernels
+from fastattn import reference as ref
+
+ISAS = [isa for isa in _kernels.ISA_NAMES if _kernels.cpu_has(isa)]
+
+# Relative tolerances (relative to the output scale): float32 kernels
+# accumulate in float32 and use a polynomial exp2; float64 kernels are exact
+# to a few ulp of float64 per accumulated term.
+TOL = {np.dtype(np.float32): 1e-4, np.dtype(np.float64): 1e-10}
+
+
+def pytest_report_header(config):
+    return f"fastattn {fastattn.__version__} from {os.path.dirname(fastattn.__file__)}; ISA paths: {ISAS}"
+
+
+def pytest_configure(config):
+    if os.environ.get("FASTATTN_TEST_INSTALLED") == "1":
+        path = os.path.realpath(fastattn.__file__)
+        if "site-packages" not in path and "dist-packages" not in path:
+            raise pytest.UsageError(
+                f"FASTATTN_TEST_INSTALLED=1 but fastattn was imported from {path}, not an installed copy")
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(12345)
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Run the test under each ISA path this CPU has; restore the original after."""
+    before = fastattn.get_isa()
+    fastattn.set_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        fastattn.set_isa(before)
+
+
+def randn(rng, shape, dtype=np.float32, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(dtype)
+
+
+def assert_close(out, expected, dtype=None, tol=None, what="output"):
+    """Compare at ``tol`` relative to the scale of ``expected`` (max |expected|,
+    at least 1); NaN and +-inf must sit at the same places."""
+    out = np.asarray(out)
+    expected = np.asarray(expected, dtype=np.float64)
+    assert out.shape == expected.shape, f"{what}: shape {out.shape} != {expected.shape}"
+    if tol is None:
+        tol = TOL[np.dtype(dtype if dtype is not None else out.dtype)]
+    o = out.astype(np.float64)
+    np.testing.assert_array_equal(np.isnan(o), np.isnan(expected), err_msg=f"{what}: NaN positions")
+    inf = np.isinf(expected)
+    np.testing.assert_array_equal(o[inf], expected[inf], err_msg=f"{what}: infinite values")
+    fin = np.isfinite(expected)
+    if not fin.any():
+        return
+    scale = max(1.0, float(np.abs(expected[fin]).max()))
+    err = np.abs(o[fin] - expected[fin])
+    assert np.all(np.isfinite(o[fin])), f"{what}: non-finite values where the reference is finite"
+    assert err.max() <= tol * scale, f"{what}: max error {err.max():.3e} > {tol:.1e} * {scale:.3g}"
+
+
+def check_sdpa(q, k, v, *, lse_too=True, **kw):
+    """Run kernel and reference with the same arguments; compare output and LSE."""
+    dt = np.dtype(np.float64 if np.asarray(q).dtype == np.float64 else np.float32)
+    copies = [np.array(a, copy=True) for a in (q, k, v)]
+    mask = kw.get("attn_mask")
+    mcopy = None if mask is None else np.array(mask, copy=True)
+    o, lse = fastattn.scaled_dot_product_attention(q, k, v, return_lse=True, **kw)
+    ro, rlse = ref.scaled_dot_product_attention(q, k, v, return_lse=True, **kw)
+    assert o.dtype == np.asarray(q).dtype.newbyteorder("=")
+    assert lse.dtype == dt
+    assert_close(o, ro, dt)
+    if lse_too:
+        assert_close(lse, rlse, dt, what="lse")
+    for a, c in zip((q, k, v), copies):
+        np.testing.assert_array_equal(a, c)  # inputs never modified
+    if mask is not None:
+        np.testing.assert_array_equal(mask, mcopy)
+    return o, lse

@@ -1,0 +1,151 @@
+"""Every instruction-set path this CPU has: kernel against the reference at
+tile boundaries, and the vectorised exp2 over its whole input range."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import ISAS, assert_close, check_sdpa, randn
+
+import fastattn
+from fastattn import _kernels
+
+sdpa = fastattn.scaled_dot_product_attention
+
+# Query tiles are 48/96 rows and key tiles 64/128 keys: probe 1, tile-1, tile, tile+1 and primes.
+LS = [(1, 1), (47, 63), (48, 64), (49, 65), (95, 127), (96, 128), (97, 129), (101, 257), (193, 131),
+      (7, 300)]
+
+
+@pytest.mark.parametrize("L,S", LS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_boundaries(isa, rng, L, S, causal):
+    q, k, v = randn(rng, (1, 2, L, 40)), randn(rng, (1, 2, S, 40)), randn(rng, (1, 2, S, 24))
+    check_sdpa(q, k, v, is_causal=causal)
+
+
+@pytest.mark.parametrize("D", [1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 64, 80, 128, 256])
+def test_head_dims(isa, rng, D):
+    q, k, v = randn(rng, (1, 2, 50, D)), randn(rng, (1, 2, 70, D)), randn(rng, (1, 2, 70, D))
+    check_sdpa(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("mdtype", [np.bool_, np.float32, np.float64])
+def test_masks_gqa_layout(isa, rng, mdtype):
+    q, k, v = randn(rng, (2, 30, 4, 33)), randn(rng, (2, 131, 2, 33)), randn(rng, (2, 131, 2, 33))
+    m = rng.random((4, 30, 131)) > 0.3 if mdtype is np.bool_ else randn(rng, (4, 1, 131), mdtype)
+    check_sdpa(q, k, v, attn_mask=m, is_causal=True, enable_gqa=True, layout="bshd")
+
+
+def test_decode_split_kv(isa, rng):
+    q, k, v = randn(rng, (1, 4, 1, 64)), randn(rng, (1, 4, 3001, 64)), randn(rng, (1, 4, 3001, 64))
+    check_sdpa(q, k, v)
+
+
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+def test_16bit_conversion(isa, rng, dt):
+    from fastattn import reference as ref
+
+    dtype = np.dtype(np.float16) if dt == "float16" else np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
+    q = randn(rng, (1, 2, 49, 24))
+    k, v = (randn(rng, (1, 2, 65, 24)).astype(dtype) for _ in range(2))
+    assert_close(sdpa(q, k, v), ref.scaled_dot_product_attention(q, k, v), np.float32)
+
+
+def test_paths_agree(rng):
+    """All available paths give the same result to float32 accuracy."""
+    q, k, v = randn(rng, (2, 3, 97, 64)), randn(rng, (2, 3, 129, 64)), randn(rng, (2, 3, 129, 64))
+    before = fastattn.get_isa()
+    outs = []
+    try:
+        for i in ISAS:
+            fastattn.set_isa(i)
+            assert fastattn.get_isa() == i
+            outs.append(sdpa(q, k, v, is_causal=True))
+    finally:
+        fastattn.set_isa(before)
+    for o in outs[1:]:
+        assert_close(o, outs[0], np.float32)
+
+
+def test_unavailable_isa_rejected():
+    missing = [i for i in _kernels.ISA_NAMES if not _kernels.cpu_has(i)]
+    if not missing:
+        pytest.skip("this CPU has every ISA path")
+    before = fastattn.get_isa()
+    with pytest.raises(ValueError, match=missing[0]):
+        fastattn.set_isa(missing[0])
+    assert fastattn.get_isa() == before
+    with pytest.raises(ValueError):
+        _kernels.exp2(np.zeros(4, np.float32), missing[0])
+
+
+def test_scalar_always_available():
+    assert _kernels.cpu_has("scalar")
+    assert fastattn.get_isa() in ISAS
+
+
+# --- exp2 --------------------------------------------------------------------
+
+def _exp2_inputs():
+    rng = np.random.default_rng(7)
+    bits = rng.integers(0, 2**32, 1_000_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    grid = np.linspace(-152.0, 130.0, 1_000_001, dtype=np.float32)
+    ints = np.arange(-160, 140, dtype=np.float32)
+    halves = ints + np.float32(0.5)
+    small = np.float32(2.0) ** np.arange(-149, 0, dtype=np.float32)  # tiny |x| around 1.0
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 127.99999, 128.0, -126.0, -149.0, -149.5,
+                        -150.0, -150.5, 1e30, -1e30, np.finfo(np.float32).max, -np.finfo(np.float32).max],
+                       np.float32)
+    x = np.concatenate([bits, grid, ints, halves, small, -small, special])
+    with np.errstate(over="ignore", invalid="ignore"):
+        return x, np.exp2(x.astype(np.float64))
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 16, 17, 33])
+def test_exp2_lengths(isa, n):
+    x = np.linspace(-3, 3, n).astype(np.float32)
+    y = _kernels.exp2(x, isa)
+    assert y.shape == (n,) and y.dtype == np.float32
+    np.testing.assert_allclose(y, np.exp2(x.astype(np.float64)), rtol=3e-7)
+
+
+def test_exp2_whole_range(isa):
+    x, exact = _exp2_inputs()
+    x0 = x.copy()
+    with np.errstate(over="ignore"):
+        y = _kernels.exp2(x, isa).astype(np.float64)
+        exact32 = exact.astype(np.float32).astype(np.float64)  # correctly rounded float32
+    np.testing.assert_array_equal(x, x0)  # input untouched
+    nan = np.isnan(x)
+    assert np.all(np.isnan(y[nan])), "NaN -> NaN"
+    fin = ~nan
+    y, exact, exact32, x = y[fin], exact[fin], exact32[fin], x[fin]
+    assert not np.any(np.isnan(y)), "NaN from a non-NaN input"
+    assert np.all(y >= 0)
+
+    tiny, fmax = 2.0**-126, float(np.finfo(np.float32).max)
+    normal = (exact >= tiny) & (exact32 <= fmax)
+    ulp = 2.0 ** (np.floor(np.log2(exact[normal])) - 23)
+    err = np.abs(y[normal] - exact[normal]) / ulp
+    worst = int(np.argmax(err))
+    assert err.max() <= 2.0, f"{isa}: exp2({x[normal][worst]!r}) off by {err.max():.2f} ulp"
+
+    sub = exact < tiny  # denormal results, underflow, -inf
+    d = np.abs(y[sub] - exact32[sub])
+    assert d.max() <= 2.0**-149, f"{isa}: denormal result off by {d.max() / 2.0**-149:.1f} x 2**-149"
+    assert np.all(y[exact < 2.0**-151] == 0), "deep underflow must give 0"
+    assert np.all(y[x == -np.inf] == 0)
+
+    big = np.isinf(exact32)  # beyond the float32 range
+    assert np.all(np.isinf(y[big]) & (y[big] > 0)), "overflow must give +inf"
+    assert np.all(y[x == 0] == 1.0)
+    ints = (x == np.round(x)) & (x >= -126) & (x <= 127)
+    np.testing.assert_array_equal(y[ints], exact[ints])  # powers of two are exact
+
+
+def test_exp2_paths_close():
+    x, _ = _exp2_inputs()
+    x = x[np.isfinite(x) & (np.abs(x) < 120)]
+    ys = [_kernels.exp2(x, i).astype(np.float64) for i in ISAS]
+    for y in ys[1:]:
+        np.testing.assert_allclose(y, ys[0], rtol=4 * 2.0**-23)
