@@ -36,7 +36,15 @@ except ImportError as _e:  # the CPU-only build (or a CUDA module that cannot lo
     _missing = isinstance(_e, ModuleNotFoundError) or "cannot import name '_cuda'" in str(_e)
     _IMPORT_ERROR = None if _missing else f"{type(_e).__name__}: {_e}"
 
-__all__ = ["scaled_dot_product_attention", "is_built", "is_available", "build_info", "DeviceArray"]
+__all__ = [
+    "scaled_dot_product_attention",
+    "is_built",
+    "is_available",
+    "build_info",
+    "DeviceArray",
+    "to_device",
+    "synchronize",
+]
 
 MAX_HEAD_DIM = 256
 # enum fa_dtype and enum fa_mask_kind of csrc/fastattn.h
@@ -217,6 +225,22 @@ class _View:
         return lo, hi + item
 
 
+def to_device(a) -> DeviceArray:
+    """Copy a NumPy array (any dtype fastattn takes) to a new C-contiguous :class:`DeviceArray`."""
+    _require()
+    a = np.ascontiguousarray(as_array(a, "a"))
+    d = DeviceArray(a.shape, a.dtype)
+    if a.nbytes:
+        _cuda.memcpy_htod(d._buf.ptr, a.ctypes.data, a.nbytes)
+    return d
+
+
+def synchronize() -> None:
+    """Wait for all work on the current device (``cudaDeviceSynchronize``)."""
+    _require()
+    _cuda.synchronize()
+
+
 def _is_device(x):
     try:
         return hasattr(x, "__cuda_array_interface__")
@@ -237,7 +261,9 @@ def _from_cai(obj, name, writable=False):
         dtype = np.dtype(typestr)
     except TypeError:
         raise TypeError(f"{name} has a dtype NumPy does not know: {typestr!r}") from None
-    if dtype.kind == "V" and dtype.itemsize == 2 and BFLOAT16 is not None:
+    if isinstance(obj, DeviceArray):
+        dtype = obj.dtype  # keeps bfloat16, which typestr cannot name
+    elif dtype.kind == "V" and dtype.itemsize == 2 and BFLOAT16 is not None:
         descr = cai.get("descr")
         if descr and "bfloat16" in str(descr):
             dtype = BFLOAT16

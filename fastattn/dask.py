@@ -67,13 +67,8 @@ def _part(q, k, v, m, *, geom, opts):
     window = None
     if kind == "partial":
         Lc, Sc = i1 - i0, j1 - j0
-        b = Sc - Lc  # the chunk call aligns its own window to its bottom right
-        off = j0 - i0  # global (j - i) = local (j - i) + off
-        right = -1 if hi is None else hi - off - b
-        left = -1 if lo is None else b - lo + off
-        if (hi is None or right >= 0) and (lo is None or left >= 0):
-            window = (left, right)
-        else:  # not expressible as a window of the chunk: explicit boolean mask of Lc x Sc
+        window = _chunk_window(i0, i1, j0, j1, lo, hi)
+        if window is None:  # not expressible as a window of the chunk: explicit boolean mask of Lc x Sc
             dj = np.arange(j0, j1)[None, :] - np.arange(i0, i1)[:, None]
             vis = np.ones((Lc, Sc), dtype=bool)
             if lo is not None:
@@ -91,6 +86,25 @@ def _part(q, k, v, m, *, geom, opts):
     return _functional.scaled_dot_product_attention(
         q, k, v, m, scale=opts["scale"], enable_gqa=opts["gqa"], layout=opts["layout"],
         return_lse=True, window=window, num_threads=opts["threads"])
+
+
+def _chunk_window(i0, i1, j0, j1, lo, hi):
+    """The (left, right) window of the chunk call equal to ``lo <= j - i <= hi``
+    on global indices, or None when that cannot be written as a window.
+
+    The chunk call aligns its window to the chunk's own bottom right: local
+    query a sees local keys c with ``Sc - Lc - left <= c - a <= Sc - Lc + right``,
+    and global ``j - i = (c - a) + (j0 - i0)``.  A bound that would need a
+    negative left or right (some rows of the chunk see none of its keys on
+    that side) is not expressible.
+    """
+    b = (j1 - j0) - (i1 - i0)
+    off = j0 - i0
+    right = -1 if hi is None else hi - off - b
+    left = -1 if lo is None else b - lo + off
+    if (hi is not None and right < 0) or (lo is not None and left < 0):
+        return None
+    return left, right
 
 
 def _merge2(a, b, *, layout):

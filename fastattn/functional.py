@@ -305,7 +305,7 @@ def scaled_dot_product_attention(
         mask_kind = _MASK_KINDS[mask.dtype]
 
     alibi = None if alibi_slopes is None else _per_head(alibi_slopes, "alibi_slopes", lead, Hq, True)
-    sk = None if sinks is None else _per_head(sinks, "sinks", lead, Hq, False)[0].copy()
+    sk = None if sinks is None else _per_head(sinks, "sinks", (1,), Hq, False)[0].copy()
     k_lens = None if key_lengths is None else _lengths(key_lengths, "key_lengths", lead, S)
     q_lens = None if query_lengths is None else _lengths(query_lengths, "query_lengths", lead, L)
     bmask, bm_q, bm_k = None, 1, 1

@@ -34,6 +34,7 @@ def scaled_dot_product_attention(
     query_lengths: Optional[npt.ArrayLike] = None,
     block_mask: Optional[npt.ArrayLike] = None,
     block_size: Optional[tuple[int, int]] = None,
+    device: Optional[Literal["cpu", "cuda"]] = None,
 ) -> np.ndarray: ...
 @overload
 def scaled_dot_product_attention(
@@ -58,6 +59,7 @@ def scaled_dot_product_attention(
     query_lengths: Optional[npt.ArrayLike] = None,
     block_mask: Optional[npt.ArrayLike] = None,
     block_size: Optional[tuple[int, int]] = None,
+    device: Optional[Literal["cpu", "cuda"]] = None,
 ) -> tuple[np.ndarray, np.ndarray]: ...
 @overload
 def varlen_attention(

@@ -26,7 +26,7 @@ def _random_chunks(rng, n):
     """A random chunking of a length-n dim (1 to 4 pieces, possibly one piece)."""
     if n <= 1 or rng.random() < 0.25:
         return (n,)
-    cuts = sorted(set(rng.integers(1, n, size=rng.integers(1, 4)).tolist()))
+    cuts = sorted(set(rng.integers(1, n, size=rng.integers(1, 3)).tolist()))
     b = [0] + cuts + [n]
     return tuple(y - x for x, y in zip(b[:-1], b[1:]))
 
@@ -37,12 +37,12 @@ def _case(seed):
     dtype = [np.float32, np.float32, np.float64, np.float16, BF16 or np.float16][seed % 5]
     nlead = int(rng.integers(0 if layout == "bhsd" else 1, 3)) if seed % 7 else (0 if layout == "bhsd" else 1)
     two_d = layout == "bhsd" and seed % 7 == 0
-    lead = tuple(int(x) for x in rng.integers(1, 4, size=nlead))
-    Hk = int(rng.integers(1, 4))
+    lead = tuple(int(x) for x in rng.integers(1, 3, size=nlead))
+    Hk = int(rng.integers(1, 3))
     G = int(rng.choice([1, 1, 2, 3]))
     Hq = 1 if two_d else Hk * G
     Hk = 1 if two_d else Hk
-    L, S = int(rng.integers(1, 40)), int(rng.integers(1, 50))
+    L, S = int(rng.integers(1, 30)), int(rng.integers(1, 40))
     D, Dv = int(rng.choice([4, 8, 16])), int(rng.choice([3, 8, 16]))
 
     def shape(H, n, d):
@@ -79,7 +79,7 @@ def _tol(dtype):
     return {np.dtype(np.float64): 1e-11, np.dtype(np.float32): 2e-5}.get(np.dtype(dtype), 2e-2)
 
 
-@pytest.mark.parametrize("seed", range(48))
+@pytest.mark.parametrize("seed", range(40))
 def test_matches_in_memory_random(seed):
     q, k, v, qd, kd, vd, mask, kw = _case(seed)
     m_np = np.asarray(mask) if mask is not None else None
@@ -143,26 +143,33 @@ def test_chunk_pair_offsets_exhaustive(causal, window, L, S):
     hi = None if wr < 0 else S - L + wr
     fmask = rng.standard_normal((L, S)).astype(np.float32)
     opts = dict(scale=0.3, gqa=False, layout="bhsd", threads=1)
-    kinds = set()
+    pairs = []
     for i0, i1 in itertools.combinations(range(L + 1), 2):
         for j0, j1 in itertools.combinations(range(S + 1), 2):
             kind = fd._visibility(i0, i1, j0, j1, lo, hi)
             sub = vis[i0:i1, j0:j1]
             assert kind == ("none" if not sub.any() else "full" if sub.all() else "partial")
-            if kind == "none":
-                continue
-            kinds.add(kind)
-            for user in (None, fmask[i0:i1, j0:j1]):
-                want_m = sub if user is None else np.where(sub, user, -np.inf).astype(np.float32)
-                want = fastattn.scaled_dot_product_attention(
-                    q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], want_m, scale=0.3, return_lse=True)
-                got = fd._part(q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], user,
-                               geom=(i0, i1, j0, j1, lo, hi, kind), opts=opts)
-                np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
-                np.testing.assert_array_equal(np.isneginf(got[1]), np.isneginf(want[1]))
-                f = np.isfinite(want[1])
-                np.testing.assert_allclose(got[1][f], want[1][f], rtol=1e-6, atol=1e-6)
-    assert "full" in kinds or "partial" in kinds
+            if kind != "none":
+                pairs.append((i0, i1, j0, j1, kind))
+    # numerics on a sample of the pairs (all of them would take too long), partial ones first
+    pairs.sort(key=lambda p: (p[4] != "partial", rng.random()))
+    paths = set()
+    for n, (i0, i1, j0, j1, kind) in enumerate(pairs[:48]):
+        if kind == "partial":
+            paths.add(fd._chunk_window(i0, i1, j0, j1, lo, hi) is None)
+        sub = vis[i0:i1, j0:j1]
+        user = None if n % 2 else fmask[i0:i1, j0:j1]
+        want_m = sub if user is None else np.where(sub, user, -np.inf).astype(np.float32)
+        want = fastattn.scaled_dot_product_attention(
+            q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], want_m, scale=0.3, return_lse=True)
+        got = fd._part(q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], user,
+                       geom=(i0, i1, j0, j1, lo, hi, kind), opts=opts)
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(np.isneginf(got[1]), np.isneginf(want[1]))
+        f = np.isfinite(want[1])
+        np.testing.assert_allclose(got[1][f], want[1][f], rtol=1e-6, atol=1e-6)
+    if window is not None or causal:
+        assert paths == {True, False}  # both the window path and the explicit-mask path were checked
 
 
 def _count(arr, prefix):

@@ -154,7 +154,7 @@ def test_need_weights_consistent(rng):
 
 
 def test_no_lxs_allocation_without_weights(rng):
-    L = S = 1024
+    L = S = 2048
     m = MHA(8, 1, seed=6)
     x = randn(rng, (1, L, 8))
     kpm = np.zeros((1, S), bool)
@@ -166,7 +166,8 @@ def test_no_lxs_allocation_without_weights(rng):
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak < L * S // 4, f"peak {peak} bytes: an L x S buffer was allocated"
+    # projections take ~L * 8 * 4 * 6 bytes; even an L x S bool array would take L * S.
+    assert peak < L * S // 2, f"peak {peak} bytes: an L x S buffer was allocated"
 
 
 # --- weights ---------------------------------------------------------------------

@@ -10,6 +10,8 @@ import itertools
 import numpy as np
 import pytest
 from conftest import assert_close, check_sdpa, randn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fastattn
 from fastattn import reference as ref
@@ -504,3 +506,48 @@ def test_varlen_bad_variant_arguments(rng):
     ):
         with pytest.raises(exc, match=name):
             fastattn.varlen_attention(q, k, v, cq, ck, **kw)
+
+
+# --- random combinations --------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    L=st.integers(1, 130),
+    S=st.integers(1, 140),
+    Hk=st.sampled_from([1, 2]),
+    G=st.sampled_from([1, 2]),
+    dtype=st.sampled_from(DTYPES),
+    layout=st.sampled_from(["bhsd", "bshd"]),
+    causal=st.booleans(),
+    window=st.one_of(st.none(), st.tuples(st.integers(-1, 100), st.integers(-1, 100))),
+    use_alibi=st.booleans(),
+    softcap=st.one_of(st.none(), st.floats(0.5, 20.0)),
+    use_sinks=st.booleans(),
+    use_lengths=st.booleans(),
+    block=st.one_of(st.none(), st.tuples(st.integers(1, 100), st.integers(1, 150))),
+    mask=st.sampled_from([None, "bool", "float"]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_combinations(
+    L, S, Hk, G, dtype, layout, causal, window, use_alibi, softcap, use_sinks, use_lengths, block, mask, seed
+):
+    rng = np.random.default_rng(seed)
+    B, Hq = 2, Hk * G
+    q, k, v = qkv(rng, B, Hq, L, S, D=8, Hk=Hk, dtype=dtype, layout=layout)
+    kw = dict(is_causal=causal, enable_gqa=G > 1, layout=layout, window=window, softcap=softcap)
+    if use_alibi:
+        kw["alibi_slopes"] = rng.random((B, Hq))
+    if use_sinks:
+        kw["sinks"] = rng.standard_normal(Hq)
+    if use_lengths:
+        kw["key_lengths"] = rng.integers(0, S + 1, B)
+        kw["query_lengths"] = rng.integers(0, L + 1, B)
+    if block is not None:
+        kw["block_mask"] = rng.random((B, Hq, -(-L // block[0]), -(-S // block[1]))) < 0.7
+        kw["block_size"] = block
+    if mask == "bool":
+        kw["attn_mask"] = rng.random((L, S)) < 0.8
+    elif mask == "float":
+        kw["attn_mask"] = randn(rng, (B, 1, L, S), dtype)
+    check_sdpa(q, k, v, **kw)

@@ -1,0 +1,516 @@
+"""Tests of the optional CUDA backend (fastattn.cuda, fastattn._cuda).
+
+Three layers:
+
+- ``gpu``: the real kernel against fastattn.reference; skipped (not failed)
+  without the extension or a GPU.
+- ``emulated``: the same tests run through fastattn.cuda's Python layer
+  (argument checks, uploads, layouts, broadcast strides, the params dict
+  handed to C) with fastattn._cuda replaced by an emulator that treats device
+  pointers as host addresses and computes the fa_cuda_params contract
+  (csrc/cuda/fastattn_cuda.h) in float64.  This runs everywhere and checks
+  everything but the CUDA code itself.
+- the build: nvcc compiles the extension from this tree (when nvcc exists),
+  and the CUDA toolkit lookup fails clearly without nvcc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fastattn
+import fastattn.cuda as fcuda
+from fastattn import reference
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUILD_PY = os.path.join(ROOT, "csrc", "cuda", "build.py")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+# ---------------------------------------------------------------------------
+# The emulator of fastattn._cuda
+
+
+def _host_view(ptr, shape, strides, dtype):
+    """ndarray over raw memory at ptr with element strides (may be 0 or negative)."""
+    dtype = np.dtype(dtype)
+    item = dtype.itemsize
+    if any(n == 0 for n in shape):
+        return np.empty(shape, dtype)
+    lo = hi = 0
+    for n, s in zip(shape, strides):
+        d = (n - 1) * s * item
+        lo, hi = (lo + d, hi) if d < 0 else (lo, hi + d)
+    nbytes = hi - lo + item
+    buf = (ctypes.c_uint8 * nbytes).from_address(ptr + lo)
+    return np.ndarray(shape, dtype, buffer=buf, offset=-lo, strides=[s * item for s in strides])
+
+
+class _EmulatedCuda:
+    """Stands in for fastattn._cuda: 'device' memory is host memory."""
+
+    BUILD_ARCHS, NVCC_VERSION, MAX_HEAD_DIM = "emulated", "emulated", 256
+    DTYPES = {0: np.dtype(np.float32), 2: np.dtype(np.float16), 3: BF16}
+    MASKS = {1: np.dtype(np.uint8), 2: np.dtype(np.float32), 3: np.dtype(np.float64)}
+
+    def __init__(self):
+        self.blocks = {}
+        self.launches = []
+
+    def device_count(self):
+        return 1
+
+    def device_count_error(self):
+        return None
+
+    def device_name(self, i=0):
+        return ("emulator", 0, 0)
+
+    def versions(self):
+        return (0, 0)
+
+    def malloc(self, n):
+        a = np.full(n, 0xAB, dtype=np.uint8)  # garbage, as cudaMalloc gives
+        self.blocks[a.ctypes.data] = a
+        return a.ctypes.data
+
+    def free(self, ptr):
+        del self.blocks[ptr]
+
+    def memcpy_htod(self, dst, src, n):
+        ctypes.memmove(dst, src, n)
+
+    memcpy_dtoh = memcpy_htod
+
+    def synchronize(self):
+        pass
+
+    def stream_synchronize(self, s):
+        pass
+
+    def attention(self, p):
+        self.launches.append(dict(p))
+        B, Hq, Hk, L, S, D, Dv = (p[n] for n in ("B", "Hq", "Hk", "L", "S", "D", "Dv"))
+        qt, kt = self.DTYPES[p["q_dtype"]], self.DTYPES[p["kv_dtype"]]
+        q = _host_view(p["q"], (B, Hq, L, D), (p["q_sb"], p["q_sh"], p["q_sl"], 1), qt).astype(np.float64)
+        k = _host_view(p["k"], (B, Hk, S, D), (p["k_sb"], p["k_sh"], p["k_sl"], 1), kt).astype(np.float64)
+        v = _host_view(p["v"], (B, Hk, S, Dv), (p["v_sb"], p["v_sh"], p["v_sl"], 1), kt).astype(np.float64)
+        o = _host_view(p["o"], (B, Hq, L, Dv), (p["o_sb"], p["o_sh"], p["o_sl"], 1), qt)
+        G = Hq // Hk
+        k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
+        s = np.einsum("bhld,bhsd->bhls", q, k) * p["scale"]
+        if p["softcap"]:
+            s = p["softcap"] * np.tanh(s / p["softcap"])
+        Sb = np.full(B, S) if p["k_lens"] is None else _host_view(p["k_lens"], (B,), (1,), np.int64).copy()
+        ip = np.arange(L)[None, :, None] + (Sb - L)[:, None, None]  # (B, L, 1)
+        j = np.arange(S)[None, None, :]
+        if p["alibi"] is not None:
+            sl = _host_view(p["alibi"], (B, Hq), (p["alibi_sb"], p["alibi_sh"]), np.float64)
+            s = s - sl[:, :, None, None] * np.abs(ip - j)[:, None]
+        if p["mask_kind"]:
+            m = _host_view(
+                p["mask"],
+                (B, Hq, L, S),
+                (p["m_sb"], p["m_sh"], p["m_sl"], p["m_ss"]),
+                self.MASKS[p["mask_kind"]],
+            )
+            s = np.where(m != 0, s, -np.inf) if p["mask_kind"] == 1 else s + m.astype(np.float64)
+        ok = j < Sb[:, None, None]
+        if p["causal"]:
+            ok = ok & (j <= ip)
+        if p["window_left"] >= 0:
+            ok = ok & (j >= ip - p["window_left"])
+        if p["window_right"] >= 0:
+            ok = ok & (j <= ip + p["window_right"])
+        s = np.where(ok[:, None], s, -np.inf)
+        mx = s.max(axis=-1, keepdims=True) if S else np.full(s.shape[:-1] + (1,), -np.inf)
+        mx = np.where(np.isfinite(mx), mx, 0.0)
+        e = np.exp(s - mx)
+        den = e.sum(-1, keepdims=True)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            res = np.where(den > 0, (e @ v) / den, 0.0)
+            lse = np.where(den[..., 0] > 0, mx[..., 0] + np.log(den[..., 0]), -np.inf)
+        o[...] = res.astype(qt)
+        if p["lse"] is not None:
+            lv = _host_view(p["lse"], (B, Hq, L), (p["lse_sb"], p["lse_sh"], p["lse_sl"]), np.float32)
+            lv[...] = lse
+
+
+class HostCAI:
+    """A stand-in for a device array under the emulator: host memory exposed
+    through __cuda_array_interface__ (like a CuPy array would be)."""
+
+    def __init__(self, a, readonly=False):
+        self.a = a
+        self.readonly = readonly
+
+    @property
+    def __cuda_array_interface__(self):
+        a = self.a
+        return {
+            "shape": a.shape,
+            "typestr": a.dtype.str,
+            "data": (a.ctypes.data, self.readonly),
+            "strides": a.strides,
+            "version": 3,
+            "stream": None,
+        }
+
+
+@pytest.fixture(params=["emulated", "gpu"])
+def backend(request, monkeypatch):
+    if request.param == "emulated":
+        emu = _EmulatedCuda()
+        monkeypatch.setattr(fcuda, "_cuda", emu)
+        return emu
+    if not fcuda.is_available():
+        pytest.skip("no CUDA device (or fastattn built without FASTATTN_CUDA=1)")
+    return None
+
+
+def _tol(dtype):
+    return {np.dtype(np.float32): 2e-4, np.dtype(np.float16): 4e-3, BF16: 3e-2}[np.dtype(dtype)]
+
+
+def _rand(rng, shape, dtype=np.float32):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def _check(out, ref, dtype):
+    out = np.asarray(out).astype(np.float64)
+    assert out.shape == ref.shape
+    tol = _tol(dtype)
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * max(1.0, float(np.abs(ref).max(initial=0))))
+
+
+# ---------------------------------------------------------------------------
+# Numerics against the reference (emulated everywhere, real on a GPU)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("L,S,D", [(1, 70, 64), (37, 37, 32), (20, 90, 80), (5, 3, 256)])
+def test_matches_reference(backend, dtype, causal, L, S, D):
+    rng = np.random.default_rng(L * 1000 + S + D)
+    q, k, v = (
+        _rand(rng, (2, 3, L, D), dtype),
+        _rand(rng, (2, 3, S, D), dtype),
+        _rand(rng, (2, 3, S, D), dtype),
+    )
+    out, lse = fastattn.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, return_lse=True, device="cuda"
+    )
+    ref, rlse = reference.scaled_dot_product_attention(q, k, v, is_causal=causal, return_lse=True)
+    assert isinstance(out, np.ndarray) and out.dtype == np.dtype(dtype) and lse.dtype == np.float32
+    _check(out, ref, dtype)
+    fin = np.isfinite(rlse)
+    np.testing.assert_array_equal(np.isfinite(lse), fin)
+    np.testing.assert_allclose(lse[fin], rlse[fin], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", [np.float16, BF16])
+def test_float32_query_16bit_kv(backend, kv_dtype):
+    rng = np.random.default_rng(1)
+    q = _rand(rng, (1, 2, 9, 16))
+    k, v = _rand(rng, (1, 2, 13, 16), kv_dtype), _rand(rng, (1, 2, 13, 24), kv_dtype)
+    out = fcuda.scaled_dot_product_attention(q, k, v)
+    assert out.dtype == np.float32 and out.shape == (1, 2, 9, 24)
+    _check(out, reference.scaled_dot_product_attention(q, k, v), np.float32)
+
+
+def test_variants_gqa_window_alibi_softcap_lengths_masks(backend):
+    rng = np.random.default_rng(2)
+    B, Hq, Hk, L, S, D, Dv = 3, 4, 2, 7, 19, 24, 40
+    q, k, v = _rand(rng, (B, Hq, L, D)), _rand(rng, (B, Hk, S, D)), _rand(rng, (B, Hk, S, Dv))
+    bmask = rng.random((L, S)) < 0.8  # broadcast over batch and heads
+    fmask = _rand(rng, (B, 1, 1, S))
+    slopes = rng.random(Hq)
+    klens = np.array([19, 11, 0])
+    for kw in (
+        dict(attn_mask=bmask, is_causal=True),
+        dict(attn_mask=fmask, window=(3, 2)),
+        dict(alibi_slopes=slopes, softcap=5.0, key_lengths=klens, is_causal=True),
+        dict(attn_mask=bmask.astype(np.float64) * -3.0, window=(-1, 0), scale=0.3),
+    ):
+        out, lse = fcuda.scaled_dot_product_attention(q, k, v, enable_gqa=True, return_lse=True, **kw)
+        ref, rlse = reference.scaled_dot_product_attention(q, k, v, enable_gqa=True, return_lse=True, **kw)
+        _check(out, ref, np.float32)
+        np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(rlse))
+        fin = np.isfinite(rlse)
+        np.testing.assert_allclose(lse[fin], rlse[fin], rtol=1e-4, atol=1e-4)
+    # key_lengths 0: the whole batch element sees nothing -> zeros, LSE -inf
+    out, lse = fcuda.scaled_dot_product_attention(
+        q, k, v, enable_gqa=True, return_lse=True, key_lengths=klens
+    )
+    assert np.all(out[2] == 0) and np.all(lse[2] == -np.inf)
+
+
+def test_layouts_2d_and_out(backend):
+    rng = np.random.default_rng(3)
+    q, k, v = _rand(rng, (2, 6, 3, 16)), _rand(rng, (2, 10, 3, 16)), _rand(rng, (2, 10, 3, 16))  # bshd
+    ref = reference.scaled_dot_product_attention(q, k, v, layout="bshd", is_causal=True)
+    out = np.full(q.shape, 7.0, np.float32)
+    got = fcuda.scaled_dot_product_attention(q, k, v, layout="bshd", is_causal=True, out=out)
+    assert got is out
+    _check(out, ref, np.float32)
+    q2, k2, v2 = q[0, :, 0], k[0, :, 0], v[0, :, 0]  # (L, D): one head
+    o2, l2 = fcuda.scaled_dot_product_attention(q2, k2, v2, return_lse=True)
+    r2, rl2 = reference.scaled_dot_product_attention(q2, k2, v2, return_lse=True)
+    assert l2.shape == (6,)
+    _check(o2, r2, np.float32)
+    np.testing.assert_allclose(l2, rl2, rtol=1e-4, atol=1e-4)
+
+
+def test_inputs_not_modified_and_no_leaks(backend):
+    rng = np.random.default_rng(4)
+    q, k, v = _rand(rng, (1, 2, 5, 8)), _rand(rng, (1, 2, 5, 8)), _rand(rng, (1, 2, 5, 8))
+    m = rng.random((5, 5)) < 0.5
+    copies = [a.copy() for a in (q, k, v, m)]
+    fcuda.scaled_dot_product_attention(q, k, v, attn_mask=m, alibi_slopes=np.ones(2))
+    for a, c in zip((q, k, v, m), copies):
+        np.testing.assert_array_equal(a, c)
+    if backend is not None:
+        import gc
+
+        gc.collect()
+        assert backend.blocks == {}, "device temporaries were not freed"
+
+
+# ---------------------------------------------------------------------------
+# Device-array inputs (__cuda_array_interface__): emulated with host memory
+
+
+def test_device_inputs_strided_broadcast_mask_and_lead_dims(monkeypatch):
+    emu = _EmulatedCuda()
+    monkeypatch.setattr(fcuda, "_cuda", emu)
+    rng = np.random.default_rng(5)
+    # lead dims (2, 3); key is a transposed (non-contiguous) view; the mask
+    # (2, 1, 1, L, S) cannot merge its lead dims -> one launch per lead[0].
+    q = _rand(rng, (2, 3, 4, 6, 16))
+    k = np.swapaxes(np.ascontiguousarray(np.swapaxes(_rand(rng, (2, 3, 4, 9, 16)), 2, 3)), 2, 3)
+    assert not k.flags.c_contiguous
+    v = _rand(rng, (2, 3, 4, 9, 16))
+    m = rng.random((2, 1, 1, 6, 9)) < 0.7
+    m[..., 0] = True
+    res = fcuda.scaled_dot_product_attention(
+        HostCAI(q, True),
+        HostCAI(k, True),
+        HostCAI(v, True),
+        attn_mask=HostCAI(m, True),
+        is_causal=True,
+        return_lse=True,
+    )
+    out, lse = res
+    assert isinstance(out, fcuda.DeviceArray) and out.shape == (2, 3, 4, 6, 16)
+    ref, rlse = reference.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=True, return_lse=True)
+    _check(out.get(), ref, np.float32)
+    np.testing.assert_allclose(lse.get(), rlse, rtol=1e-5, atol=1e-5)
+    assert len(emu.launches) == 2  # the mask's lead dims do not merge
+    assert emu.launches[0]["m_sh"] == 0 and emu.launches[0]["m_ss"] == 1
+    # out= on the device, bshd layout, GQA
+    qb, kb, vb = _rand(rng, (2, 5, 4, 8)), _rand(rng, (2, 7, 2, 8)), _rand(rng, (2, 7, 2, 8))
+    o = np.zeros((2, 5, 4, 8), np.float32)
+    got = fcuda.scaled_dot_product_attention(
+        HostCAI(qb), HostCAI(kb), HostCAI(vb), layout="bshd", enable_gqa=True, out=HostCAI(o)
+    )
+    assert isinstance(got, HostCAI)
+    _check(o, reference.scaled_dot_product_attention(qb, kb, vb, layout="bshd", enable_gqa=True), np.float32)
+    with pytest.raises(ValueError, match="out must be writable"):
+        fcuda.scaled_dot_product_attention(
+            HostCAI(qb),
+            HostCAI(kb),
+            HostCAI(vb),
+            layout="bshd",
+            enable_gqa=True,
+            out=HostCAI(o, readonly=True),
+        )
+    with pytest.raises(ValueError, match="out must not share memory with query"):
+        fcuda.scaled_dot_product_attention(
+            HostCAI(qb), HostCAI(kb), HostCAI(vb), layout="bshd", enable_gqa=True, out=HostCAI(qb)
+        )
+    with pytest.raises(ValueError, match="query must be contiguous in its last dimension"):
+        fcuda.scaled_dot_product_attention(HostCAI(q[..., ::2]), HostCAI(k[..., ::2]), HostCAI(v))
+    with pytest.raises(TypeError, match="all be device arrays"):
+        fcuda.scaled_dot_product_attention(HostCAI(qb), kb, vb)
+
+
+def test_device_array_roundtrip_bfloat16(monkeypatch):
+    monkeypatch.setattr(fcuda, "_cuda", _EmulatedCuda())
+    rng = np.random.default_rng(6)
+    q, k, v = (_rand(rng, (1, 2, 4, 8), BF16) for _ in range(3))
+    dq, dk, dv = (fcuda.to_device(a) for a in (q, k, v))
+    np.testing.assert_array_equal(dq.get(), q)
+    out = fcuda.scaled_dot_product_attention(dq, dk, dv)
+    assert isinstance(out, fcuda.DeviceArray) and out.dtype == BF16
+    _check(out.get(), reference.scaled_dot_product_attention(q, k, v), BF16)
+    fcuda.synchronize()
+
+
+def test_bad_input_messages(monkeypatch):
+    monkeypatch.setattr(fcuda, "_cuda", _EmulatedCuda())
+    x = np.ones((1, 2, 3, 8), np.float32)
+    cases = [
+        (
+            dict(query=x.astype(np.float64), key=x.astype(np.float64), value=x.astype(np.float64)),
+            TypeError,
+            "float64 is not supported",
+        ),
+        (dict(query=x.astype(np.float16), key=x, value=x), TypeError, "key/value must have query's dtype"),
+        (
+            dict(query=np.ones((1, 2, 3, 300), np.float32), key=np.ones((1, 2, 3, 300), np.float32), value=x),
+            ValueError,
+            "head dims must be <= 256",
+        ),
+        (dict(query=x, key=x, value=x, attn_mask=np.ones((4, 3), bool)), ValueError, "attn_mask of shape"),
+        (dict(query=x, key=x, value=x, attn_mask=np.ones((3, 3), np.int32)), TypeError, "attn_mask must be"),
+        (dict(query=x, key=x, value=x, layout="sbhd"), ValueError, "layout"),
+        (dict(query=x, key=x, value=x, window=(1,)), TypeError, "window"),
+        (dict(query=x, key=x, value=x, softcap=-1.0), ValueError, "softcap"),
+        (dict(query=x, key=x, value=x, key_lengths=np.array([9])), ValueError, "key_lengths"),
+        (dict(query=x, key=x, value=x, alibi_slopes=np.ones(3)), ValueError, "alibi_slopes"),
+        (dict(query=x, key=x[:, :1], value=x[:, :1]), ValueError, "enable_gqa"),
+        (
+            dict(query=x, key=x, value=x, out=np.ones((1, 2, 3, 8), np.float16)),
+            TypeError,
+            "out must have dtype",
+        ),
+        (dict(query=x, key=x, value=x, out=[0]), TypeError, "out must be a numpy.ndarray"),
+    ]
+    for kw, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            fcuda.scaled_dot_product_attention(**kw)
+    with pytest.raises(ValueError, match="sinks is not supported with device='cuda'"):
+        fastattn.scaled_dot_product_attention(x, x, x, sinks=np.zeros(2), device="cuda")
+    with pytest.raises(ValueError, match="device must be"):
+        fastattn.scaled_dot_product_attention(x, x, x, device="tpu")
+
+
+def test_merged_stride_and_broadcast_helpers():
+    assert fcuda._merged_stride((2, 3), (30, 10)) == 10
+    assert fcuda._merged_stride((2, 1, 3), (30, 999, 10)) == 10
+    assert fcuda._merged_stride((2, 3), (10, 30)) is None
+    assert fcuda._merged_stride((1, 1), (5, 7)) == 0
+    v = fcuda._View(0, (1, 5, 1), (5, 1, 1), np.dtype(np.float32), None)
+    b = fcuda._bcast(v, (2, 4, 5, 3), "m")
+    assert b.shape == (2, 4, 5, 3) and b.strides == (0, 0, 1, 0)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        fcuda._bcast(v, (2, 4, 6, 3), "m")
+
+
+# ---------------------------------------------------------------------------
+# Without the extension
+
+
+def test_unavailable_raises_runtime_error(monkeypatch):
+    monkeypatch.setattr(fcuda, "_cuda", None)
+    x = np.ones((2, 4), np.float32)
+    assert not fcuda.is_built() and not fcuda.is_available()
+    assert fcuda.build_info()["built"] is False
+    with pytest.raises(RuntimeError, match="built without its CUDA extension"):
+        fastattn.scaled_dot_product_attention(x, x, x, device="cuda")
+    with pytest.raises(RuntimeError, match="not available"):
+        fcuda.scaled_dot_product_attention(x, x, x)
+
+
+def test_config_reports_cuda():
+    cfg = fastattn._config.config()
+    assert cfg["cuda_built"] == fcuda.is_built()
+    assert cfg["cuda_available"] == fcuda.is_available()
+
+
+def test_import_fastattn_does_not_import_cuda():
+    code = "import sys, fastattn; assert 'fastattn.cuda' not in sys.modules; fastattn.cuda; print('ok')"
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")},
+    )
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+# ---------------------------------------------------------------------------
+# The build helper
+
+
+def _load_build():
+    spec = importlib.util.spec_from_file_location("fastattn_cuda_build_test", BUILD_PY)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_no_nvcc_is_a_clear_error(monkeypatch, tmp_path):
+    build = _load_build()
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(build, "DEFAULT_CUDA_HOME", str(tmp_path / "no-cuda"))
+    with pytest.raises(build.CudaNotFoundError, match="no CUDA toolkit was found.*unset FASTATTN_CUDA"):
+        build.cuda_extension()
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "nowhere"))
+    with pytest.raises(build.CudaNotFoundError, match="CUDA_HOME=.*has no bin/nvcc"):
+        build.find_cuda_home()
+
+
+def test_parse_archs():
+    build = _load_build()
+    assert build.parse_archs("80;90") == [("80", False), ("90", False)]
+    assert build.parse_archs("8.0, 9.0+PTX sm_90a") == [("80", False), ("90", True), ("90a", False)]
+    assert build.gencode_flags([("90", True)]) == [
+        "-gencode=arch=compute_90,code=sm_90",
+        "-gencode=arch=compute_90,code=compute_90",
+    ]
+    for bad in ("", "ampere", "8", "30"):
+        with pytest.raises(ValueError, match="FASTATTN_CUDA_ARCHS"):
+            build.parse_archs(bad)
+
+
+_NVCC = shutil.which("nvcc") or os.environ.get("CUDA_HOME") or os.path.exists("/usr/local/cuda/bin/nvcc")
+
+
+@pytest.mark.skipif(not _NVCC, reason="nvcc not found")
+def test_build_extension_with_nvcc(tmp_path):
+    """nvcc builds fastattn._cuda from this tree (one architecture, to stay quick);
+    the module imports and, without a GPU, reports no device."""
+    r = subprocess.run(
+        [sys.executable, BUILD_PY, "--build-lib", str(tmp_path), "--archs", "80"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    so = [
+        f for f in os.listdir(tmp_path / "fastattn") if f.startswith("_cuda") and f.endswith((".so", ".pyd"))
+    ]
+    assert len(so) == 1
+    code = (
+        "import importlib.util, sys\n"
+        f"path = {str(tmp_path / 'fastattn' / so[0])!r}\n"
+        "spec = importlib.util.spec_from_file_location('fastattn._cuda', path)\n"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        "print(m.BUILD_ARCHS, m.MAX_HEAD_DIM, m.device_count())\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    archs, maxd, ndev = r.stdout.split()
+    assert archs == "80" and maxd == "256"
+    if not fcuda.is_available():
+        assert ndev == "0"
+
+
+def test_default_archs_cover_sm80_and_sm90():
+    """The default architecture list parses and names sm_80 and sm_90."""
+    build = _load_build()
+    flags = build.gencode_flags(build.parse_archs(build.DEFAULT_ARCHS))
+    assert any("sm_80" in f for f in flags) and any("sm_90" in f for f in flags)
