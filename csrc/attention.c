@@ -172,6 +172,7 @@ int fa_attention(const fa_params *p)
             fa_batch bi = fa_batch_info(p, parts[0].b);
             for (int64_t r = 0; r < G * parts[0].ni; r++) {
                 int64_t g = r / parts[0].ni, ii = r % parts[0].ni;
+                if (p->cu_q && parts[0].i0 + ii >= bi.Lb) continue; /* packed varlen: not ours */
                 fa_merge_row(p, parts, nsplit, r, prow, parts[0].hk * G + g, parts[0].i0 + ii, &bi);
             }
         }

@@ -342,6 +342,7 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
     const int self_lse = sizeof(REAL) == 8 ? FA_F64 : FA_F32;
     for (int64_t r = 0; r < G * t->ni; r++) {
         int64_t g = r / t->ni, ii = r % t->ni, h = t->hk * G + g, i = t->i0 + ii;
+        if (p->cu_q && i >= bi.Lb) continue; /* packed varlen: the row belongs to the next sequence */
         int64_t ra = g * ni + ii; /* row in the active block */
         double mm = -INFINITY, ll = 0.0, f = 0.0;
         const int valid = ii < ni;

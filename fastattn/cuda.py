@@ -13,9 +13,10 @@ False and the attention function raises ``RuntimeError``.
   (a :class:`DeviceArray` otherwise, or for bfloat16 which CuPy lacks), or
   ``out`` when given.
 
-The kernel runs on the legacy default stream of the current device and
-returns without synchronising (as CUDA libraries do); an exporter's
-non-default stream is synchronised before the launch.
+The kernel runs on the current device, on the stream the query's
+``__cuda_array_interface__`` names (CAI v3; the default stream for NumPy
+inputs or when none is named), and returns without synchronising (as CUDA
+libraries do); other operands' streams are synchronised before the launch.
 """
 
 from __future__ import annotations
@@ -133,11 +134,12 @@ class DeviceArray:
     ``torch.as_tensor(x, device="cuda")`` through ``__cuda_array_interface__``,
     or copy it to NumPy with :meth:`get`."""
 
-    def __init__(self, shape, dtype):
+    def __init__(self, shape, dtype, stream=0):
         self.shape = tuple(int(n) for n in shape)
         self.dtype = np.dtype(dtype)
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         self._buf = _Buffer(self.nbytes)
+        self._stream = stream  # where the kernel writing it runs (0: the default stream)
 
     @property
     def ndim(self):
@@ -152,12 +154,14 @@ class DeviceArray:
             "data": (self._buf.ptr, False),
             "strides": None,
             "version": 3,
-            "stream": 1,
+            "stream": self._stream or 1,
         }
 
     def get(self) -> np.ndarray:
         """A NumPy copy (waits for the kernels that write it)."""
         a = np.empty(self.shape, dtype=self.dtype)
+        if self._stream not in (0, 1):
+            _cuda.stream_synchronize(self._stream)
         if self.nbytes:
             _cuda.memcpy_dtoh(a.ctypes.data, self._buf.ptr, self.nbytes)
         return a
@@ -169,16 +173,11 @@ class DeviceArray:
 class _View:
     """(pointer, shape, element strides, dtype) of device memory; owner keeps it alive."""
 
-    __slots__ = ("ptr", "shape", "strides", "dtype", "owner")
+    __slots__ = ("ptr", "shape", "strides", "dtype", "owner", "stream")
 
-    def __init__(self, ptr, shape, strides, dtype, owner):
-        self.ptr, self.shape, self.strides, self.dtype, self.owner = (
-            int(ptr),
-            tuple(shape),
-            tuple(strides),
-            dtype,
-            owner,
-        )
+    def __init__(self, ptr, shape, strides, dtype, owner, stream=None):
+        self.ptr, self.shape, self.strides = int(ptr), tuple(shape), tuple(strides)
+        self.dtype, self.owner, self.stream = dtype, owner, stream
 
     @property
     def ndim(self):
@@ -188,10 +187,10 @@ class _View:
         sh, st = list(self.shape), list(self.strides)
         sh[a], sh[b] = sh[b], sh[a]
         st[a], st[b] = st[b], st[a]
-        return _View(self.ptr, sh, st, self.dtype, self.owner)
+        return _View(self.ptr, sh, st, self.dtype, self.owner, self.stream)
 
     def prepend(self):
-        return _View(self.ptr, (1,) + self.shape, (0,) + self.strides, self.dtype, self.owner)
+        return _View(self.ptr, (1,) + self.shape, (0,) + self.strides, self.dtype, self.owner, self.stream)
 
     def item(self, i):
         """The view of self[i] (first axis)."""
@@ -201,6 +200,7 @@ class _View:
             self.strides[1:],
             self.dtype,
             self.owner,
+            self.stream,
         )
 
     def rows(self, start, count):
@@ -211,6 +211,7 @@ class _View:
             self.strides,
             self.dtype,
             self.owner,
+            self.stream,
         )
 
     def extent(self):
@@ -285,10 +286,8 @@ def _from_cai(obj, name, writable=False):
         strides = tuple(int(s) // item for s in strides)
     if ptr and int(ptr) % item:
         raise ValueError(f"{name} must be aligned to its itemsize ({item} bytes)")
-    stream = cai.get("stream")
-    if stream is not None and int(stream) not in (1, 2):  # 1, 2: legacy / per-thread default streams
-        _cuda.stream_synchronize(int(stream))
-    return _View(ptr or 0, shape, strides, dtype, obj)
+    stream = cai.get("stream")  # the exporter's stream (CAI v3): 1 legacy, 2 per-thread default
+    return _View(ptr or 0, shape, strides, dtype, obj, None if stream is None else int(stream))
 
 
 def _upload(a):
@@ -305,6 +304,8 @@ def _to_host(x, name):
     if not _is_device(x):
         return x
     v = _from_cai(x, name)
+    if v.stream is not None:
+        _cuda.stream_synchronize(v.stream)
     if any(s < 0 for s in v.strides):
         raise ValueError(f"{name}: negative strides are not supported")
     if v.extent() is None:
@@ -317,7 +318,7 @@ def _to_host(x, name):
     return np.lib.stride_tricks.as_strided(base, v.shape, [s * item for s in v.strides]).copy()
 
 
-def _device_empty(shape, dtype):
+def _device_empty(shape, dtype, stream):
     """(result object, _View) of fresh device memory: CuPy when available."""
     if dtype in (F16, F32):
         try:
@@ -327,7 +328,7 @@ def _device_empty(shape, dtype):
         if cupy is not None:
             a = cupy.empty(shape, dtype=dtype)
             return a, _from_cai(a, "result")
-    a = DeviceArray(shape, dtype)
+    a = DeviceArray(shape, dtype, stream)
     return a, _View(a._buf.ptr, a.shape, _c_strides(a.shape), a.dtype, a)
 
 
@@ -345,7 +346,7 @@ def _bcast(view, target, name):
             out.append(0)
         else:
             raise ValueError(f"{name} of shape {view.shape} does not broadcast to {target}")
-    return _View(view.ptr, target, out, view.dtype, view.owner)
+    return _View(view.ptr, target, out, view.dtype, view.owner, view.stream)
 
 
 def _merged_stride(shape, strides):
@@ -578,16 +579,22 @@ def scaled_dot_product_attention(
     else:
         q, k, v = _upload(q), _upload(k), _upload(v)
 
+    # Launch on the query's stream (CAI v3) and wait for the other operands' streams.
+    stream = q.stream if dev and q.stream is not None else 0
+    if dev:
+        for x in (k, v, mask, ov if out is not None else None):
+            if x is not None and x.stream is not None and x.stream != stream:
+                _cuda.stream_synchronize(x.stream)
     if dev and out is not None:
         res, o = out, ov
     elif dev:
-        res, o = _device_empty(out_shape, q.dtype)
+        res, o = _device_empty(out_shape, q.dtype, stream)
     else:
         res = DeviceArray(out_shape, q.dtype)
         o = _View(res._buf.ptr, out_shape, _c_strides(out_shape), res.dtype, res)
     lse_res = lse = None
     if return_lse:
-        lse_res, lse = _device_empty(lse_shape, F32) if dev else (None, None)
+        lse_res, lse = _device_empty(lse_shape, F32, stream) if dev else (None, None)
         if not dev:
             lse_res = DeviceArray(lse_shape, F32)
             lse = _View(lse_res._buf.ptr, lse_shape, _c_strides(lse_shape), F32, lse_res)
@@ -615,6 +622,7 @@ def scaled_dot_product_attention(
         window_left=wl,
         window_right=wr,
         softcap=cap,
+        stream=stream,
     )
     if B > 0 and Hq > 0 and L > 0:
         _launch(qh, kh, vh, oh, lse, mask, alibi_v, klens_v, opts)
@@ -627,5 +635,5 @@ def scaled_dot_product_attention(
             o_host = out
         return (o_host, lse_host) if return_lse else o_host
     if alibi_v is not None or klens_v is not None or (mask is not None and isinstance(mask.owner, _Buffer)):
-        _cuda.synchronize()  # fastattn-owned temporaries are freed on return
+        _cuda.stream_synchronize(stream)  # fastattn-owned temporaries are freed on return
     return (res, lse_res) if return_lse else res

@@ -29,6 +29,7 @@ Chunking rules (the rechunks are lazy and happen only where needed):
 NumPy inputs are wrapped with ``dask.array.from_array`` as a single chunk
 (then refined as above).
 """
+
 from __future__ import annotations
 
 import functools
@@ -48,6 +49,7 @@ __all__ = ["scaled_dot_product_attention"]
 
 
 # --------------------------------------------------------------------------- helpers run in tasks
+
 
 def _to_bhsd(a, layout):
     """(…, L, H, X) -> (…, H, L, X) view for bshd; identity for bhsd."""
@@ -84,8 +86,17 @@ def _part(q, k, v, m, *, geom, opts):
                     m = m.astype(F64 if q.dtype == F64 else F32)
                 m = np.where(vis, m, np.array(-np.inf, dtype=m.dtype))
     return _functional.scaled_dot_product_attention(
-        q, k, v, m, scale=opts["scale"], enable_gqa=opts["gqa"], layout=opts["layout"],
-        return_lse=True, window=window, num_threads=opts["threads"])
+        q,
+        k,
+        v,
+        m,
+        scale=opts["scale"],
+        enable_gqa=opts["gqa"],
+        layout=opts["layout"],
+        return_lse=True,
+        window=window,
+        num_threads=opts["threads"],
+    )
 
 
 def _chunk_window(i0, i1, j0, j1, lo, hi):
@@ -128,6 +139,7 @@ def _final_lse(state):
 
 # --------------------------------------------------------------------------- graph-time helpers
 
+
 def _as_dask(x, name):
     if isinstance(x, da.Array):
         a = x
@@ -143,8 +155,11 @@ def _as_dask(x, name):
 
 
 def _bounds(chunks, mult=1):
-    return set(np.cumsum((0,) + tuple(chunks)).tolist() if mult == 1 else
-               (np.cumsum((0,) + tuple(chunks)) * mult).tolist())
+    return set(
+        np.cumsum((0,) + tuple(chunks)).tolist()
+        if mult == 1
+        else (np.cumsum((0,) + tuple(chunks)) * mult).tolist()
+    )
 
 
 def _chunks_from_bounds(bounds):
@@ -182,9 +197,20 @@ def _visibility(i0, i1, j0, j1, lo, hi):
     return "partial"
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, *, is_causal=False, scale=None,
-                                 enable_gqa=False, layout="bhsd", return_lse=False, window=None,
-                                 num_threads=None):
+def scaled_dot_product_attention(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    *,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    layout="bhsd",
+    return_lse=False,
+    window=None,
+    num_threads=None,
+):
     """Lazy exact attention over Dask arrays; same semantics as
     :func:`fastattn.scaled_dot_product_attention`.
 
@@ -219,11 +245,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, *, is_causal
     min_nd = 2 if layout == "bhsd" else 3
     for a, n in ((q, "query"), (k, "key"), (v, "value")):
         if a.ndim < min_nd:
-            raise ValueError(f"{n} must have at least {min_nd} dimensions for layout={layout!r}, "
-                             f"got shape {a.shape}")
+            raise ValueError(
+                f"{n} must have at least {min_nd} dimensions for layout={layout!r}, got shape {a.shape}"
+            )
     if not (q.ndim == k.ndim == v.ndim):
-        raise ValueError(f"query, key and value must have the same number of dimensions, got "
-                         f"{q.shape}, {k.shape}, {v.shape}")
+        raise ValueError(
+            f"query, key and value must have the same number of dimensions, got "
+            f"{q.shape}, {k.shape}, {v.shape}"
+        )
     two_d = q.ndim == 2
     if two_d:  # one head: work on (1, L, D)
         q, k, v = q[None], k[None], v[None]
@@ -232,8 +261,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, *, is_causal
     h_ax, s_ax = (nd - 3, nd - 2) if layout == "bhsd" else (nd - 2, nd - 3)
     lead = q.shape[:nlead]
     if k.shape[:nlead] != lead or v.shape[:nlead] != lead:
-        raise ValueError(f"query, key and value must share their batch dims, got {query.shape}, "
-                         f"{key.shape}, {value.shape}")
+        raise ValueError(
+            f"query, key and value must share their batch dims, got {query.shape}, {key.shape}, {value.shape}"
+        )
     Hq, L, D = q.shape[h_ax], q.shape[s_ax], q.shape[-1]
     Hk, S, Dk = k.shape[h_ax], k.shape[s_ax], k.shape[-1]
     Hv, Sv, Dv = v.shape[h_ax], v.shape[s_ax], v.shape[-1]
@@ -242,12 +272,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, *, is_causal
     if D == 0 or Dv == 0:
         raise ValueError("head dims of query, key and value must be >= 1")
     if Hk != Hv or S != Sv:
-        raise ValueError(f"key and value must have the same heads and length, got key {key.shape}, "
-                         f"value {value.shape}")
+        raise ValueError(
+            f"key and value must have the same heads and length, got key {key.shape}, value {value.shape}"
+        )
     if Hq != Hk:
         if not enable_gqa:
-            raise ValueError(f"query has {Hq} heads but key/value have {Hk}; pass enable_gqa=True for "
-                             "grouped-query attention")
+            raise ValueError(
+                f"query has {Hq} heads but key/value have {Hk}; pass enable_gqa=True for "
+                "grouped-query attention"
+            )
         if Hk == 0 or Hq % Hk:
             raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hk})")
     G = Hq // Hk if Hk else 1
@@ -286,8 +319,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, *, is_causal
             raise TypeError(f"attn_mask must be bool or floating, got dtype {m.dtype}")
         full = lead + (Hq, L, S)
         if m.ndim > len(full):
-            raise ValueError(f"attn_mask of shape {attn_mask.shape} does not broadcast to "
-                             f"{(full[1:] if two_d else full)}")
+            raise ValueError(
+                f"attn_mask of shape {attn_mask.shape} does not broadcast to {(full[1:] if two_d else full)}"
+            )
         if m.ndim < len(full):
             m = m[(None,) * (len(full) - m.ndim)]
         target = list(lead_chunks) + [hq_chunks, l_chunks, s_chunks]
@@ -301,8 +335,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, *, is_causal
                 mask_bcast.append(True)
                 mchunks.append((1,))
             else:
-                raise ValueError(f"attn_mask of shape {attn_mask.shape} does not broadcast to "
-                                 f"{(full[1:] if two_d else full)}")
+                raise ValueError(
+                    f"attn_mask of shape {attn_mask.shape} does not broadcast to "
+                    f"{(full[1:] if two_d else full)}"
+                )
         m = _rechunk(m, mchunks)
 
     # ---- visibility bounds on j - i
@@ -314,8 +350,20 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, *, is_causal
     opts = dict(scale=sc, gqa=G != 1, layout=layout, threads=num_threads)
     part_fn = functools.partial(_part, opts=opts)
     merge_fn = functools.partial(_merge2, layout=layout)
-    tok = tokenize(q.name, k.name, v.name, None if m is None else m.name, is_causal, sc, G, layout,
-                   wl, wr, num_threads, return_lse)
+    tok = tokenize(
+        q.name,
+        k.name,
+        v.name,
+        None if m is None else m.name,
+        is_causal,
+        sc,
+        G,
+        layout,
+        wl,
+        wr,
+        num_threads,
+        return_lse,
+    )
     pname, mname, ename = f"fastattn-part-{tok}", f"fastattn-merge-{tok}", f"fastattn-empty-{tok}"
     oname, lname = f"fastattn-sdpa-{tok}", f"fastattn-lse-{tok}"
 
@@ -341,8 +389,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, *, is_causal
                         midx = list(lidx) + [hi_, li, sj]
                         mkey = (m.name, *(0 if bc else ix for bc, ix in zip(mask_bcast, midx)))
                     pk = (pname, *blk, sj)
-                    dsk[pk] = (functools.partial(part_fn, geom=(i0, i1, j0, j1, lo, hi, kind)),
-                               qkey, (k.name, *kidx), (v.name, *kidx), mkey)
+                    dsk[pk] = (
+                        functools.partial(part_fn, geom=(i0, i1, j0, j1, lo, hi, kind)),
+                        qkey,
+                        (k.name, *kidx),
+                        (v.name, *kidx),
+                        mkey,
+                    )
                     parts.append(pk)
                 n_parts += len(parts)
                 if not parts:
@@ -350,8 +403,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, *, is_causal
                     oshape[h_ax], oshape[s_ax] = hq_chunks[hi_], i1 - i0
                     lshape = tuple(oshape[:nlead]) + (hq_chunks[hi_], i1 - i0)
                     root = (ename, *blk)
-                    dsk[root] = (functools.partial(_empty, out_shape=tuple(oshape), lse_shape=lshape,
-                                                   dtype=cdt),)
+                    dsk[root] = (
+                        functools.partial(_empty, out_shape=tuple(oshape), lse_shape=lshape, dtype=cdt),
+                    )
                 else:
                     level = 0
                     while len(parts) > 1:
@@ -374,12 +428,18 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, *, is_causal
         out_keys = {kk: vv for kk, vv in dsk.items() if kk[0] != lname}
         lse_keys = {kk: vv for kk, vv in dsk.items() if kk[0] == lname}
         g_in = HighLevelGraph.from_collections(oname, out_keys, dependencies=deps)
-        inner = da.Array(g_in, oname, chunks=out_chunks, dtype=q.dtype,
-                         meta=np.empty((0,) * nd, dtype=q.dtype))
+        inner = da.Array(
+            g_in, oname, chunks=out_chunks, dtype=q.dtype, meta=np.empty((0,) * nd, dtype=q.dtype)
+        )
         # The LSE layer depends on the roots inside the output layer.
         g_l = HighLevelGraph.from_collections(lname, lse_keys, dependencies=[inner])
-        lse = da.Array(g_l, lname, chunks=tuple(lead_chunks) + (hq_chunks, l_chunks), dtype=cdt,
-                       meta=np.empty((0,) * (nlead + 2), dtype=cdt))
+        lse = da.Array(
+            g_l,
+            lname,
+            chunks=tuple(lead_chunks) + (hq_chunks, l_chunks),
+            dtype=cdt,
+            meta=np.empty((0,) * (nlead + 2), dtype=cdt),
+        )
         out = inner
     else:
         g = HighLevelGraph.from_collections(oname, dsk, dependencies=deps)

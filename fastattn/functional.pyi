@@ -3,12 +3,13 @@
 tests/test_packaging.py checks that these signatures match the implementation.
 """
 
-from typing import Any, Literal, Optional, Sequence, Union, overload
+from collections.abc import Sequence
+from typing import Any, Literal, TypeAlias, overload
 
 import numpy as np
 import numpy.typing as npt
 
-_Window = Union[tuple[int, int], Sequence[int], None]
+_Window: TypeAlias = tuple[int, int] | Sequence[int] | None
 
 def __getattr__(name: str) -> Any: ...  # private helpers used inside the package
 @overload
@@ -16,50 +17,50 @@ def scaled_dot_product_attention(
     query: npt.ArrayLike,
     key: npt.ArrayLike,
     value: npt.ArrayLike,
-    attn_mask: Optional[npt.ArrayLike] = None,
+    attn_mask: npt.ArrayLike | None = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
-    scale: Optional[float] = None,
+    scale: float | None = None,
     enable_gqa: bool = False,
     *,
     layout: Literal["bhsd", "bshd"] = "bhsd",
     return_lse: Literal[False] = False,
-    out: Optional[np.ndarray] = None,
-    num_threads: Optional[int] = None,
+    out: np.ndarray | None = None,
+    num_threads: int | None = None,
     window: _Window = None,
-    alibi_slopes: Optional[npt.ArrayLike] = None,
-    softcap: Optional[float] = None,
-    sinks: Optional[npt.ArrayLike] = None,
-    key_lengths: Optional[npt.ArrayLike] = None,
-    query_lengths: Optional[npt.ArrayLike] = None,
-    block_mask: Optional[npt.ArrayLike] = None,
-    block_size: Optional[tuple[int, int]] = None,
-    device: Optional[Literal["cpu", "cuda"]] = None,
+    alibi_slopes: npt.ArrayLike | None = None,
+    softcap: float | None = None,
+    sinks: npt.ArrayLike | None = None,
+    key_lengths: npt.ArrayLike | None = None,
+    query_lengths: npt.ArrayLike | None = None,
+    block_mask: npt.ArrayLike | None = None,
+    block_size: tuple[int, int] | None = None,
+    device: Literal["cpu", "cuda"] | None = None,
 ) -> np.ndarray: ...
 @overload
 def scaled_dot_product_attention(
     query: npt.ArrayLike,
     key: npt.ArrayLike,
     value: npt.ArrayLike,
-    attn_mask: Optional[npt.ArrayLike] = None,
+    attn_mask: npt.ArrayLike | None = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
-    scale: Optional[float] = None,
+    scale: float | None = None,
     enable_gqa: bool = False,
     *,
     layout: Literal["bhsd", "bshd"] = "bhsd",
     return_lse: Literal[True],
-    out: Optional[np.ndarray] = None,
-    num_threads: Optional[int] = None,
+    out: np.ndarray | None = None,
+    num_threads: int | None = None,
     window: _Window = None,
-    alibi_slopes: Optional[npt.ArrayLike] = None,
-    softcap: Optional[float] = None,
-    sinks: Optional[npt.ArrayLike] = None,
-    key_lengths: Optional[npt.ArrayLike] = None,
-    query_lengths: Optional[npt.ArrayLike] = None,
-    block_mask: Optional[npt.ArrayLike] = None,
-    block_size: Optional[tuple[int, int]] = None,
-    device: Optional[Literal["cpu", "cuda"]] = None,
+    alibi_slopes: npt.ArrayLike | None = None,
+    softcap: float | None = None,
+    sinks: npt.ArrayLike | None = None,
+    key_lengths: npt.ArrayLike | None = None,
+    query_lengths: npt.ArrayLike | None = None,
+    block_mask: npt.ArrayLike | None = None,
+    block_size: tuple[int, int] | None = None,
+    device: Literal["cpu", "cuda"] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]: ...
 @overload
 def varlen_attention(
@@ -70,15 +71,15 @@ def varlen_attention(
     cu_seqlens_k: npt.ArrayLike,
     *,
     is_causal: bool = False,
-    scale: Optional[float] = None,
+    scale: float | None = None,
     enable_gqa: bool = False,
     window: _Window = None,
-    alibi_slopes: Optional[npt.ArrayLike] = None,
-    softcap: Optional[float] = None,
-    sinks: Optional[npt.ArrayLike] = None,
+    alibi_slopes: npt.ArrayLike | None = None,
+    softcap: float | None = None,
+    sinks: npt.ArrayLike | None = None,
     return_lse: Literal[False] = False,
-    out: Optional[np.ndarray] = None,
-    num_threads: Optional[int] = None,
+    out: np.ndarray | None = None,
+    num_threads: int | None = None,
 ) -> np.ndarray: ...
 @overload
 def varlen_attention(
@@ -89,13 +90,13 @@ def varlen_attention(
     cu_seqlens_k: npt.ArrayLike,
     *,
     is_causal: bool = False,
-    scale: Optional[float] = None,
+    scale: float | None = None,
     enable_gqa: bool = False,
     window: _Window = None,
-    alibi_slopes: Optional[npt.ArrayLike] = None,
-    softcap: Optional[float] = None,
-    sinks: Optional[npt.ArrayLike] = None,
+    alibi_slopes: npt.ArrayLike | None = None,
+    softcap: float | None = None,
+    sinks: npt.ArrayLike | None = None,
     return_lse: Literal[True],
-    out: Optional[np.ndarray] = None,
-    num_threads: Optional[int] = None,
+    out: np.ndarray | None = None,
+    num_threads: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]: ...

@@ -4,10 +4,11 @@
 JAX letters: B batch, T query length, S key length, N query heads, K key/value
 heads (N a multiple of K), H head dim.
 """
+
 from __future__ import annotations
 
 import numbers
-from typing import Any, Optional, Union
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -24,7 +25,7 @@ def _ensure_4d(a: np.ndarray) -> np.ndarray:
     return a.reshape((1,) * (4 - a.ndim) + a.shape) if a.ndim < 4 else a
 
 
-def _seq_lengths(x: Any, name: str, B: int, limit: int) -> Optional[np.ndarray]:
+def _seq_lengths(x: Any, name: str, B: int, limit: int) -> np.ndarray | None:
     if x is None:
         return None
     a = as_array(x, name)
@@ -36,7 +37,7 @@ def _seq_lengths(x: Any, name: str, B: int, limit: int) -> Optional[np.ndarray]:
     return np.clip(a.astype(np.int64), 0, limit)
 
 
-def _window_size(w: Any) -> Optional[tuple[int, int]]:
+def _window_size(w: Any) -> tuple[int, int] | None:
     if w is None:
         return None
     pair = (w, w) if isinstance(w, numbers.Integral) and not isinstance(w, (bool, np.bool_)) else w
@@ -56,16 +57,16 @@ def dot_product_attention(
     query: npt.ArrayLike,
     key: npt.ArrayLike,
     value: npt.ArrayLike,
-    bias: Optional[npt.ArrayLike] = None,
-    mask: Optional[npt.ArrayLike] = None,
+    bias: npt.ArrayLike | None = None,
+    mask: npt.ArrayLike | None = None,
     *,
-    scale: Optional[float] = None,
+    scale: float | None = None,
     is_causal: bool = False,
-    query_seq_lengths: Optional[npt.ArrayLike] = None,
-    key_value_seq_lengths: Optional[npt.ArrayLike] = None,
-    local_window_size: Union[int, tuple[int, int], None] = None,
-    implementation: Optional[str] = None,
-    num_threads: Optional[int] = None,
+    query_seq_lengths: npt.ArrayLike | None = None,
+    key_value_seq_lengths: npt.ArrayLike | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: str | None = None,
+    num_threads: int | None = None,
 ) -> np.ndarray:
     """softmax(query·keyᵀ·scale + bias, masked)·value in JAX's conventions.
 
@@ -110,8 +111,7 @@ def dot_product_attention(
     both length arrays are given, which JAX also zeroes.
     """
     if implementation not in _IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation must be one of None, 'xla', 'fastattn', got {implementation!r}")
+        raise ValueError(f"implementation must be one of None, 'xla', 'fastattn', got {implementation!r}")
     q = as_array(query, "query")
     k = as_array(key, "key")
     v = as_array(value, "value")
@@ -119,15 +119,18 @@ def dot_product_attention(
         if a.ndim not in (3, 4):
             raise ValueError(f"{n} must have shape (B, T|S, heads, H) or (T|S, heads, H), got {a.shape}")
     if not (q.ndim == k.ndim == v.ndim):
-        raise ValueError(f"query, key and value must have the same number of dimensions, got "
-                         f"{q.shape}, {k.shape}, {v.shape}")
+        raise ValueError(
+            f"query, key and value must have the same number of dimensions, got "
+            f"{q.shape}, {k.shape}, {v.shape}"
+        )
     squeeze = q.ndim == 3
     q4, k4, v4 = _ensure_4d(q), _ensure_4d(k), _ensure_4d(v)
     B, T, N, _ = q4.shape
     S, K = k4.shape[1], k4.shape[2]
     if k4.shape[0] != B or v4.shape[0] != B:
-        raise ValueError(f"query, key and value must have the same batch size, got {q.shape}, {k.shape}, "
-                         f"{v.shape}")
+        raise ValueError(
+            f"query, key and value must have the same batch size, got {q.shape}, {k.shape}, {v.shape}"
+        )
     if K == 0 or N % K:
         raise ValueError(f"the number of query heads ({N}) must be a multiple of key/value heads ({K})")
     window = _window_size(local_window_size)
@@ -145,8 +148,9 @@ def dot_product_attention(
     if mask is not None:
         m = as_array(mask, "mask")
         if m.dtype != np.bool_:
-            raise TypeError(f"mask must be a bool array (True = keep; pass additive masks as bias), "
-                            f"got dtype {m.dtype}")
+            raise TypeError(
+                f"mask must be a bool array (True = keep; pass additive masks as bias), got dtype {m.dtype}"
+            )
         if m.ndim > 4:
             raise ValueError(f"mask must have at most 4 dimensions (B, N, T, S), got shape {m.shape}")
         if attn_mask is None:
@@ -156,8 +160,9 @@ def dot_product_attention(
             try:
                 attn_mask = np.where(m, attn_mask.astype(fdt, copy=False), fdt(-np.inf))
             except ValueError:
-                raise ValueError(f"bias {attn_mask.shape} and mask {m.shape} do not broadcast "
-                                 "together") from None
+                raise ValueError(
+                    f"bias {attn_mask.shape} and mask {m.shape} do not broadcast together"
+                ) from None
 
     # JAX's causal and window masks use absolute positions (top-left).  The
     # kernel aligns them bottom-right on the valid lengths; the two coincide
@@ -183,6 +188,16 @@ def dot_product_attention(
             else:
                 attn_mask = np.where(keep, attn_mask, attn_mask.dtype.type(-np.inf))
     out = scaled_dot_product_attention(
-        q4, k4, v4, attn_mask=attn_mask, scale=scale, enable_gqa=N != K, layout="bshd",
-        key_lengths=kv_lens, query_lengths=q_lens, num_threads=num_threads, **native_kw)
+        q4,
+        k4,
+        v4,
+        attn_mask=attn_mask,
+        scale=scale,
+        enable_gqa=N != K,
+        layout="bshd",
+        key_lengths=kv_lens,
+        query_lengths=q_lens,
+        num_threads=num_threads,
+        **native_kw,
+    )
     return out[0] if squeeze else out

@@ -1,11 +1,11 @@
 """Type stubs for fastattn.merge."""
 
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
 
 def merge_attention_states(
-    outs: Union[Sequence[npt.ArrayLike], np.ndarray],
-    lses: Union[Sequence[npt.ArrayLike], np.ndarray],
+    outs: Sequence[npt.ArrayLike] | np.ndarray,
+    lses: Sequence[npt.ArrayLike] | np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]: ...

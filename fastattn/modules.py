@@ -288,7 +288,7 @@ class MultiHeadAttention:
         return a if a.dtype == self.dtype else a.astype(self.dtype)
 
     def _project(self, x, w, b, heads):
-        y = np.matmul(x, w.T)
+        y = np.matmul(x.reshape(-1, x.shape[-1]), w.T)  # one GEMM over all tokens
         if b is not None:
             y += b
         return y.reshape(x.shape[:-1] + (heads, self.head_dim))
@@ -317,7 +317,7 @@ class MultiHeadAttention:
                 raise TypeError(f"attn_mask must be bool or floating, got dtype {a.dtype}")
             if a.dtype.kind == "f":
                 a = a.astype(ft, copy=False)
-            if a.ndim == 3 and a.shape[0] == B * H and B > 1:
+            if a.shape == (B * H, L, S) and B > 1:
                 a = a.reshape(B, H, L, S)  # torch's (B * num_heads, L, S)
             elif a.ndim == 4 and a.shape[0] not in (1, B):
                 raise ValueError(f"attn_mask of shape {a.shape} does not broadcast to {(B, H, L, S)}")
@@ -389,10 +389,12 @@ class MultiHeadAttention:
         x = self._input(q_in, "query", self.embed_dim, batched)
         if key is None and value is not None:
             raise ValueError("value given without key")
-        kx = x if key is None else self._input(key, "key", self.kdim, batched)
-        vx = kx if value is None else self._input(value, "value", self.vdim, batched)
+        if key is None and self.kdim != self.embed_dim:
+            raise ValueError(f"key must be given when kdim ({self.kdim}) != embed_dim ({self.embed_dim})")
         if value is None and self.vdim != self.kdim:
             raise ValueError(f"value must be given when vdim ({self.vdim}) != kdim ({self.kdim})")
+        kx = x if key is None else self._input(key, "key", self.kdim, batched)
+        vx = kx if value is None else self._input(value, "value", self.vdim, batched)
         if not batched:
             x, kx, vx = x[None], kx[None], vx[None]
             if key_padding_mask is not None:
@@ -427,7 +429,7 @@ class MultiHeadAttention:
             num_threads=num_threads,
         )
         o, lse = res if need_weights else (res, None)
-        y = np.matmul(o.reshape(B, L, self.embed_dim), self.out_proj_weight.T)
+        y = np.matmul(o.reshape(B * L, self.embed_dim), self.out_proj_weight.T).reshape(B, L, self.embed_dim)
         if self.out_proj_bias is not None:
             y += self.out_proj_bias
         if not batched:

@@ -139,6 +139,9 @@ class _EmulatedCuda:
         with np.errstate(divide="ignore", invalid="ignore"):
             res = np.where(den > 0, (e @ v) / den, 0.0)
             lse = np.where(den[..., 0] > 0, mx[..., 0] + np.log(den[..., 0]), -np.inf)
+        poisoned = np.isnan(s).any(-1)  # a NaN score in a row's visible range poisons the row
+        res[poisoned] = np.nan
+        lse[poisoned] = np.nan
         o[...] = res.astype(qt)
         if p["lse"] is not None:
             lv = _host_view(p["lse"], (B, Hq, L), (p["lse_sb"], p["lse_sh"], p["lse_sl"]), np.float32)
@@ -149,9 +152,10 @@ class HostCAI:
     """A stand-in for a device array under the emulator: host memory exposed
     through __cuda_array_interface__ (like a CuPy array would be)."""
 
-    def __init__(self, a, readonly=False):
+    def __init__(self, a, readonly=False, stream=None):
         self.a = a
         self.readonly = readonly
+        self.stream = stream
 
     @property
     def __cuda_array_interface__(self):
@@ -162,7 +166,7 @@ class HostCAI:
             "data": (a.ctypes.data, self.readonly),
             "strides": a.strides,
             "version": 3,
-            "stream": None,
+            "stream": self.stream,
         }
 
 
@@ -270,6 +274,63 @@ def test_layouts_2d_and_out(backend):
     np.testing.assert_allclose(l2, rl2, rtol=1e-4, atol=1e-4)
 
 
+def test_fully_masked_rows_empty_keys_and_nan(backend):
+    rng = np.random.default_rng(7)
+    q, k, v = _rand(rng, (1, 2, 4, 8)), _rand(rng, (1, 2, 6, 8)), _rand(rng, (1, 2, 6, 8))
+    m = np.ones((4, 6), bool)
+    m[1] = False
+    out, lse = fcuda.scaled_dot_product_attention(q, k, v, attn_mask=m, return_lse=True)
+    assert np.all(out[:, :, 1] == 0) and np.all(lse[:, :, 1] == -np.inf)
+    _check(out, reference.scaled_dot_product_attention(q, k, v, attn_mask=m), np.float32)
+    e = np.zeros((1, 2, 0, 8), np.float32)
+    out, lse = fcuda.scaled_dot_product_attention(q, e, e, return_lse=True)
+    assert out.shape == (1, 2, 4, 8) and np.all(out == 0) and np.all(lse == -np.inf)
+    kn = k.copy()
+    kn[0, 0, 2, 3] = np.nan  # poisons the rows of head 0 only
+    out = fcuda.scaled_dot_product_attention(q, kn, v)
+    assert np.all(np.isnan(out[0, 0])) and np.all(np.isfinite(out[0, 1]))
+
+
+def test_gpu_torch_tensors_in_place():
+    """Real device arrays: strided torch CUDA tensors, a broadcast device mask, out=, a side stream."""
+    if not fcuda.is_available():
+        pytest.skip("no CUDA device (or fastattn built without FASTATTN_CUDA=1)")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    rng = np.random.default_rng(8)
+    q, k, v = _rand(rng, (2, 9, 4, 32)), _rand(rng, (2, 13, 2, 32)), _rand(rng, (2, 13, 2, 48))  # bshd
+    m = rng.random((9, 13)) < 0.7
+    tq, tk, tv, tm = (torch.from_numpy(a).cuda() for a in (q, k, v, m))
+    tq_h = tq.transpose(1, 2)  # bhsd view of bshd storage: strided, read in place
+    ref = reference.scaled_dot_product_attention(q, k, v, attn_mask=m, layout="bshd", enable_gqa=True)
+    tout = torch.full((2, 9, 4, 48), 5.0, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        fcuda.scaled_dot_product_attention(
+            tq_h.transpose(1, 2), tk, tv, attn_mask=tm, layout="bshd", enable_gqa=True, out=tout
+        )
+    torch.cuda.synchronize()
+    _check(tout.cpu().numpy(), ref, np.float32)
+    res = fcuda.scaled_dot_product_attention(tq, tk, tv, attn_mask=tm, layout="bshd", enable_gqa=True)
+    host = res.get() if isinstance(res, fcuda.DeviceArray) else __import__("cupy").asnumpy(res)
+    _check(host, ref, np.float32)
+    tq16, tk16, tv16 = tq.half(), tk.half(), tv.half()
+    r16 = reference.scaled_dot_product_attention(
+        q.astype(np.float16),
+        k.astype(np.float16),
+        v.astype(np.float16),
+        layout="bshd",
+        enable_gqa=True,
+        is_causal=True,
+    )
+    o16 = torch.empty((2, 9, 4, 48), dtype=torch.float16, device="cuda")
+    fcuda.scaled_dot_product_attention(
+        tq16, tk16, tv16, layout="bshd", enable_gqa=True, is_causal=True, out=o16
+    )
+    _check(o16.cpu().numpy(), r16, np.float16)
+
+
 def test_inputs_not_modified_and_no_leaks(backend):
     rng = np.random.default_rng(4)
     q, k, v = _rand(rng, (1, 2, 5, 8)), _rand(rng, (1, 2, 5, 8)), _rand(rng, (1, 2, 5, 8))
@@ -341,6 +402,24 @@ def test_device_inputs_strided_broadcast_mask_and_lead_dims(monkeypatch):
         fcuda.scaled_dot_product_attention(HostCAI(q[..., ::2]), HostCAI(k[..., ::2]), HostCAI(v))
     with pytest.raises(TypeError, match="all be device arrays"):
         fcuda.scaled_dot_product_attention(HostCAI(qb), kb, vb)
+
+
+def test_streams(monkeypatch):
+    """The kernel runs on the query's stream; other operands' streams are waited for."""
+    emu = _EmulatedCuda()
+    synced = []
+    emu.stream_synchronize = synced.append
+    monkeypatch.setattr(fcuda, "_cuda", emu)
+    x = np.ones((1, 2, 3, 8), np.float32)
+    out = fcuda.scaled_dot_product_attention(
+        HostCAI(x, stream=77), HostCAI(x, stream=77), HostCAI(x, stream=5)
+    )
+    assert emu.launches[-1]["stream"] == 77 and synced == [5]
+    assert out.__cuda_array_interface__["stream"] == 77
+    out.get()
+    assert synced == [5, 77]
+    fcuda.scaled_dot_product_attention(x, x, x)
+    assert emu.launches[-1]["stream"] == 0
 
 
 def test_device_array_roundtrip_bfloat16(monkeypatch):
@@ -429,12 +508,13 @@ def test_config_reports_cuda():
 
 def test_import_fastattn_does_not_import_cuda():
     code = "import sys, fastattn; assert 'fastattn.cuda' not in sys.modules; fastattn.cuda; print('ok')"
+    here = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))  # the fastattn under test
     r = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")},
+        cwd=os.path.dirname(here),
+        env={**os.environ, "PYTHONPATH": here},
     )
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
 
@@ -444,6 +524,7 @@ def test_import_fastattn_does_not_import_cuda():
 
 
 def _load_build():
+    pytest.importorskip("setuptools")
     spec = importlib.util.spec_from_file_location("fastattn_cuda_build_test", BUILD_PY)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -483,6 +564,7 @@ _NVCC = shutil.which("nvcc") or os.environ.get("CUDA_HOME") or os.path.exists("/
 def test_build_extension_with_nvcc(tmp_path):
     """nvcc builds fastattn._cuda from this tree (one architecture, to stay quick);
     the module imports and, without a GPU, reports no device."""
+    pytest.importorskip("setuptools")
     r = subprocess.run(
         [sys.executable, BUILD_PY, "--build-lib", str(tmp_path), "--archs", "80"],
         capture_output=True,

@@ -1,4 +1,5 @@
 """fastattn.dask: sharded exact attention over Dask arrays."""
+
 from __future__ import annotations
 
 import itertools
@@ -60,7 +61,7 @@ def _case(seed):
     mask = None
     r = rng.random()
     if r < 0.3:
-        mshape = tuple(1 if rng.random() < 0.4 else n for n in full)[int(rng.integers(0, 2)):]
+        mshape = tuple(1 if rng.random() < 0.4 else n for n in full)[int(rng.integers(0, 2)) :]
         mask = rng.random(mshape) < 0.8
     elif r < 0.5:
         mshape = tuple(1 if rng.random() < 0.4 else n for n in full)
@@ -83,7 +84,9 @@ def _tol(dtype):
 def test_matches_in_memory_random(seed):
     q, k, v, qd, kd, vd, mask, kw = _case(seed)
     m_np = np.asarray(mask) if mask is not None else None
-    want, want_lse = fastattn.scaled_dot_product_attention(q, k, v, m_np, return_lse=True, **kw)
+    want, want_lse = fastattn.scaled_dot_product_attention(
+        q, k, v, m_np, return_lse=True, num_threads=1, **kw
+    )
     got_d, lse_d = fd.scaled_dot_product_attention(qd, kd, vd, mask, return_lse=True, num_threads=1, **kw)
     assert got_d.shape == want.shape and got_d.dtype == want.dtype
     assert lse_d.shape == want_lse.shape and lse_d.dtype == want_lse.dtype
@@ -106,21 +109,36 @@ def test_matches_float64_reference():
     v = rng.standard_normal((2, 2, 61, 12))
     mask = rng.standard_normal((45, 61))
     want, want_lse = fastattn.reference.scaled_dot_product_attention(
-        q, k, v, mask, is_causal=True, window=(20, -1), enable_gqa=True, return_lse=True)
+        q, k, v, mask, is_causal=True, window=(20, -1), enable_gqa=True, return_lse=True
+    )
     out, lse = fd.scaled_dot_product_attention(
         da.from_array(q.astype(np.float32), chunks=(1, 2, 11, 16)),
         da.from_array(k.astype(np.float32), chunks=(2, 1, 9, 16)),
         da.from_array(v.astype(np.float32), chunks=(2, 1, 9, 12)),
         da.from_array(mask.astype(np.float32), chunks=(11, 9)),
-        is_causal=True, window=(20, -1), enable_gqa=True, return_lse=True)
+        is_causal=True,
+        window=(20, -1),
+        enable_gqa=True,
+        return_lse=True,
+    )
     out, lse = dask.compute(out, lse, scheduler="threads")
     np.testing.assert_allclose(out, want, atol=2e-5 * np.abs(want).max())
     np.testing.assert_allclose(lse, want_lse, rtol=1e-5)
 
 
-@pytest.mark.parametrize("causal,window", [(True, None), (False, (0, -1)), (False, (3, 0)), (True, (2, -1)),
-                                           (False, (-1, 0)), (False, (1, 4)), (False, (0, 0)),
-                                           (True, (-1, 5))])
+@pytest.mark.parametrize(
+    "causal,window",
+    [
+        (True, None),
+        (False, (0, -1)),
+        (False, (3, 0)),
+        (True, (2, -1)),
+        (False, (-1, 0)),
+        (False, (1, 4)),
+        (False, (0, 0)),
+        (True, (-1, 5)),
+    ],
+)
 @pytest.mark.parametrize("L,S", [(5, 9), (9, 5), (8, 8)])
 def test_chunk_pair_offsets_exhaustive(causal, window, L, S):
     """Every (query chunk, key chunk) pair of every size against the full
@@ -161,9 +179,16 @@ def test_chunk_pair_offsets_exhaustive(causal, window, L, S):
         user = None if n % 2 else fmask[i0:i1, j0:j1]
         want_m = sub if user is None else np.where(sub, user, -np.inf).astype(np.float32)
         want = fastattn.scaled_dot_product_attention(
-            q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], want_m, scale=0.3, return_lse=True)
-        got = fd._part(q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], user,
-                       geom=(i0, i1, j0, j1, lo, hi, kind), opts=opts)
+            q[:, :, i0:i1], k[:, :, j0:j1], v[:, :, j0:j1], want_m, scale=0.3, return_lse=True, num_threads=1
+        )
+        got = fd._part(
+            q[:, :, i0:i1],
+            k[:, :, j0:j1],
+            v[:, :, j0:j1],
+            user,
+            geom=(i0, i1, j0, j1, lo, hi, kind),
+            opts=opts,
+        )
         np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(np.isneginf(got[1]), np.isneginf(want[1]))
         f = np.isfinite(want[1])
@@ -173,7 +198,9 @@ def test_chunk_pair_offsets_exhaustive(causal, window, L, S):
 
 
 def _count(arr, prefix):
-    return sum(1 for key in dict(arr.__dask_graph__()) if isinstance(key, tuple) and key[0].startswith(prefix))
+    return sum(
+        1 for key in dict(arr.__dask_graph__()) if isinstance(key, tuple) and key[0].startswith(prefix)
+    )
 
 
 def test_causal_skips_key_chunks():
@@ -204,8 +231,13 @@ def test_queries_that_see_no_key_chunk():
     q = rng.standard_normal((1, 30, 8)).astype(np.float32)
     k = rng.standard_normal((1, 10, 8)).astype(np.float32)
     v = rng.standard_normal((1, 10, 8)).astype(np.float32)
-    out, lse = fd.scaled_dot_product_attention(da.from_array(q, chunks=(1, 7, 8)), da.from_array(k, chunks=(1, 4, 8)),
-                                               v, is_causal=True, return_lse=True)
+    out, lse = fd.scaled_dot_product_attention(
+        da.from_array(q, chunks=(1, 7, 8)),
+        da.from_array(k, chunks=(1, 4, 8)),
+        v,
+        is_causal=True,
+        return_lse=True,
+    )
     out, lse = dask.compute(out, lse, scheduler="sync")
     want, want_lse = fastattn.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True)
     assert np.all(out[:, :20] == 0) and np.all(np.isneginf(lse[:, :20]))
@@ -257,16 +289,19 @@ def test_numpy_inputs_are_wrapped_and_inputs_not_modified():
     copies = [a.copy() for a in (q, k, v)]
     out = fd.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert isinstance(out, da.Array)
-    np.testing.assert_allclose(out.compute(), fastattn.scaled_dot_product_attention(q, k, v, is_causal=True),
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        out.compute(), fastattn.scaled_dot_product_attention(q, k, v, is_causal=True), rtol=1e-6, atol=1e-6
+    )
     for a, c in zip((q, k, v), copies):
         np.testing.assert_array_equal(a, c)
 
 
 def _exploding(shape, chunks):
     """A dask array whose chunks raise when computed: errors must come first."""
+
     def boom(block_info=None):
         raise RuntimeError("a task ran")
+
     return da.map_blocks(boom, chunks=chunks, dtype=np.float32, meta=np.empty((0,) * len(shape), np.float32))
 
 
@@ -326,9 +361,14 @@ def client():
         "distributed.comm.timeouts.connect": "30s",
     }
     with dask.config.set(cfg):
-        cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                           memory_limit=MEMORY_LIMIT, dashboard_address=None,
-                                           silence_logs=40)
+        cluster = distributed.LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            memory_limit=MEMORY_LIMIT,
+            dashboard_address=None,
+            silence_logs=40,
+        )
         c = distributed.Client(cluster)
         try:
             yield c
@@ -337,13 +377,15 @@ def client():
             cluster.close(timeout=10)
 
 
-@pytest.mark.parametrize("seed", [1, 2, 6])
+@pytest.mark.parametrize("seed", [1, 6, 7])
 def test_distributed_matches_in_memory(client, seed):
     q, k, v, qd, kd, vd, mask, kw = _case(seed)
     m_np = np.asarray(mask) if mask is not None else None
-    want, want_lse = fastattn.scaled_dot_product_attention(q, k, v, m_np, return_lse=True, **kw)
+    want, want_lse = fastattn.scaled_dot_product_attention(
+        q, k, v, m_np, return_lse=True, num_threads=1, **kw
+    )
     out, lse = fd.scaled_dot_product_attention(qd, kd, vd, mask, return_lse=True, num_threads=1, **kw)
-    out, lse = client.gather(client.compute([out, lse]), errors="raise")
+    out, lse = (f.result(timeout=120) for f in client.compute([out, lse]))
     tol = _tol(q.dtype)
     np.testing.assert_allclose(out.astype(np.float64), want.astype(np.float64), rtol=tol, atol=tol)
     assert np.array_equal(np.isneginf(lse), np.isneginf(want_lse))
@@ -357,13 +399,21 @@ def _const_keys(block_info=None):
     return np.broadcast_to(c[None, :, None, :], shape).astype(np.float32)  # constant along S
 
 
+def _value_table(h, D):
+    """v[., h, s, d] = table[(37 * s) % 101, d]."""
+    r = np.arange(101)[:, None]
+    d = np.arange(D)[None, :]
+    return (((r + 11 * d + 5 * h) % 101) / 101.0 - 0.5).astype(np.float32)
+
+
 def _formula_values(block_info=None):
     loc = block_info[None]["array-location"]
-    s = np.arange(*loc[2])[:, None]
-    d = np.arange(*loc[3])[None, :]
-    h = np.arange(*loc[1])[:, None, None]
-    x = ((37 * s + 11 * d + 5 * h) % 101) / 101.0 - 0.5  # (h, s, d)
-    return np.broadcast_to(x[None], tuple(b - a for a, b in loc)).astype(np.float32)
+    shape = tuple(b - a for a, b in loc)
+    rows = (37 * np.arange(*loc[2], dtype=np.int64)) % 101
+    out = np.empty(shape, np.float32)
+    for h in range(shape[1]):
+        out[0, h] = _value_table(loc[1][0] + h, shape[3])[rows]
+    return out
 
 
 def test_distributed_keys_larger_than_worker_memory(client):
@@ -371,7 +421,7 @@ def test_distributed_keys_larger_than_worker_memory(client):
     client), on workers limited to 200 MB with spilling off: constant keys make
     attention uniform, so the output is the mean of the values, known from the
     generator's formula."""
-    H, S, D, L, cs = 2, 1 << 20, 32, 8, 1 << 16
+    H, S, D, L, cs = 2, 1 << 20, 32, 8, 1 << 15
     chunks = ((1,), (1,) * H, (cs,) * (S // cs), (D,))
     k = da.map_blocks(_const_keys, chunks=chunks, dtype=np.float32, meta=np.empty((0,) * 4, np.float32))
     v = da.map_blocks(_formula_values, chunks=chunks, dtype=np.float32, meta=np.empty((0,) * 4, np.float32))
@@ -380,11 +430,7 @@ def test_distributed_keys_larger_than_worker_memory(client):
     out = fd.scaled_dot_product_attention(q, k, v, num_threads=1)
     res = client.compute(out).result(timeout=120)
     counts = np.bincount((37 * np.arange(S, dtype=np.int64)) % 101, minlength=101)
-    want = np.empty((H, D))
-    for h in range(H):
-        for d in range(D):
-            vals = (((np.arange(101) + 11 * d + 5 * h) % 101) / 101.0 - 0.5).astype(np.float32)
-            want[h, d] = counts @ vals.astype(np.float64) / S
+    want = np.stack([counts @ _value_table(h, D).astype(np.float64) / S for h in range(H)])
     np.testing.assert_allclose(res[0], np.broadcast_to(want[:, None, :], (H, L, D)), rtol=0, atol=2e-6)
 
     def peak_rss():

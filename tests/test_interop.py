@@ -2,6 +2,7 @@
 ``__array__`` such as CPU torch tensors), read without copies when possible;
 ``fastattn.dot_product_attention`` against the reference in JAX's conventions,
 and against ``jax.nn.dot_product_attention`` itself when JAX is installed."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -75,8 +76,19 @@ def test_tensor_requiring_grad_is_refused_with_a_clear_error(rng):
 
 
 # ---------------------------------------------------------------- JAX API
-def _jax_oracle(q, k, v, bias=None, mask=None, *, scale=None, is_causal=False, query_seq_lengths=None,
-                key_value_seq_lengths=None, local_window_size=None):
+def _jax_oracle(
+    q,
+    k,
+    v,
+    bias=None,
+    mask=None,
+    *,
+    scale=None,
+    is_causal=False,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    local_window_size=None,
+):
     """JAX's documented semantics in float64 via fastattn.reference, with JAX's
     top-left causal/window masks written out explicitly as a bool mask."""
     B, T, N, H = q.shape
@@ -97,8 +109,9 @@ def _jax_oracle(q, k, v, bias=None, mask=None, *, scale=None, is_causal=False, q
     if query_seq_lengths is not None:
         keep &= t[None, None] < np.asarray(query_seq_lengths)[:, None, None, None]
     am = np.where(keep, 0.0 if bias is None else np.broadcast_to(bias, keep.shape), -np.inf)
-    return ref.scaled_dot_product_attention(q, k, v, attn_mask=am, scale=scale, layout="bshd",
-                                            enable_gqa=True), keep
+    return ref.scaled_dot_product_attention(
+        q, k, v, attn_mask=am, scale=scale, layout="bshd", enable_gqa=True
+    ), keep
 
 
 JAX_CASES = [
@@ -121,7 +134,11 @@ def _jax_inputs(rng, case, dtype=np.float32):
     T, S = case.get("T", 19), case.get("S", 19)
     B, N, H = 2, 4, 16
     K = 2 if case.get("gqa") else N
-    q, k, v = randn(rng, (B, T, N, H), dtype), randn(rng, (B, S, K, H), dtype), randn(rng, (B, S, K, H), dtype)
+    q, k, v = (
+        randn(rng, (B, T, N, H), dtype),
+        randn(rng, (B, S, K, H), dtype),
+        randn(rng, (B, S, K, H), dtype),
+    )
     kw = {}
     if case.get("bias"):
         kw["bias"] = randn(rng, (1, N, T, S), dtype)
@@ -139,8 +156,9 @@ def _jax_inputs(rng, case, dtype=np.float32):
     return q, k, v, kw
 
 
-@pytest.mark.parametrize("case", JAX_CASES, ids=[",".join(f"{a}={b}" for a, b in c.items()) or "plain"
-                                                 for c in JAX_CASES])
+@pytest.mark.parametrize(
+    "case", JAX_CASES, ids=[",".join(f"{a}={b}" for a, b in c.items()) or "plain" for c in JAX_CASES]
+)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_dot_product_attention_matches_jax_semantics(rng, case, dtype):
     q, k, v, kw = _jax_inputs(rng, case, dtype)

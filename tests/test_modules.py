@@ -244,6 +244,17 @@ def test_bad_arguments(rng):
         m(x, attn_mask=np.ones((3, 2, 5, 5), bool))
     with pytest.raises(TypeError, match="attn_mask"):
         m(x, attn_mask=np.ones((5, 5), np.int8))
+    with pytest.raises(ValueError, match="attn_mask"):
+        m(x, attn_mask=np.ones((4, 5, 4), bool))  # (B * H, L, S') with the wrong S'
+    with pytest.raises(ValueError, match="attn_mask"):
+        m(x, attn_mask=np.ones((1, 1, 1, 5, 5), bool))
+    c = MHA(8, 2, kdim=3, vdim=4, seed=0)
+    with pytest.raises(ValueError, match="key"):
+        c(x)
+    with pytest.raises(ValueError, match="value"):
+        c(x, randn(rng, (2, 6, 3)))
+    with pytest.raises(ValueError, match="value given without key"):
+        m(x, value=x)
     sd = m.state_dict()
     with pytest.raises(ValueError, match="missing"):
         m.load_state_dict({k: v for k, v in sd.items() if k != "in_proj_bias"})

@@ -2,12 +2,12 @@
 ships them, ``mypy --strict`` accepts a user script (and rejects a wrong one),
 ``show_config`` reports the build options, and (with ``FASTATTN_TEST_WHEEL=1``,
 slow) ``tools/test_wheel.sh`` builds, repairs, installs and tests the wheel."""
+
 from __future__ import annotations
 
 import ast
 import inspect
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,8 +43,10 @@ def _stub_params(fn):
 
 
 def _runtime_params(func):
-    return [(p.name, p.kind.name, p.default is not inspect.Parameter.empty)
-            for p in inspect.signature(func).parameters.values()]
+    return [
+        (p.name, p.kind.name, p.default is not inspect.Parameter.empty)
+        for p in inspect.signature(func).parameters.values()
+    ]
 
 
 def _check_stub(module, stub_name):
@@ -75,8 +77,13 @@ def test_python_stubs_match_the_implementation(module, stub):
 
 def test_compiled_module_stub_matches():
     stubs = _check_stub(_kernels, "_kernels.pyi")
-    public = {n for n in dir(_kernels) if not n.startswith("_") and callable(getattr(_kernels, n))
-              and type(getattr(_kernels, n)).__name__ in ("cython_function_or_method", "builtin_function_or_method")}
+    public = {
+        n
+        for n in dir(_kernels)
+        if not n.startswith("_")
+        and callable(getattr(_kernels, n))
+        and type(getattr(_kernels, n)).__name__ in ("cython_function_or_method", "builtin_function_or_method")
+    }
     assert public <= set(stubs), f"_kernels.pyi lacks {sorted(public - set(stubs))}"
     with open(os.path.join(PKG, "_kernels.pyi")) as f:
         text = f.read()
@@ -129,27 +136,39 @@ def test_show_config_reports_the_build_options(capsys):
 # (~30-60 s on 2 busy cores); a warm one takes a few seconds.
 MYPY_CACHE = os.path.join(tempfile.gettempdir(), "fastattn-mypy-cache")
 
-MYPY_BAD = '''
+MYPY_BAD = """
 import numpy as np
 import fastattn
 q = np.zeros((2, 4, 8), dtype=np.float32)
 lse: int = fastattn.scaled_dot_product_attention(q, q, q, return_lse=True)[1]
 fastattn.set_num_threads("2")
 x: int = fastattn.get_isa()
-'''
+"""
 
 
 def test_mypy_strict_accepts_user_code_and_rejects_wrong_code(tmp_path):
-    if shutil.which("mypy") is None and not _has_module("mypy"):
+    if not _has_module("mypy"):
         pytest.skip("mypy is not installed")
     good = os.path.join(os.path.dirname(os.path.abspath(__file__)), "typing_check.py")
     bad = tmp_path / "typing_bad.py"
     bad.write_text(MYPY_BAD)
     # follow-imports=silent: fastattn's own modules are not the subject here
     # (as for an installed package), only what a user script sees of them.
-    cmd = [sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent", "--no-error-summary",
-           "--cache-dir", MYPY_CACHE, good, str(bad)]
-    env = dict(os.environ, MYPYPATH=os.path.dirname(PKG))
+    cmd = [
+        sys.executable,
+        "-m",
+        "mypy",
+        "--strict",
+        "--follow-imports=silent",
+        "--no-error-summary",
+        "--cache-dir",
+        MYPY_CACHE,
+        good,
+        str(bad),
+    ]
+    env = dict(os.environ)
+    if SOURCE_TREE:  # an installed copy is found in site-packages
+        env["MYPYPATH"] = ROOT
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     lines = [ln for ln in r.stdout.splitlines() if ": error:" in ln]
     assert not [ln for ln in lines if "typing_check.py" in ln], r.stdout

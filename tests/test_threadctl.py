@@ -2,6 +2,7 @@
 defaults really reach OpenMP (counted as OS threads of a fresh process),
 ``threadpoolctl`` finds and limits fastattn's OpenMP runtime, and calls from
 many Python threads at once are safe and give the serial results."""
+
 from __future__ import annotations
 
 import json
@@ -50,13 +51,22 @@ print(json.dumps(res))
 
 
 def _child(calls, env_extra=None, limit=None):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("OMP_NUM_THREADS", "FASTATTN_NUM_THREADS", "OMP_THREAD_LIMIT", "OMP_DYNAMIC")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("OMP_NUM_THREADS", "FASTATTN_NUM_THREADS", "OMP_THREAD_LIMIT", "OMP_DYNAMIC")
+    }
     env.update(env_extra or {})
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
     with tempfile.TemporaryDirectory() as d:
-        r = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(calls), json.dumps(limit)], env=env,
-                           capture_output=True, text=True, timeout=120, cwd=d)
+        r = subprocess.run(
+            [sys.executable, "-c", _CHILD, json.dumps(calls), json.dumps(limit)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=d,
+        )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -75,12 +85,15 @@ def test_num_threads_per_call_sets_the_team_size():
 
 
 @needs_omp_linux
-@pytest.mark.parametrize("env,expected", [
-    ({"FASTATTN_NUM_THREADS": "3"}, 3),
-    ({"OMP_NUM_THREADS": "2"}, 2),
-    ({"FASTATTN_NUM_THREADS": "1", "OMP_NUM_THREADS": "3"}, 1),
-    ({"FASTATTN_NUM_THREADS": "3", "OMP_NUM_THREADS": "1"}, 3),
-])
+@pytest.mark.parametrize(
+    "env,expected",
+    [
+        ({"FASTATTN_NUM_THREADS": "3"}, 3),
+        ({"OMP_NUM_THREADS": "2"}, 2),
+        ({"FASTATTN_NUM_THREADS": "1", "OMP_NUM_THREADS": "3"}, 1),
+        ({"FASTATTN_NUM_THREADS": "3", "OMP_NUM_THREADS": "1"}, 3),
+    ],
+)
 def test_default_from_environment_sets_the_team_size(env, expected):
     r = _child(["none"], env)
     assert r["default"] == expected
@@ -135,8 +148,14 @@ def test_bad_environment_value_is_reported():
     env["FASTATTN_NUM_THREADS"] = "zero"
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
     with tempfile.TemporaryDirectory() as d:
-        r = subprocess.run([sys.executable, "-c", "import fastattn"], env=env, capture_output=True, text=True,
-                           timeout=60, cwd=d)
+        r = subprocess.run(
+            [sys.executable, "-c", "import fastattn"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=d,
+        )
     assert r.returncode != 0 and "FASTATTN_NUM_THREADS" in r.stderr
 
 

@@ -21,7 +21,8 @@ step() { echo "== $(($(date +%s) - t0))s: $*"; }
 
 step "copy the tree (tracked and untracked, not ignored files)"
 mkdir -p "$work/src"
-(cd "$src" && git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$work/src")
+(cd "$src" && git ls-files -co --exclude-standard -z \
+    | tar --null -T - --ignore-failed-read -cf - 2>/dev/null) | tar -C "$work/src" -xf -
 
 step "python -m build (sdist, then the wheel from the sdist)"
 FASTATTN_NATIVE=0 FASTATTN_CUDA=0 python -m build --outdir "$work/dist" "$work/src" >"$work/build.log" 2>&1 \
@@ -88,7 +89,10 @@ python -m venv "$work/venv"
 
 step "run the tests against the installed wheel from outside the source tree"
 mkdir -p "$work/run"
-cp -r "$src/tests" "$work/run/tests"
+cp -r "$work/src/tests" "$work/run/tests"  # the same snapshot the wheel was built from
+for d in examples benchmarks; do  # some tests run these scripts; never the package itself
+    [ -d "$work/src/$d" ] && cp -r "$work/src/$d" "$work/run/$d"
+done
 cd "$work/run"
 "$work/venv/bin/python" -c "import fastattn, sys; print('fastattn from', fastattn.__file__); fastattn.show_config()"
 FASTATTN_TEST_INSTALLED=1 "$work/venv/bin/python" -m pytest tests -q -p no:cacheprovider "$@"

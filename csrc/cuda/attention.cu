@@ -225,28 +225,28 @@ size_t smem_bytes(const fa_cuda_params *p)
 }
 
 template <typename TQ, typename TKV, int DVL>
-cudaError_t launch(const fa_cuda_params *p)
+cudaError_t launch(const fa_cuda_params *p, cudaStream_t stream)
 {
     const size_t smem = smem_bytes(p);
     cudaError_t e = cudaFuncSetAttribute(fa_fwd_kernel<TQ, TKV, DVL>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
     const dim3 grid((unsigned)((p->Hq / p->Hk * p->L + BM - 1) / BM), (unsigned)p->Hk, (unsigned)p->B);
-    fa_fwd_kernel<TQ, TKV, DVL><<<grid, THREADS, smem, 0>>>(*p);
+    fa_fwd_kernel<TQ, TKV, DVL><<<grid, THREADS, smem, stream>>>(*p);
     return cudaGetLastError();
 }
 
 template <typename TQ, typename TKV>
-cudaError_t launch_dv(const fa_cuda_params *p)
+cudaError_t launch_dv(const fa_cuda_params *p, cudaStream_t stream)
 {
-    if (p->Dv <= 64) return launch<TQ, TKV, 2>(p);
-    if (p->Dv <= 128) return launch<TQ, TKV, 4>(p);
-    return launch<TQ, TKV, 8>(p);
+    if (p->Dv <= 64) return launch<TQ, TKV, 2>(p, stream);
+    if (p->Dv <= 128) return launch<TQ, TKV, 4>(p, stream);
+    return launch<TQ, TKV, 8>(p, stream);
 }
 
 } // namespace
 
-extern "C" int fa_cuda_attention(const fa_cuda_params *p, char *err, size_t errlen)
+extern "C" int fa_cuda_attention(const fa_cuda_params *p, uintptr_t stream_handle, char *err, size_t errlen)
 {
 #define FA_FAIL(...) do { snprintf(err, errlen, __VA_ARGS__); return FA_EINVAL; } while (0)
     if (p->B < 0 || p->Hq < 0 || p->Hk < 1 || p->L < 0 || p->S < 0 || p->D < 1 || p->Dv < 1)
@@ -267,12 +267,13 @@ extern "C" int fa_cuda_attention(const fa_cuda_params *p, char *err, size_t errl
         FA_FAIL("grid too large: %lld row blocks, Hk=%lld, B=%lld (limits 2^31-1, 65535, 65535)",
                 (long long)blocks_x, (long long)p->Hk, (long long)p->B);
     cudaError_t e;
+    const cudaStream_t st = (cudaStream_t)stream_handle;
     const int qt = p->q_dtype, kt = p->kv_dtype;
-    if (qt == FA_F32 && kt == FA_F32) e = launch_dv<float, float>(p);
-    else if (qt == FA_F16 && kt == FA_F16) e = launch_dv<__half, __half>(p);
-    else if (qt == FA_BF16 && kt == FA_BF16) e = launch_dv<__nv_bfloat16, __nv_bfloat16>(p);
-    else if (qt == FA_F32 && kt == FA_F16) e = launch_dv<float, __half>(p);
-    else if (qt == FA_F32 && kt == FA_BF16) e = launch_dv<float, __nv_bfloat16>(p);
+    if (qt == FA_F32 && kt == FA_F32) e = launch_dv<float, float>(p, st);
+    else if (qt == FA_F16 && kt == FA_F16) e = launch_dv<__half, __half>(p, st);
+    else if (qt == FA_BF16 && kt == FA_BF16) e = launch_dv<__nv_bfloat16, __nv_bfloat16>(p, st);
+    else if (qt == FA_F32 && kt == FA_F16) e = launch_dv<float, __half>(p, st);
+    else if (qt == FA_F32 && kt == FA_BF16) e = launch_dv<float, __nv_bfloat16>(p, st);
     else FA_FAIL("unsupported dtype combination q=%d kv=%d", qt, kt);
     if (e != cudaSuccess) {
         snprintf(err, errlen, "CUDA error: %s", cudaGetErrorString(e));

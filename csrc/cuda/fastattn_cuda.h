@@ -45,9 +45,10 @@ typedef struct fa_cuda_params {
     const int64_t *k_lens;             /* optional (B,) valid key lengths */
 } fa_cuda_params;
 
-/* Checks p and launches the kernel on the legacy default stream (asynchronous).
- * Returns an fa_status; on failure writes a message into err. */
-int fa_cuda_attention(const fa_cuda_params *p, char *err, size_t errlen);
+/* Checks p and launches the kernel on stream (a cudaStream_t; 0 = the default
+ * stream), asynchronously.  Returns an fa_status; on failure writes a message
+ * into err. */
+int fa_cuda_attention(const fa_cuda_params *p, uintptr_t stream, char *err, size_t errlen);
 
 /* Thin runtime wrappers so that module.c needs no CUDA headers.  Each returns
  * 0 on success or a cudaError_t value; fa_cuda_error_string names it. */

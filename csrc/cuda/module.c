@@ -178,13 +178,14 @@ static int get_ptr(PyObject *d, const char *k, const void **out)
     return 0;
 }
 
-/* attention(params: dict) -> None.  Launches asynchronously on the legacy
- * default stream; the keys are the fa_cuda_params field names. */
+/* attention(params: dict) -> None.  The keys are the fa_cuda_params field
+ * names plus "stream" (a cudaStream_t as int, or None / 0 for the default
+ * stream); the launch is asynchronous. */
 static PyObject *py_attention(PyObject *self, PyObject *args)
 {
     PyObject *d;
     fa_cuda_params p;
-    const void *lse = NULL, *o = NULL, *alibi = NULL, *klens = NULL;
+    const void *lse = NULL, *o = NULL, *alibi = NULL, *klens = NULL, *stream = NULL;
     char err[512] = "";
     int rc;
     if (!PyArg_ParseTuple(args, "O!", &PyDict_Type, &d)) return NULL;
@@ -209,13 +210,13 @@ static PyObject *py_attention(PyObject *self, PyObject *args)
         get_i64(d, "window_left", &p.window_left) || get_i64(d, "window_right", &p.window_right) ||
         get_f64(d, "softcap", &p.softcap) ||
         get_ptr(d, "alibi", &alibi) || get_i64(d, "alibi_sb", &p.alibi_sb) ||
-        get_i64(d, "alibi_sh", &p.alibi_sh) || get_ptr(d, "k_lens", &klens))
+        get_i64(d, "alibi_sh", &p.alibi_sh) || get_ptr(d, "k_lens", &klens) || get_ptr(d, "stream", &stream))
         return NULL;
     p.o = (void *)o;
     p.lse = (float *)lse;
     p.alibi = (const double *)alibi;
     p.k_lens = (const int64_t *)klens;
-    rc = fa_cuda_attention(&p, err, sizeof err);
+    rc = fa_cuda_attention(&p, (uintptr_t)stream, err, sizeof err);
     if (rc != FA_OK) {
         PyErr_Format(PyExc_RuntimeError, "fastattn CUDA attention: %s", err);
         return NULL;
