@@ -371,7 +371,9 @@ def test_generate_example_matches_full_attention(monkeypatch, capsys, dtype):
 
 def test_generate_example_script_exit_status():
     env = dict(os.environ, FASTATTN_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    # import the fastattn under test (installed or in-place build), never a bare source tree
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
     r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "generate.py"), "--steps", "2",
-                        "--dtype", "bfloat16"], capture_output=True, text=True, env=env, timeout=120)
+                        "--dtype", "bfloat16"], capture_output=True, text=True, env=env, timeout=120,
+                       cwd=os.path.dirname(os.path.abspath(__file__)))
     assert r.returncode == 0, r.stdout + r.stderr
