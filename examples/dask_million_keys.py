@@ -98,8 +98,8 @@ def main():
         for addr, peak in sorted(client.run(_peak_rss_bytes).items()):
             print(f"peak RSS {addr}: {peak / 2**20:.0f} MiB (K/V total {kv_bytes / 2**20:.0f} MiB)")
 
-        if args.check:  # a few query rows against the in-memory function (fetches K/V of one head)
-            k0, v0 = client.compute([k[0], v[0]], sync=True)
+        if args.check:  # a few rows against the in-memory function, K/V of head 0 regenerated here
+            k0, v0 = (_regenerate(seed, S, D, args.key_chunk) for seed in (1, 2))
             j = np.arange(S)
             for i in np.unique(np.linspace(0, L - 1, 4).astype(int)):
                 vis = np.ones(S, bool)  # bottom-right alignment: query i sees j <= i + S - L
@@ -111,6 +111,16 @@ def main():
                 err = np.abs(o[0, i] - want).max()
                 print(f"check row {i}: max |dask - in memory| = {err:.2e}")
                 assert err < 1e-4, err
+
+
+def _regenerate(seed, S, D, chunk):
+    """Head 0 of the K or V that the workers generated, rebuilt chunk by chunk on the client."""
+    blocks, s0 = [], 0
+    for c in _split(S, chunk):
+        info = {None: {"array-location": [(0, 1), (s0, s0 + c), (0, D)]}}
+        blocks.append(_random_block(seed, np.float32, block_info=info)[0])
+        s0 += c
+    return np.concatenate(blocks)
 
 
 def _split(n, c):

@@ -80,6 +80,14 @@ if _ENV_ISA:
         raise ImportError(f"FASTATTN_ISA={_ENV_ISA!r}: {e}") from None
 
 
+def _module_version(name: str) -> str | None:
+    """Version of an imported-or-importable module, None when it is missing."""
+    try:
+        return str(__import__(name).__version__)
+    except Exception:  # noqa: BLE001 - optional dependency
+        return None
+
+
 def config() -> dict:
     """The configuration as a dict (what :func:`show_config` prints)."""
     from . import __version__
@@ -94,6 +102,8 @@ def config() -> dict:
         "version": __version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
+        "numpy": _module_version("numpy"),
+        "ml_dtypes": _module_version("ml_dtypes"),
         "compiler": _build_config.COMPILER,
         "cflags": _build_config.CFLAGS,
         "native_build (FASTATTN_NATIVE)": _build_config.NATIVE,

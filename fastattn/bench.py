@@ -96,6 +96,9 @@ CASES = [
     Case("B1 H8 L16 D64", 1, 8, 8, 16, 16, 64, kind="small"),
 ]
 
+QUICK_CASES = ("B1 H8 L1024 D64", "B1 H8 L1024 D64 causal", "B1 H32/8 S8192 D128 decode",
+               "B1 H32 S8192 D128 decode f16kv", "B1 H8 L16 D64")
+
 SWEEP_LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -767,7 +770,8 @@ def parse_args(argv):
     p.add_argument("--json", metavar="PATH", default=None, help="write records and machine info as JSON")
     p.add_argument("--repeat", type=int, default=None,
                    help="interleaved rounds per case (default 5, quick 2)")
-    p.add_argument("--quick", action="store_true", help="fewer rounds, shorter samples (< 1 minute)")
+    p.add_argument("--quick", action="store_true",
+                   help="a subset of the cases (unless --cases), fewer rounds, shorter samples (< 1 minute)")
     p.add_argument("--sweep", action="store_true",
                    help="throughput vs L (256..8192, B1 H8 D64) for fastattn, torch, numpy "
                    "(for benchmarks/plot.py)")
@@ -793,6 +797,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = sys.stdout
     cases = sweep_cases() if args.sweep else CASES
+    if args.quick and not args.cases and not args.sweep:
+        cases = [c for c in cases if c.name in QUICK_CASES]
     cases = select_cases(args.cases, cases)
     impls = [FastAttn, Torch, NumpyRef] if args.sweep else IMPLS
     if args.impls:

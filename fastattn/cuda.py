@@ -322,7 +322,7 @@ def _device_empty(shape, dtype, stream):
     """(result object, _View) of fresh device memory: CuPy when available."""
     if dtype in (F16, F32):
         try:
-            import cupy
+            import cupy  # type: ignore[import-not-found]
         except ImportError:
             cupy = None
         if cupy is not None:

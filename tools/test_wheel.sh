@@ -15,7 +15,7 @@
 set -euo pipefail
 src=$(cd "$(dirname "$0")/.." && pwd)
 work=$(mktemp -d)
-[ "${KEEP:-0}" = 1 ] && echo "scratch: $work" || trap 'rm -rf "$work"' EXIT
+if [ "${KEEP:-0}" = 1 ]; then echo "scratch: $work"; else trap 'rm -rf "$work"' EXIT; fi
 t0=$(date +%s)
 step() { echo "== $(($(date +%s) - t0))s: $*"; }
 
@@ -90,11 +90,11 @@ python -m venv "$work/venv"
 step "run the tests against the installed wheel from outside the source tree"
 mkdir -p "$work/run"
 cp -r "$work/src/tests" "$work/run/tests"  # the same snapshot the wheel was built from
-for d in examples benchmarks; do  # some tests run these scripts; never the package itself
-    [ -d "$work/src/$d" ] && cp -r "$work/src/$d" "$work/run/$d"
+for d in examples benchmarks csrc; do  # some tests read these files; never the package itself
+    if [ -d "$work/src/$d" ]; then cp -r "$work/src/$d" "$work/run/$d"; fi
 done
 cd "$work/run"
 "$work/venv/bin/python" -c "import fastattn, sys; print('fastattn from', fastattn.__file__); fastattn.show_config()"
 FASTATTN_TEST_INSTALLED=1 "$work/venv/bin/python" -m pytest tests -q -p no:cacheprovider "$@"
-[ -n "${WHEELHOUSE:-}" ] && { mkdir -p "$WHEELHOUSE"; cp "$sdist" "$rwheel" "$WHEELHOUSE/"; }
+if [ -n "${WHEELHOUSE:-}" ]; then mkdir -p "$WHEELHOUSE"; cp "$sdist" "$rwheel" "$WHEELHOUSE/"; fi
 step "done"
