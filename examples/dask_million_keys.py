@@ -73,7 +73,7 @@ def main():
         threads_per_worker=1,
         processes=True,
         memory_limit=args.memory_limit,
-        dashboard_address=None,
+        dashboard_address=":0",
     )
     with cluster, Client(cluster) as client:
         out, lse = fd.scaled_dot_product_attention(

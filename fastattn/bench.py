@@ -400,7 +400,9 @@ class OrtMHA(_OrtBase):
         if Hq != Hk:  # the op has no GQA: repeat K/V heads (outside the timing)
             k = np.repeat(k, Hq // Hk, axis=1)
             v = np.repeat(v, Hq // Hk, axis=1)
-            self.note = "; ".join(filter(None, [self.note, "K/V heads repeated to Hq (the op has no GQA)"]))
+            extra = "K/V heads repeated to Hq (the op has no GQA)"
+            if extra not in self.note:
+                self.note = "; ".join(filter(None, [self.note, extra]))
         if case.causal and L != S:
             raise Skip("causal with L != S")
         mask = self._float_mask(case, L, S, dt)
@@ -748,6 +750,35 @@ def causal_summary(records: list, out) -> None:
             print(line, file=out)
 
 
+def markdown_table(records: list, machine: dict) -> str:
+    """One row per case: fastattn's time and rate, then fastattn's speedup over each peer."""
+    impls = list(dict.fromkeys(r["impl"] for r in records if r["impl"] != "fastattn"))
+    head = "| case | fastattn | rate | " + " | ".join(f"vs {i}" for i in impls) + " |"
+    lines = [head, "|" + "---|" * (3 + len(impls))]
+    cases = list(dict.fromkeys(r["case"] for r in records))
+    by = {(r["case"], r["impl"]): r for r in records}
+    for c in cases:
+        fa = by.get((c, "fastattn"))
+        if fa is None or fa["seconds"] is None:
+            continue
+        if fa["kind"] == "decode":
+            rate = f"{fa['gbps']:.1f} GB/s"
+            if machine.get("bandwidth_gbps"):
+                rate += f" ({100 * fa['gbps'] / machine['bandwidth_gbps']:.0f}% bw)"
+        elif fa["kind"] == "small":
+            rate = "-"
+        else:
+            rate = f"{fa['gflops']:.1f} GFLOP/s"
+            if machine.get("gemm_gflops"):
+                rate += f" ({100 * fa['gflops'] / machine['gemm_gflops']:.0f}% gemm)"
+        cells = []
+        for i in impls:
+            r = by.get((c, i))
+            cells.append("-" if r is None or r["ratio"] is None else f"{r['ratio']:.2f}x")
+        lines.append(f"| {c} | {_fmt_time(fa['seconds']).strip()} | {rate} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def select_cases(patterns: list | None, cases: list) -> list:
     if not patterns:
         return list(cases)
@@ -776,6 +807,7 @@ def parse_args(argv):
                    help="throughput vs L (256..8192, B1 H8 D64) for fastattn, torch, numpy "
                    "(for benchmarks/plot.py)")
     p.add_argument("--impls", nargs="+", default=None, help="restrict to these implementations")
+    p.add_argument("--markdown", action="store_true", help="also print a Markdown summary table")
     p.add_argument("--no-machine", action="store_true", help="skip the GEMM and bandwidth measurements")
     args = p.parse_args(argv)
     if args.threads is None:
@@ -837,6 +869,8 @@ def main(argv=None) -> int:
     print(f"\n(time = median of {args.repeat} interleaved rounds (fewer for calls over "
           f"{args.budget / args.repeat:.0f} s); 'fastattn Nx faster' = peer time / "
           f"fastattn time; total {time.perf_counter() - t_start:.0f} s)", file=out)
+    if args.markdown:
+        print("\n" + markdown_table(records, machine), file=out)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine, "records": records}, f, indent=1)

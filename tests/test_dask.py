@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import subprocess
 import sys
 
@@ -366,7 +367,7 @@ def client():
             threads_per_worker=1,
             processes=True,
             memory_limit=MEMORY_LIMIT,
-            dashboard_address=None,
+            dashboard_address=":0",
             silence_logs=40,
         )
         c = distributed.Client(cluster)
@@ -440,3 +441,34 @@ def test_distributed_keys_larger_than_worker_memory(client):
 
     peaks = client.run(peak_rss)
     assert max(peaks.values()) < MEMORY_LIMIT, peaks
+
+
+def test_example_script_runs_small():
+    """examples/dask_million_keys.py end to end, shrunk, with its in-memory check."""
+    pytest.importorskip("distributed")
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "dask_million_keys.py"
+    )
+    if not os.path.exists(path):
+        pytest.skip("examples/ not available")
+    args = [
+        "--keys",
+        "20000",
+        "--queries",
+        "96",
+        "--query-chunk",
+        "40",
+        "--key-chunk",
+        "6000",
+        "--heads",
+        "1",
+        "--workers",
+        "1",
+        "--causal",
+        "--window",
+        "9000",
+        "--check",
+    ]
+    r = subprocess.run([sys.executable, path, *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "check row 95" in r.stdout and "peak RSS" in r.stdout
