@@ -41,15 +41,9 @@ def check_float(a, name):
 
 
 def kernel_ready(a):
-    """A view the kernel can read: native byte order, aligned, last dim contiguous."""
-    item = a.dtype.itemsize
-    ok = (
-        a.dtype.isnative
-        and a.ctypes.data % item == 0
-        and (a.shape[-1] <= 1 or a.strides[-1] == item)
-        and all(s % item == 0 for s in a.strides)
-    )
-    if ok:
+    """A view the kernel can read: native byte order, aligned (pointer and
+    strides multiples of the item size), last dim contiguous; else a copy."""
+    if a.flags.aligned and a.dtype.isnative and (a.strides[-1] == a.itemsize or a.shape[-1] <= 1):
         return a
     b = np.empty(a.shape, dtype=a.dtype.newbyteorder("=") if a.dtype.byteorder not in "=|" else a.dtype)
     b[...] = a

@@ -55,9 +55,14 @@ cdef extern from "fastattn.h":
     int fa_omp_max_threads()
     int fa_exp2_isa(int isa, const float *x, float *y, int64_t n) nogil
 
+import numpy as np
+import ml_dtypes
+
 ISA_NAMES = ("scalar", "avx2", "avx512")
-# Element type codes shared with csrc/fastattn.h (enum fa_dtype).
-DTYPE_CODES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3}
+# Element type codes shared with csrc/fastattn.h (enum fa_dtype), keyed by
+# dtype objects (a dict lookup is much cheaper than dtype.name).
+DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.float16): 2,
+               np.dtype(ml_dtypes.bfloat16): 3}
 MASK_NONE, MASK_BOOL, MASK_F32, MASK_F64 = 0, 1, 2, 3
 
 
@@ -82,10 +87,10 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, obje
     cdef fa_params p
     cdef int64_t s[3]
     cdef int rc
-    p.q_dtype = DTYPE_CODES[q.dtype.name]
-    p.k_dtype = DTYPE_CODES[k.dtype.name]
-    p.v_dtype = DTYPE_CODES[v.dtype.name]
-    p.o_dtype = DTYPE_CODES[out.dtype.name]
+    p.q_dtype = DTYPE_CODES[q.dtype]
+    p.k_dtype = DTYPE_CODES[k.dtype]
+    p.v_dtype = DTYPE_CODES[v.dtype]
+    p.o_dtype = DTYPE_CODES[out.dtype]
     p.B = q.shape[0]
     p.Hq = q.shape[1]
     p.L = q.shape[2]

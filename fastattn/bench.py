@@ -727,8 +727,10 @@ def print_case(case: Case, records: list, machine: dict, out) -> None:
         what = "bw" if case.kind == "decode" else "gemm"
         pct = f"{100 * (r['gbps'] or r['gflops']) / peak:5.0f}% of {what:4s}" \
             if peak and case.kind != "small" else " " * 16
-        ratio = "" if r["impl"] == "fastattn" or r["ratio"] is None else \
-            f"  fastattn {r['ratio']:.2f}x faster"
+        ratio = ""
+        if r["impl"] != "fastattn" and r["ratio"] is not None:
+            ratio = f"  fastattn {r['ratio']:.2f}x faster" if r["ratio"] >= 1 else \
+                f"  fastattn {1 / r['ratio']:.2f}x slower"
         note = f"  [{r['note']}]" if r["note"] else ""
         print(f"  {r['impl']:11s} {_fmt_time(r['seconds'])}  {rate}  {pct}{ratio}{note}", file=out)
 
@@ -753,7 +755,7 @@ def causal_summary(records: list, out) -> None:
 def markdown_table(records: list, machine: dict) -> str:
     """One row per case: fastattn's time and rate, then fastattn's speedup over each peer."""
     impls = list(dict.fromkeys(r["impl"] for r in records if r["impl"] != "fastattn"))
-    head = "| case | fastattn | rate | " + " | ".join(f"vs {i}" for i in impls) + " |"
+    head = "| case | fastattn | rate | " + " | ".join(f"speedup vs {i}" for i in impls) + " |"
     lines = [head, "|" + "---|" * (3 + len(impls))]
     cases = list(dict.fromkeys(r["case"] for r in records))
     by = {(r["case"], r["impl"]): r for r in records}
@@ -867,8 +869,8 @@ def main(argv=None) -> int:
         records.extend(recs)
     causal_summary(records, out)
     print(f"\n(time = median of {args.repeat} interleaved rounds (fewer for calls over "
-          f"{args.budget / args.repeat:.0f} s); 'fastattn Nx faster' = peer time / "
-          f"fastattn time; total {time.perf_counter() - t_start:.0f} s)", file=out)
+          f"{args.budget / args.repeat:.0f} s); speedup = peer time / fastattn time; "
+          f"total {time.perf_counter() - t_start:.0f} s)", file=out)
     if args.markdown:
         print("\n" + markdown_table(records, machine), file=out)
     if args.json:

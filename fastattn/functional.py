@@ -150,15 +150,19 @@ def _merge_lead(a, B):
 def _attention(qh, kh, vh, mask, oh, lseh, opts):
     """Kernel call on bhsd views with equal leading dims (recursing over the
     first leading dim when a mask or output cannot be merged without a copy)."""
-    lead = qh.shape[:-3]
-    B = math.prod(lead)
-    q4 = qh.reshape((B,) + qh.shape[-3:])
-    k4 = kh.reshape((B,) + kh.shape[-3:])
-    v4 = vh.reshape((B,) + vh.shape[-3:])
-    o4 = _merge_lead(oh, B)
-    m4 = None if mask is None else _merge_lead(mask, B)
-    l4 = None if lseh is None else lseh.reshape((B,) + lseh.shape[-2:])  # freshly allocated: a view
+    if qh.ndim == 4:  # the common case: nothing to merge
+        q4, k4, v4, o4, m4, l4 = qh, kh, vh, oh, mask, lseh
+    else:
+        lead = qh.shape[:-3]
+        B = math.prod(lead)
+        q4 = qh.reshape((B,) + qh.shape[-3:])
+        k4 = kh.reshape((B,) + kh.shape[-3:])
+        v4 = vh.reshape((B,) + vh.shape[-3:])
+        o4 = _merge_lead(oh, B)
+        m4 = None if mask is None else _merge_lead(mask, B)
+        l4 = None if lseh is None else lseh.reshape((B,) + lseh.shape[-2:])  # freshly allocated: a view
     if o4 is None or (mask is not None and m4 is None):
+        lead = qh.shape[:-3]
         for i in range(lead[0]):
             sub = dict(opts)
             for key in ("alibi", "q_lens", "k_lens"):
