@@ -14,10 +14,82 @@
 #if defined(FA_HAVE_X86)
 #include <xmmintrin.h>
 #endif
+#if !defined(_WIN32)
+#include <pthread.h>
+#define FA_WS_CACHE 1
+#endif
 
 /* Split the keys when there are fewer tasks than this (shape-only rule). */
 #define FA_SPLIT_TASKS 16
 #define FA_SPLIT_MIN_KEYS 512
+/* Calls with less work than this (multiply-adds) run on the calling thread:
+ * starting a thread team costs more than it saves.  Tasks do not depend on
+ * the thread count, so neither do the results. */
+#define FA_SERIAL_MACS (1 << 19)
+
+/* Per-thread scratch, kept between calls (bounded by the tile sizes, freed
+ * when the thread exits) so that small calls do not pay malloc/mmap and
+ * page faults every time. */
+#if defined(FA_WS_CACHE)
+typedef struct fa_ws_hdr { size_t n; size_t pad[7]; } fa_ws_hdr;
+static pthread_key_t fa_ws_key;
+static pthread_once_t fa_ws_once = PTHREAD_ONCE_INIT;
+static int fa_ws_key_ok;
+static void fa_ws_free(void *h) { free(h); }
+static void fa_ws_key_init(void) { fa_ws_key_ok = pthread_key_create(&fa_ws_key, fa_ws_free) == 0; }
+#endif
+
+static void *fa_ws_get(size_t bytes)
+{
+#if defined(FA_WS_CACHE)
+    pthread_once(&fa_ws_once, fa_ws_key_init);
+    if (fa_ws_key_ok) {
+        fa_ws_hdr *h = (fa_ws_hdr *)pthread_getspecific(fa_ws_key);
+        if (h && h->n >= bytes) return h + 1;
+        free(h);
+        h = (fa_ws_hdr *)malloc(sizeof(fa_ws_hdr) + bytes);
+        if (h) h->n = bytes;
+        if (pthread_setspecific(fa_ws_key, h) != 0) { free(h); return NULL; }
+        return h ? (void *)(h + 1) : NULL;
+    }
+#endif
+    return malloc(bytes);
+}
+
+static void fa_ws_put(void *ws)
+{
+#if defined(FA_WS_CACHE)
+    if (fa_ws_key_ok) return; /* kept for the next call of this thread */
+#endif
+    free(ws);
+}
+
+/* One thread's share of the tasks (all of them when called outside a team). */
+static void fa_run_tasks(const fa_kernel *kern, const fa_params *p, const fa_task *tasks, int64_t ntask,
+                         size_t ws_bytes, int *failed)
+{
+#if defined(FA_HAVE_X86)
+    /* Flush denormals to zero inside the kernel only; restored below. */
+    unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040);
+#endif
+    void *ws = fa_ws_get(ws_bytes);
+    if (!ws) {
+#ifdef _OPENMP
+#pragma omp atomic write
+#endif
+        *failed = 1;
+    }
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+    for (int64_t t = 0; t < ntask; t++)
+        if (ws) kern->run(p, &tasks[t], ws);
+    if (ws) fa_ws_put(ws);
+#if defined(FA_HAVE_X86)
+    _mm_setcsr(csr);
+#endif
+}
 
 int fa_openmp_enabled(void)
 {
@@ -51,17 +123,19 @@ static void fa_merge_row(const fa_params *p, const fa_task *parts, int64_t nspli
     }
     (void)rows;
     int64_t oo = parts[0].b * p->o_sb + h * p->o_sh + (bi->qoff + i) * p->o_sl;
-    double den = 0.0;
+    double wgt[64], den = 0.0; /* nsplit <= FA_SPLIT_TASKS */
+    if (!nan && M != -INFINITY)
+        for (int64_t s = 0; s < nsplit; s++) {
+            double l = f64 ? ((double *)parts[s].part_lse)[r] : ((float *)parts[s].part_lse)[r];
+            wgt[s] = exp(l - M);
+            den += wgt[s];
+        }
     for (int64_t c = 0; c < Dv; c++) {
         double acc = 0.0;
-        den = 0.0;
         if (!nan && M != -INFINITY) {
             for (int64_t s = 0; s < nsplit; s++) {
-                double l = f64 ? ((double *)parts[s].part_lse)[r] : ((float *)parts[s].part_lse)[r];
-                double wgt = exp(l - M);
                 double o = f64 ? ((double *)parts[s].part_o)[r * Dv + c] : ((float *)parts[s].part_o)[r * Dv + c];
-                if (wgt > 0.0) acc += wgt * o;
-                den += wgt;
+                if (wgt[s] > 0.0) acc += wgt[s] * o;
             }
             acc /= den;
         } else if (nan) {
@@ -136,31 +210,18 @@ int fa_attention(const fa_params *p)
     int nt = p->num_threads < 1 ? 1 : p->num_threads;
     if (nt > ntask) nt = (int)ntask;
     const size_t ws_bytes = kern->scratch_bytes(p);
+    {
+        double macs = (double)p->B * (double)p->Hq * (double)p->L * (double)p->S * (double)(p->D + p->Dv);
+        if (p->causal) macs *= 0.5;
+        if (macs < FA_SERIAL_MACS) nt = 1;
+    }
+    if (nt == 1) {
+        fa_run_tasks(kern, p, tasks, ntask, ws_bytes, &failed);
+    } else {
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nt)
 #endif
-    {
-#if defined(FA_HAVE_X86)
-        /* Flush denormals to zero inside the kernel only; restored below. */
-        unsigned int csr = _mm_getcsr();
-        _mm_setcsr(csr | 0x8040);
-#endif
-        void *ws = malloc(ws_bytes);
-        if (!ws) {
-#ifdef _OPENMP
-#pragma omp atomic write
-#endif
-            failed = 1;
-        }
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-        for (int64_t t = 0; t < ntask; t++)
-            if (ws) kern->run(p, &tasks[t], ws);
-        free(ws);
-#if defined(FA_HAVE_X86)
-        _mm_setcsr(csr);
-#endif
+        fa_run_tasks(kern, p, tasks, ntask, ws_bytes, &failed);
     }
     if (!failed && nsplit > 1) {
         const int64_t ngroup = base;

@@ -97,48 +97,85 @@ FA_INLINE void FA_NAME(pv_ukernel)(int mr, int nv, const REAL *P, int64_t ldp, i
         for (int v = 0; v < nv; v++) vf_store(O + i * ldo + v * VW, acc[i][v]);
 }
 
-/* Few rows (decode): S[r][jj] = Q[r] . K[jj] straight from the key rows,
- * which need no packing; Dp is a multiple of VW and rows are zero-padded. */
-FA_INLINE void FA_NAME(qk_rowdot)(int nr, const REAL *Q, int64_t Dp, const REAL *k,
-                                  REAL *S, int64_t lds)
+/* VW values of storage dtype dt (a constant after inlining) at element idx. */
+FA_INLINE vf FA_NAME(ld)(const void *base, int dt, int64_t idx)
 {
-    vf acc[RD];
-    for (int r = 0; r < nr; r++) acc[r] = vf_zero();
-    for (int64_t d = 0; d < Dp; d += VW) {
-        vf kv = vf_load(k + d);
-        for (int r = 0; r < nr; r++) acc[r] = vf_fma(vf_load(Q + r * Dp + d), kv, acc[r]);
-    }
-    for (int r = 0; r < nr; r++) S[r * lds] = vf_hsum(acc[r]);
+    if (dt == FA_F16) return vf_load_f16((const uint16_t *)base + idx);
+    if (dt == FA_BF16) return vf_load_bf16((const uint16_t *)base + idx);
+    return vf_load((const REAL *)base + idx);
 }
 
-/* Few rows (decode): O[r] += sum_j P[r][j] V[j], four key rows at a time so
- * that V streams in order and O (in L1) is touched once per four keys. */
-FA_INLINE void FA_NAME(pv_rows)(int nr, const REAL *P, int64_t ldp, int64_t nj,
-                                const REAL *V, int64_t ldv, REAL *O, int64_t Dvp)
+/* Few rows (decode): S[r][jj] = Q[r] . K[jj] straight from the key rows
+ * (element stride ldk, storage dtype kdt widened on load), which need no
+ * packing; Dp is a multiple of VW and Q rows are zero-padded.  Several keys
+ * at a time keep nr x kb FMA chains in flight; each dot product still sums
+ * over d in order, then one horizontal sum. */
+FA_INLINE void FA_NAME(qk_rows)(int nr, int kdt, const REAL *Q, int64_t Dp, const void *K, int64_t ldk,
+                                int64_t nj, REAL *S, int64_t lds)
 {
+    const int kb = nr == 1 ? 8 : nr == 2 ? 4 : 2; /* keys per step: nr * kb <= 8 chains */
     int64_t j = 0;
-    for (; j + 4 <= nj; j += 4) {
-        const REAL *v0 = V + j * ldv, *v1 = v0 + ldv, *v2 = v1 + ldv, *v3 = v2 + ldv;
-        for (int r = 0; r < nr; r++) {
-            vf p0 = vf_set1(P[r * ldp + j]), p1 = vf_set1(P[r * ldp + j + 1]);
-            vf p2 = vf_set1(P[r * ldp + j + 2]), p3 = vf_set1(P[r * ldp + j + 3]);
-            REAL *o = O + r * Dvp;
-            for (int64_t c = 0; c < Dvp; c += VW) {
-                vf a = vf_fma(p0, vf_load(v0 + c), vf_load(o + c));
-                vf b = vf_mul(p1, vf_load(v1 + c));
-                a = vf_fma(p2, vf_load(v2 + c), a);
-                b = vf_fma(p3, vf_load(v3 + c), b);
-                vf_store(o + c, vf_add(a, b));
+    for (; j + kb <= nj; j += kb) {
+        vf acc[RD][8];
+        for (int r = 0; r < nr; r++)
+            for (int u = 0; u < kb; u++) acc[r][u] = vf_zero();
+        for (int64_t d = 0; d < Dp; d += VW) {
+            vf q[RD];
+            for (int r = 0; r < nr; r++) q[r] = vf_load(Q + r * Dp + d);
+            for (int u = 0; u < kb; u++) {
+                vf kv = FA_NAME(ld)(K, kdt, (j + u) * ldk + d);
+                for (int r = 0; r < nr; r++) acc[r][u] = vf_fma(q[r], kv, acc[r][u]);
             }
         }
+        for (int r = 0; r < nr; r++)
+            for (int u = 0; u < kb; u++) S[r * lds + j + u] = vf_hsum(acc[r][u]);
     }
     for (; j < nj; j++) {
-        const REAL *v0 = V + j * ldv;
-        for (int r = 0; r < nr; r++) {
-            vf p0 = vf_set1(P[r * ldp + j]);
-            REAL *o = O + r * Dvp;
-            for (int64_t c = 0; c < Dvp; c += VW) vf_store(o + c, vf_fma(p0, vf_load(v0 + c), vf_load(o + c)));
+        vf acc[RD];
+        for (int r = 0; r < nr; r++) acc[r] = vf_zero();
+        for (int64_t d = 0; d < Dp; d += VW) {
+            vf kv = FA_NAME(ld)(K, kdt, j * ldk + d);
+            for (int r = 0; r < nr; r++) acc[r] = vf_fma(vf_load(Q + r * Dp + d), kv, acc[r]);
         }
+        for (int r = 0; r < nr; r++) S[r * lds + j] = vf_hsum(acc[r]);
+    }
+}
+
+/* O[r][c0:c0+nv*VW] += sum_j P[r][j] V[j][c0:...] for nr <= RD rows with the
+ * output block held in registers over all nj keys (V: dtype vdt, stride ldv). */
+FA_INLINE void FA_NAME(pv_rows_blk)(int nr, int nv, int vdt, const REAL *P, int64_t ldp, int64_t nj,
+                                    const void *V, int64_t c0, int64_t ldv, REAL *O, int64_t Dvp)
+{
+    vf acc[RD][8];
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < nv; v++) acc[r][v] = vf_load(O + r * Dvp + c0 + v * VW);
+    for (int64_t j = 0; j < nj; j++) {
+        vf pr[RD];
+        for (int r = 0; r < nr; r++) pr[r] = vf_set1(P[r * ldp + j]);
+        for (int v = 0; v < nv; v++) {
+            vf vv = FA_NAME(ld)(V, vdt, j * ldv + c0 + v * VW);
+            for (int r = 0; r < nr; r++) acc[r][v] = vf_fma(pr[r], vv, acc[r][v]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < nv; v++) vf_store(O + r * Dvp + c0 + v * VW, acc[r][v]);
+}
+
+/* Few rows (decode): O[r] += sum_j P[r][j] V[j], column blocks of cb vectors,
+ * keys in chunks of 32 so that a chunk of V stays in L1 across the blocks. */
+FA_INLINE void FA_NAME(pv_rows)(int nr, int vdt, const REAL *P, int64_t ldp, int64_t nj,
+                                const void *V, int64_t ldv, REAL *O, int64_t Dvp)
+{
+    const int cb = nr == 1 ? 8 : nr == 2 ? 4 : 2;
+    const int64_t vsz = (int64_t)fa_dtype_size(vdt);
+    for (int64_t j0 = 0; j0 < nj; j0 += 32) {
+        const int64_t nc = fa_min64(32, nj - j0);
+        const void *Vj = (const char *)V + j0 * ldv * vsz;
+        int64_t c0 = 0;
+        for (; c0 + cb * VW <= Dvp; c0 += cb * VW)
+            FA_NAME(pv_rows_blk)(nr, cb, vdt, P + j0, ldp, nc, Vj, c0, ldv, O, Dvp);
+        for (; c0 < Dvp; c0 += VW)
+            FA_NAME(pv_rows_blk)(nr, 1, vdt, P + j0, ldp, nc, Vj, c0, ldv, O, Dvp);
     }
 }
 
@@ -172,6 +209,10 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
     const int self_dt = sizeof(REAL) == 8 ? FA_F64 : FA_F32;
     const int kdirect = p->k_dtype == self_dt && D % VW == 0;
     const int vdirect = p->v_dtype == self_dt && Dv % VW == 0;
+    /* The decode path widens 16-bit K/V rows as it loads them. */
+    const int wide16 = sizeof(REAL) == 4;
+    const int kfuse = D % VW == 0 && (kdirect || (wide16 && (p->k_dtype == FA_F16 || p->k_dtype == FA_BF16)));
+    const int vfuse = Dv % VW == 0 && (vdirect || (wide16 && (p->v_dtype == FA_F16 || p->v_dtype == FA_BF16)));
 
     /* Key range any row may see, and the range every row sees. */
     int64_t jlo = 0, jhi = 0, flo = 0, fhi = 0;
@@ -209,20 +250,27 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
         }
         /* ---- scores ---- */
         if (rowdot) {
-            for (int64_t jj = 0; jj < nj; jj++) {
-                const char *ks = kbase + (jt + jj) * p->k_sl * ksz;
-                const REAL *kr = (const REAL *)ks;
-                if (!kdirect) {
+            const void *kr = kbase + jt * p->k_sl * ksz;
+            int64_t ldk = p->k_sl;
+            int kdt = p->k_dtype;
+            if (!kfuse) {
+                for (int64_t jj = 0; jj < nj; jj++) {
                     REAL *kd = w.K + jj * Dp;
-                    fa_cvt_row(kd, ks, p->k_dtype, D);
+                    fa_cvt_row(kd, kbase + (jt + jj) * p->k_sl * ksz, p->k_dtype, D);
                     for (int64_t d = D; d < Dp; d++) kd[d] = 0;
-                    kr = kd;
                 }
-#define FA_CALL_QKR(n) FA_NAME(qk_rowdot)((n) <= RD ? (n) : RD, w.Qs, Dp, kr, w.S + jj, BN)
-                switch (R) { case 1: FA_CALL_QKR(1); break; case 2: FA_CALL_QKR(2); break;
-                             case 3: FA_CALL_QKR(3); break; default: FA_CALL_QKR(4); break; }
-#undef FA_CALL_QKR
+                kr = w.K;
+                ldk = Dp;
+                kdt = self_dt;
             }
+#define FA_CALL_QKR(n, dt) FA_NAME(qk_rows)((n) <= RD ? (n) : RD, dt, w.Qs, Dp, kr, ldk, nj, w.S, BN)
+#define FA_CALL_QKR_DT(n) \
+            if (kdt == FA_F16) FA_CALL_QKR(n, FA_F16); else if (kdt == FA_BF16) FA_CALL_QKR(n, FA_BF16); \
+            else FA_CALL_QKR(n, self_dt)
+            switch (R) { case 1: FA_CALL_QKR_DT(1); break; case 2: FA_CALL_QKR_DT(2); break;
+                         case 3: FA_CALL_QKR_DT(3); break; default: FA_CALL_QKR_DT(4); break; }
+#undef FA_CALL_QKR_DT
+#undef FA_CALL_QKR
         } else {
             const int64_t np = (nj + NR - 1) / NR;
             for (int64_t c = 0; c < np * NR; c++) {
@@ -253,6 +301,12 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
             if (!(elem_always || partial)) continue;
             int64_t h = t->hk * G + r / ni, i = t->i0 + r % ni, ip = i + delta, lo, hi;
             fa_row_range(p, ip, bi.Sb, &lo, &hi);
+            if (!elem_always) { /* only the visible range to apply (causal diagonal, window edge) */
+                const int64_t a0 = fa_min64(fa_max64(lo - jt, 0), nj), a1 = fa_max64(fa_min64(hi - jt, nj), a0);
+                for (int64_t jj = 0; jj < a0; jj++) s[jj] = -INFINITY;
+                for (int64_t jj = a1; jj < nj; jj++) s[jj] = -INFINITY;
+                continue;
+            }
             const char *mrow = p->mask ? (const char *)p->mask +
                 (b * p->m_sb + h * p->m_sh + i * p->m_sl) * (p->mask_kind == FA_MASK_BOOL ? 1 : p->mask_kind == FA_MASK_F32 ? 4 : 8) : NULL;
             const double slope = p->alibi ? p->alibi[b * p->alibi_sb + h * p->alibi_sh] * FA_LOG2E : 0.0;
@@ -297,7 +351,7 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
             }
             vf mn = vf_set1(mnew), sum = vf_zero();
             for (int64_t jj = 0; jj < njp; jj += VW) {
-                vf e = vf_exp2(vf_sub(vf_load(s + jj), mn));
+                vf e = vf_exp2_neg(vf_sub(vf_load(s + jj), mn));
                 vf_store(s + jj, e);
                 sum = vf_add(sum, e);
             }
@@ -306,6 +360,18 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
         /* ---- P.V ---- */
         const REAL *V = (const REAL *)(vbase + jt * p->v_sl * vsz);
         int64_t ldv = p->v_sl;
+        if (rowdot && vfuse) {
+            const void *vr = vbase + jt * p->v_sl * vsz;
+#define FA_CALL_PVR(n, dt) FA_NAME(pv_rows)((n) <= RD ? (n) : RD, dt, w.S, BN, nj, vr, ldv, w.O, Dvp)
+#define FA_CALL_PVR_DT(n) \
+            if (p->v_dtype == FA_F16) FA_CALL_PVR(n, FA_F16); else if (p->v_dtype == FA_BF16) FA_CALL_PVR(n, FA_BF16); \
+            else FA_CALL_PVR(n, self_dt)
+            switch (R) { case 1: FA_CALL_PVR_DT(1); break; case 2: FA_CALL_PVR_DT(2); break;
+                         case 3: FA_CALL_PVR_DT(3); break; default: FA_CALL_PVR_DT(4); break; }
+#undef FA_CALL_PVR_DT
+#undef FA_CALL_PVR
+            continue;
+        }
         if (!vdirect) {
             for (int64_t jj = 0; jj < nj; jj++) {
                 REAL *vd = w.V + jj * Dvp;
@@ -316,25 +382,27 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
             ldv = Dvp;
         }
         if (rowdot) {
-#define FA_CALL_PVR(n) FA_NAME(pv_rows)((n) <= RD ? (n) : RD, w.S, BN, nj, V, ldv, w.O, Dvp)
-            switch (R) { case 1: FA_CALL_PVR(1); break; case 2: FA_CALL_PVR(2); break;
-                         case 3: FA_CALL_PVR(3); break; default: FA_CALL_PVR(4); break; }
-#undef FA_CALL_PVR
+#define FA_CALL_PVC(n) FA_NAME(pv_rows)((n) <= RD ? (n) : RD, self_dt, w.S, BN, nj, V, ldv, w.O, Dvp)
+            switch (R) { case 1: FA_CALL_PVC(1); break; case 2: FA_CALL_PVC(2); break;
+                         case 3: FA_CALL_PVC(3); break; default: FA_CALL_PVC(4); break; }
+#undef FA_CALL_PVC
         } else {
-            for (int64_t r0 = 0; r0 < R; r0 += MR) {
-                int mr = (int)fa_min64(MR, R - r0);
-                int64_t c0 = 0;
-                for (; c0 + NVO * VW <= Dvp; c0 += NVO * VW) {
+            /* Column blocks outer: a block of V (nj x NVO*VW) stays in L1 across the row blocks. */
+            int64_t c0 = 0;
+            for (; c0 + NVO * VW <= Dvp; c0 += NVO * VW)
+                for (int64_t r0 = 0; r0 < R; r0 += MR) {
+                    int mr = (int)fa_min64(MR, R - r0);
 #define FA_CALL_PV(n) FA_NAME(pv_ukernel)(n, NVO, w.S + r0 * BN, BN, nj, V + c0, ldv, w.O + r0 * Dvp + c0, Dvp)
                     FA_MR_CASES(mr, FA_CALL_PV)
 #undef FA_CALL_PV
                 }
-                for (; c0 < Dvp; c0 += VW) {
+            for (; c0 < Dvp; c0 += VW)
+                for (int64_t r0 = 0; r0 < R; r0 += MR) {
+                    int mr = (int)fa_min64(MR, R - r0);
 #define FA_CALL_PV1(n) FA_NAME(pv_ukernel)(n, 1, w.S + r0 * BN, BN, nj, V + c0, ldv, w.O + r0 * Dvp + c0, Dvp)
                     FA_MR_CASES(mr, FA_CALL_PV1)
 #undef FA_CALL_PV1
                 }
-            }
         }
     }
 

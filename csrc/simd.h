@@ -30,6 +30,9 @@ typedef float REAL;
 typedef __m512 vf;
 #define VW 16
 #define vf_load(p) _mm512_loadu_ps(p)
+/* VW 16-bit values at p (const uint16_t *) widened to float. */
+#define vf_load_f16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define vf_load_bf16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define vf_store(p, x) _mm512_storeu_ps((p), (x))
 #define vf_set1(x) _mm512_set1_ps(x)
 #define vf_zero() _mm512_setzero_ps()
@@ -65,6 +68,27 @@ FA_INLINE vf vf_exp2(vf x)
     return _mm512_mul_ps(_mm512_mul_ps(p, s1), s2);
 }
 
+/* 2^x for x <= 0 or NaN, inside the kernel (denormals flushed to zero, MXCSR
+ * FTZ/DAZ): x + 1.5*2^23 + 127 rounds to nearest and leaves n + 127 in the
+ * low mantissa bits, which one shift moves into the exponent field.  Below
+ * -127 the result is 0 (a denormal under FTZ anyway); NaN propagates. */
+FA_INLINE vf vf_exp2_neg(vf x)
+{
+    const vf magic = _mm512_set1_ps(12583039.0f); /* 1.5 * 2^23 + 127 */
+    vf xc = _mm512_max_ps(_mm512_set1_ps(-127.0f), x);
+    vf t = _mm512_add_ps(xc, magic);
+    vf f = _mm512_sub_ps(xc, _mm512_sub_ps(t, magic));
+    vf p = _mm512_set1_ps(FA_EXP2_C7);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_C6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_C5));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_C4));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_C3));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_C2));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_C1));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(t), 23)));
+}
+
 /* dst[0:n] = src[0:n] converted to float; n is a multiple of VW or a tail. */
 FA_INLINE void fa_cvt_row(float *dst, const void *src, int dt, int64_t n)
 {
@@ -90,6 +114,8 @@ typedef float REAL;
 typedef __m256 vf;
 #define VW 8
 #define vf_load(p) _mm256_loadu_ps(p)
+#define vf_load_f16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define vf_load_bf16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define vf_store(p, x) _mm256_storeu_ps((p), (x))
 #define vf_set1(x) _mm256_set1_ps(x)
 #define vf_zero() _mm256_setzero_ps()
@@ -134,6 +160,23 @@ FA_INLINE vf vf_exp2(vf x)
     return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
 }
 
+FA_INLINE vf vf_exp2_neg(vf x)
+{
+    const vf magic = _mm256_set1_ps(12583039.0f); /* 1.5 * 2^23 + 127 */
+    vf xc = _mm256_max_ps(_mm256_set1_ps(-127.0f), x);
+    vf t = _mm256_add_ps(xc, magic);
+    vf f = _mm256_sub_ps(xc, _mm256_sub_ps(t, magic));
+    vf p = _mm256_set1_ps(FA_EXP2_C7);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FA_EXP2_C6));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FA_EXP2_C5));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FA_EXP2_C4));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FA_EXP2_C3));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FA_EXP2_C2));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FA_EXP2_C1));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(t), 23)));
+}
+
 FA_INLINE void fa_cvt_row(float *dst, const void *src, int dt, int64_t n)
 {
     int64_t j = 0;
@@ -160,6 +203,8 @@ FA_INLINE void fa_cvt_row(float *dst, const void *src, int dt, int64_t n)
 typedef REAL vf;
 #define VW 1
 #define vf_load(p) (*(p))
+#define vf_load_f16(p) ((REAL)fa_f16_to_f32(*(p)))
+#define vf_load_bf16(p) ((REAL)fa_bf16_to_f32(*(p)))
 #define vf_store(p, x) (*(p) = (x))
 #define vf_set1(x) ((REAL)(x))
 #define vf_zero() ((REAL)0)
@@ -171,6 +216,7 @@ typedef REAL vf;
 #define vf_hsum(x) (x)
 #define vf_hmax(x) (x)
 #define vf_exp2(x) ((REAL)(sizeof(REAL) == 4 ? (double)exp2f((float)(x)) : exp2((double)(x))))
+#define vf_exp2_neg(x) vf_exp2(x)
 
 FA_INLINE void fa_cvt_row(REAL *dst, const void *src, int dt, int64_t n)
 {
