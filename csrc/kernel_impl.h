@@ -18,6 +18,7 @@
 #define FA_CAT(a, b) FA_CAT_(a, b)
 #define FA_NAME(x) FA_CAT(x, FA_SUFFIX)
 #define NR (NV * VW) /* keys per packed K panel */
+#define FA_PF_KEYS 16 /* decode: prefetch distance in keys */
 
 #define FA_LOG2E 1.4426950408889634
 #define FA_LN2 0.6931471805599453
@@ -111,11 +112,23 @@ FA_INLINE vf FA_NAME(ld)(const void *base, int dt, int64_t idx)
  * at a time keep nr x kb FMA chains in flight; each dot product still sums
  * over d in order, then one horizontal sum. */
 FA_INLINE void FA_NAME(qk_rows)(int nr, int kdt, const REAL *Q, int64_t Dp, const void *K, int64_t ldk,
-                                int64_t nj, REAL *S, int64_t lds)
+                                int64_t nj, REAL *S, int64_t lds, const char *vpf, int64_t vpf_ld,
+                                int64_t vpf_row)
 {
     const int kb = nr == 1 ? 8 : nr == 2 ? 4 : 2; /* keys per step: nr * kb <= 8 chains */
+    const int64_t kbytes = (int64_t)fa_dtype_size(kdt), krow = Dp * kbytes;
     int64_t j = 0;
     for (; j + kb <= nj; j += kb) {
+        /* Software prefetch (decode streams from DRAM): the K rows FA_PF_KEYS
+         * keys ahead, and the V rows of these keys for the P.V pass. */
+        for (int u = 0; u < kb; u++) {
+            const char *kp = (const char *)K + (j + u + FA_PF_KEYS) * ldk * kbytes;
+            for (int64_t o = 0; o < krow; o += 64) __builtin_prefetch(kp + o, 0, 3);
+            if (vpf) {
+                const char *vp = vpf + (j + u) * vpf_ld;
+                for (int64_t o = 0; o < vpf_row; o += 64) __builtin_prefetch(vp + o, 0, 2);
+            }
+        }
         vf acc[RD][8];
         for (int r = 0; r < nr; r++)
             for (int u = 0; u < kb; u++) acc[r][u] = vf_zero();
@@ -251,6 +264,7 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
         /* ---- scores ---- */
         if (rowdot) {
             const void *kr = kbase + jt * p->k_sl * ksz;
+            const char *vpf = vfuse ? vbase + jt * p->v_sl * vsz : NULL;
             int64_t ldk = p->k_sl;
             int kdt = p->k_dtype;
             if (!kfuse) {
@@ -263,7 +277,8 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
                 ldk = Dp;
                 kdt = self_dt;
             }
-#define FA_CALL_QKR(n, dt) FA_NAME(qk_rows)((n) <= RD ? (n) : RD, dt, w.Qs, Dp, kr, ldk, nj, w.S, BN)
+#define FA_CALL_QKR(n, dt) FA_NAME(qk_rows)((n) <= RD ? (n) : RD, dt, w.Qs, Dp, kr, ldk, nj, w.S, BN, \
+                                                    vpf, p->v_sl * vsz, Dv * vsz)
 #define FA_CALL_QKR_DT(n) \
             if (kdt == FA_F16) FA_CALL_QKR(n, FA_F16); else if (kdt == FA_BF16) FA_CALL_QKR(n, FA_BF16); \
             else FA_CALL_QKR(n, self_dt)
