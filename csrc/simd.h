@@ -23,6 +23,9 @@
 #if defined(FA_TARGET_AVX512) || defined(FA_TARGET_AVX2)
 #include <immintrin.h>
 #endif
+#if defined(FA_TARGET_AVX512) && defined(FA_EMULATE_AVX512)
+#include "avx512_emu.h" /* test-only build: AVX-512 lanes from AVX2 pairs */
+#endif
 
 #if defined(FA_TARGET_AVX512)
 /* ------------------------------------------------------------ AVX-512F */

@@ -107,6 +107,7 @@ def config() -> dict:
         "compiler": _build_config.COMPILER,
         "cflags": _build_config.CFLAGS,
         "native_build (FASTATTN_NATIVE)": _build_config.NATIVE,
+        "avx512_emulated (FASTATTN_EMULATE_AVX512, tests only)": getattr(_build_config, "EMULATE_AVX512", False),
         "openmp": _kernels.openmp_enabled(),
         "cpu_features": _kernels.cpu_features(),
         "isa": get_isa(),

