@@ -10,6 +10,7 @@ fastattn/_build_config.py so that ``fastattn.show_config()`` reports them):
   AVX2 register pairs so its width-16 logic runs on CPUs without AVX-512
   (``tools/emulate_avx512.sh``).  Never for a real install.
 """
+
 import os
 import platform
 import subprocess
@@ -39,8 +40,10 @@ ISA_UNITS = [("csrc/kernel_scalar.c", []), ("csrc/kernel_f64.c", [])]
 if IS_X86:
     ISA_UNITS += [
         ("csrc/kernel_avx2.c", ["-mavx2", "-mfma", "-mf16c"]),
-        ("csrc/kernel_avx512.c",
-         ["-mavx2", "-mfma", "-mf16c"] if EMULATE_AVX512 else ["-mavx512f", "-mavx2", "-mfma", "-mf16c"]),
+        (
+            "csrc/kernel_avx512.c",
+            ["-mavx2", "-mfma", "-mf16c"] if EMULATE_AVX512 else ["-mavx512f", "-mavx2", "-mfma", "-mf16c"],
+        ),
     ]
 
 
@@ -53,8 +56,7 @@ def _compiler_accepts(flag):
         with open(path, "w") as f:
             f.write(src)
         try:
-            r = subprocess.run([cc, flag, path, "-o", os.path.join(d, "t")],
-                               capture_output=True, timeout=60)
+            r = subprocess.run([cc, flag, path, "-o", os.path.join(d, "t")], capture_output=True, timeout=60)
         except (OSError, subprocess.SubprocessError):
             return False
         return r.returncode == 0
@@ -84,8 +86,12 @@ class BuildExt(build_ext):
             objects = []
             for src, flags in ISA_UNITS:
                 objects += self.compiler.compile(
-                    [src], output_dir=self.build_temp, include_dirs=["csrc"],
-                    extra_postargs=BASE_FLAGS + flags, depends=ext.depends)
+                    [src],
+                    output_dir=self.build_temp,
+                    include_dirs=["csrc"],
+                    extra_postargs=BASE_FLAGS + flags,
+                    depends=ext.depends,
+                )
             ext.extra_objects = objects
         super().build_extension(ext)
 
@@ -97,8 +103,7 @@ extensions = [
         "fastattn._kernels",
         sources=["fastattn/_kernels.pyx", "csrc/attention.c", "csrc/dispatch.c"],
         include_dirs=["csrc", np.get_include()],
-        depends=[os.path.join("csrc", f) for f in os.listdir(os.path.join(HERE, "csrc"))
-                 if f.endswith(".h")],
+        depends=[os.path.join("csrc", f) for f in os.listdir(os.path.join(HERE, "csrc")) if f.endswith(".h")],
         extra_compile_args=BASE_FLAGS + omp,
         extra_link_args=omp,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
@@ -114,7 +119,8 @@ if CUDA:
     import importlib.util
 
     _spec = importlib.util.spec_from_file_location(
-        "fastattn_cuda_build", os.path.join(HERE, "csrc", "cuda", "build.py"))
+        "fastattn_cuda_build", os.path.join(HERE, "csrc", "cuda", "build.py")
+    )
     _cuda_build = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_cuda_build)
     ext_modules.append(_cuda_build.cuda_extension())

@@ -13,6 +13,7 @@ error at some length (the bound promised in the README).
 
     python benchmarks/accuracy_report.py [--quick] [--markdown]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -85,8 +86,17 @@ def main(argv=None):
                 rows.append((name, S, mag, fa, nv, th))
                 if name == "float32" and fa[0] > 2 * nv[0]:
                     bound_ok = False
-    hdr = ["dtype", "S", "score std", "fastattn max", "fastattn mean", "naive max", "naive mean",
-           "torch max", "torch mean"]
+    hdr = [
+        "dtype",
+        "S",
+        "score std",
+        "fastattn max",
+        "fastattn mean",
+        "naive max",
+        "naive mean",
+        "torch max",
+        "torch mean",
+    ]
     if args.markdown:
         print("| " + " | ".join(hdr) + " |")
         print("|" + "---|" * len(hdr))
@@ -95,8 +105,10 @@ def main(argv=None):
     for name, S, mag, fa, nv, th in rows:
         cells = [name, str(S), f"{mag:g}"] + [f"{x:.2e}" for x in (*fa, *nv, *th)]
         print(("| " + " | ".join(cells) + " |") if args.markdown else " ".join(f"{c:>13s}" for c in cells))
-    print(f"\nfloat32 bound (fastattn max error <= 2 x naive float32 max error): "
-          f"{'holds' if bound_ok else 'VIOLATED'}")
+    print(
+        f"\nfloat32 bound (fastattn max error <= 2 x naive float32 max error): "
+        f"{'holds' if bound_ok else 'VIOLATED'}"
+    )
     return 0 if bound_ok else 1
 
 

@@ -7,6 +7,7 @@ Run from the repository root (see asv.conf.json)::
 
     asv run --python=same --quick --show-stderr --set-commit-hash $(git rev-parse HEAD)
 """
+
 from __future__ import annotations
 
 import math
@@ -101,7 +102,8 @@ class _Cases:
         if impl == "fastattn":
             gqa = Hq != Hk
             self.fn = lambda: fastattn.scaled_dot_product_attention(
-                q, k, v, is_causal=causal, window=window, enable_gqa=gqa, num_threads=THREADS)
+                q, k, v, is_causal=causal, window=window, enable_gqa=gqa, num_threads=THREADS
+            )
         else:
             add = _mask(L, S, causal, window)
             from threadpoolctl import threadpool_limits
@@ -148,14 +150,17 @@ class Varlen:
         T = sum(VARLEN_LENGTHS)
         self.q, self.k, self.v = (rng.standard_normal((T, 8, 64), dtype=np.float32) for _ in range(3))
         self.cu = np.concatenate([[0], np.cumsum(VARLEN_LENGTHS)]).astype(np.int64)
-        self.seqs = [tuple(np.ascontiguousarray(a[s:e].transpose(1, 0, 2)) for a in (self.q, self.k, self.v))
-                     for s, e in zip(self.cu[:-1], self.cu[1:])]
+        self.seqs = [
+            tuple(np.ascontiguousarray(a[s:e].transpose(1, 0, 2)) for a in (self.q, self.k, self.v))
+            for s, e in zip(self.cu[:-1], self.cu[1:])
+        ]
         self.masks = [_mask(n, n, True, None) for n in VARLEN_LENGTHS]
 
     def time_varlen(self, impl):
         if impl == "fastattn varlen":
-            fastattn.varlen_attention(self.q, self.k, self.v, self.cu, self.cu, is_causal=True,
-                                      num_threads=THREADS)
+            fastattn.varlen_attention(
+                self.q, self.k, self.v, self.cu, self.cu, is_causal=True, num_threads=THREADS
+            )
         elif impl == "fastattn loop":
             for q, k, v in self.seqs:
                 fastattn.scaled_dot_product_attention(q, k, v, is_causal=True, num_threads=THREADS)

@@ -7,6 +7,7 @@ One line per implementation (GFLOP/s of the B1 H8 D64 non-causal sweep over L),
 with the machine's fp32 GEMM rate measured in the same run as a dashed line.
 Needs matplotlib (``pip install matplotlib``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,9 @@ def load(path: str) -> tuple:
         if r.get("sweep") and r.get("gflops"):
             series.setdefault(r["impl"], []).append((r["L"], r["gflops"]))
     if not series:
-        raise SystemExit(f"{path} holds no sweep records; make it with "
-                         "python -m fastattn.bench --sweep --json PATH")
+        raise SystemExit(
+            f"{path} holds no sweep records; make it with python -m fastattn.bench --sweep --json PATH"
+        )
     return data.get("machine", {}), {k: sorted(v) for k, v in series.items()}
 
 
@@ -39,8 +41,13 @@ def plot(machine: dict, series: dict, out: str) -> None:
         xs, ys = zip(*pts)
         ax.plot(xs, ys, marker="o", label=impl)
     if machine.get("gemm_gflops"):
-        ax.axhline(machine["gemm_gflops"], color="gray", linestyle="--", linewidth=1,
-                   label=f"fp32 GEMM (numpy) {machine['gemm_gflops']:.0f}")
+        ax.axhline(
+            machine["gemm_gflops"],
+            color="gray",
+            linestyle="--",
+            linewidth=1,
+            label=f"fp32 GEMM (numpy) {machine['gemm_gflops']:.0f}",
+        )
     ax.set_xscale("log", base=2)
     xs = sorted({x for pts in series.values() for x, _ in pts})
     ax.set_xticks(xs)
@@ -48,10 +55,12 @@ def plot(machine: dict, series: dict, out: str) -> None:
     ax.set_xlabel("sequence length L = S")
     ax.set_ylabel("GFLOP/s")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"attention B1 H8 D64 float32, non-causal\n{machine.get('cpu', '?')}, "
-                 f"{machine.get('isa', '?')}, {machine.get('threads', '?')} threads, "
-                 f"{machine.get('date', '')}",
-                 fontsize=9)
+    ax.set_title(
+        f"attention B1 H8 D64 float32, non-causal\n{machine.get('cpu', '?')}, "
+        f"{machine.get('isa', '?')}, {machine.get('threads', '?')} threads, "
+        f"{machine.get('date', '')}",
+        fontsize=9,
+    )
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

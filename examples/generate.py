@@ -15,6 +15,7 @@ difference and exits with status 1 if it exceeds the tolerance.
 
     python examples/generate.py [--steps 16] [--dtype float32|float16|bfloat16]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,13 +34,26 @@ def make_weights(rng):
     def w(*shape):
         return (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
 
-    layers = [dict(wq=w(EMBED, HEADS * HEAD_DIM), wk=w(EMBED, KV_HEADS * HEAD_DIM),
-                   wv=w(EMBED, KV_HEADS * HEAD_DIM), wo=w(HEADS * HEAD_DIM, EMBED),
-                   w_gate=w(EMBED, HIDDEN), w_up=w(EMBED, HIDDEN), w_down=w(HIDDEN, EMBED),
-                   norm1=np.ones(EMBED, np.float32), norm2=np.ones(EMBED, np.float32))
-              for _ in range(LAYERS)]
-    return dict(embed=rng.standard_normal((VOCAB, EMBED)).astype(np.float32), layers=layers,
-                norm=np.ones(EMBED, np.float32), head=w(EMBED, VOCAB))
+    layers = [
+        dict(
+            wq=w(EMBED, HEADS * HEAD_DIM),
+            wk=w(EMBED, KV_HEADS * HEAD_DIM),
+            wv=w(EMBED, KV_HEADS * HEAD_DIM),
+            wo=w(HEADS * HEAD_DIM, EMBED),
+            w_gate=w(EMBED, HIDDEN),
+            w_up=w(EMBED, HIDDEN),
+            w_down=w(HIDDEN, EMBED),
+            norm1=np.ones(EMBED, np.float32),
+            norm2=np.ones(EMBED, np.float32),
+        )
+        for _ in range(LAYERS)
+    ]
+    return dict(
+        embed=rng.standard_normal((VOCAB, EMBED)).astype(np.float32),
+        layers=layers,
+        norm=np.ones(EMBED, np.float32),
+        head=w(EMBED, VOCAB),
+    )
 
 
 def rms_norm(x, g, eps=1e-6):
@@ -83,8 +97,9 @@ def forward(weights, tokens, pos, attend):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=16, help="tokens to generate")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
-                    help="KV cache dtype")
+    ap.add_argument(
+        "--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="KV cache dtype"
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     dtype = np.dtype(ml_dtypes.bfloat16) if args.dtype == "bfloat16" else np.dtype(args.dtype)
@@ -99,6 +114,7 @@ def main(argv=None):
         def attend(li, q, k, v):
             caches[li].append(k, v, batch_index=index)
             return caches[li].attend(q, batch_index=index)
+
         return attend
 
     def full_logits(seq):
@@ -107,8 +123,10 @@ def main(argv=None):
         pos = np.arange(len(seq))[None]
 
         def attend(li, q, k, v):  # the cache stores k, v rounded to its dtype: do the same
-            return fastattn.scaled_dot_product_attention(q, k.astype(dtype), v.astype(dtype),
-                                                         is_causal=True, enable_gqa=True)
+            return fastattn.scaled_dot_product_attention(
+                q, k.astype(dtype), v.astype(dtype), is_causal=True, enable_gqa=True
+            )
+
         return forward(weights, toks, pos, attend)[0, -1]
 
     seqs = [list(p) for p in prompts]
@@ -133,10 +151,12 @@ def main(argv=None):
     eps16 = 0.0 if dtype == np.float32 else float(ml_dtypes.finfo(dtype).eps)
     tol = (1e-4 + eps16 / 8) * max(1.0, scale)
     for b in range(B):
-        print(f"sequence {b}: prompt {prompts[b].tolist()} -> generated {seqs[b][len(prompts[b]):]}")
+        print(f"sequence {b}: prompt {prompts[b].tolist()} -> generated {seqs[b][len(prompts[b]) :]}")
     print(f"cache dtype {dtype}, lengths {caches[0].lengths.tolist()}, {sum(c.nbytes for c in caches)} bytes")
-    print(f"max |cached - full| over {args.steps} steps = {max_diff:.3e} (logit scale {scale:.3g}, "
-          f"tolerance {tol:.1e})")
+    print(
+        f"max |cached - full| over {args.steps} steps = {max_diff:.3e} (logit scale {scale:.3g}, "
+        f"tolerance {tol:.1e})"
+    )
     if not max_diff <= tol:
         print("FAILED: the cached decoding differs from full attention", file=sys.stderr)
         return 1

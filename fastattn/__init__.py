@@ -1,12 +1,13 @@
 """fastattn: fused, cache-tiled scaled dot-product attention for NumPy on the CPU."""
+
 __version__ = "0.1.0"
 
 from . import reference, sparse  # noqa: E402
 from ._config import get_isa, get_num_threads, set_isa, set_num_threads, show_config  # noqa: E402
 from .functional import scaled_dot_product_attention, varlen_attention  # noqa: E402
-from .merge import merge_attention_states  # noqa: E402
 from .jax_compat import dot_product_attention  # noqa: E402
 from .kvcache import KVCache, attention_with_kvcache  # noqa: E402
+from .merge import merge_attention_states  # noqa: E402
 from .modules import MultiHeadAttention  # noqa: E402
 
 __all__ = [

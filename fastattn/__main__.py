@@ -7,6 +7,7 @@
 - ``info``: :func:`fastattn.show_config`;
 - ``bench ARGS``: the benchmark suite, ``fastattn.bench.main(ARGS)``.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,16 +26,51 @@ USAGE = """usage: python -m fastattn [check | info | bench [ARGS...]]
 
 # (label, q shape, k shape, v shape, dtype, kwargs, mask shape or None)
 CHECKS = [
-    ("f32 B2 H4 L97 S97 D64 causal", (2, 4, 97, 64), (2, 4, 97, 64), (2, 4, 97, 64), np.float32,
-     {"is_causal": True}, None),
-    ("f32 B1 H3 L130 S257 D80 bool mask", (1, 3, 130, 80), (1, 3, 257, 80), (1, 3, 257, 80), np.float32,
-     {}, (3, 130, 257)),
-    ("f32 GQA 8/2 decode S1029 D128 bshd", (2, 1, 8, 128), (2, 1029, 2, 128), (2, 1029, 2, 128), np.float32,
-     {"enable_gqa": True, "layout": "bshd"}, None),
-    ("f32 L200 S50 causal (rows w/o keys)", (1, 2, 200, 32), (1, 2, 50, 32), (1, 2, 50, 16), np.float32,
-     {"is_causal": True}, None),
-    ("f64 B2 H2 L33 S65 D17 float mask", (2, 2, 33, 17), (2, 2, 65, 17), (2, 2, 65, 17), np.float64,
-     {"is_causal": True}, (2, 1, 33, 65)),
+    (
+        "f32 B2 H4 L97 S97 D64 causal",
+        (2, 4, 97, 64),
+        (2, 4, 97, 64),
+        (2, 4, 97, 64),
+        np.float32,
+        {"is_causal": True},
+        None,
+    ),
+    (
+        "f32 B1 H3 L130 S257 D80 bool mask",
+        (1, 3, 130, 80),
+        (1, 3, 257, 80),
+        (1, 3, 257, 80),
+        np.float32,
+        {},
+        (3, 130, 257),
+    ),
+    (
+        "f32 GQA 8/2 decode S1029 D128 bshd",
+        (2, 1, 8, 128),
+        (2, 1029, 2, 128),
+        (2, 1029, 2, 128),
+        np.float32,
+        {"enable_gqa": True, "layout": "bshd"},
+        None,
+    ),
+    (
+        "f32 L200 S50 causal (rows w/o keys)",
+        (1, 2, 200, 32),
+        (1, 2, 50, 32),
+        (1, 2, 50, 16),
+        np.float32,
+        {"is_causal": True},
+        None,
+    ),
+    (
+        "f64 B2 H2 L33 S65 D17 float mask",
+        (2, 2, 33, 17),
+        (2, 2, 65, 17),
+        (2, 2, 65, 17),
+        np.float64,
+        {"is_causal": True},
+        (2, 1, 33, 65),
+    ),
 ]
 
 
@@ -56,8 +92,10 @@ def self_check() -> bool:
 
     rng = np.random.default_rng(0)
     ok_all = True
-    print(f"fastattn {fastattn.__version__}: checking against the float64 reference "
-          f"(isa {fastattn.get_isa()}, {fastattn.get_num_threads()} threads)")
+    print(
+        f"fastattn {fastattn.__version__}: checking against the float64 reference "
+        f"(isa {fastattn.get_isa()}, {fastattn.get_num_threads()} threads)"
+    )
     for label, qs, ks, vs, dt, kw, ms in CHECKS:
         q, k, v = (rng.standard_normal(s).astype(dt) for s in (qs, ks, vs))
         kw = dict(kw)
@@ -108,18 +146,25 @@ def benchmark(budget_s: float = 1.0) -> None:
     import fastattn
 
     shapes = [  # (B, H, L, S, D, causal)
-        (1, 8, 512, 512, 64, False), (1, 8, 512, 512, 64, True),
-        (1, 8, 1024, 1024, 64, False), (1, 8, 1024, 1024, 64, True),
-        (1, 8, 2048, 2048, 64, False), (1, 8, 2048, 2048, 64, True),
+        (1, 8, 512, 512, 64, False),
+        (1, 8, 512, 512, 64, True),
+        (1, 8, 1024, 1024, 64, False),
+        (1, 8, 1024, 1024, 64, True),
+        (1, 8, 2048, 2048, 64, False),
+        (1, 8, 2048, 2048, 64, True),
         (1, 8, 1, 4096, 64, False),  # decode
         (4, 32, 1, 2048, 128, False),  # batched decode, larger heads
     ]
     rng = np.random.default_rng(1)
-    print(f"\nfloat32 timings, best of interleaved runs (fastattn: {fastattn.get_num_threads()} threads, "
-          f"isa {fastattn.get_isa()}; NumPy: its BLAS)")
+    print(
+        f"\nfloat32 timings, best of interleaved runs (fastattn: {fastattn.get_num_threads()} threads, "
+        f"isa {fastattn.get_isa()}; NumPy: its BLAS)"
+    )
     print("GFLOP/s counts 4*L*S*D per head over the visible key pairs (half for causal L=S)")
-    hdr = (f"{'shape':30s} {'fastattn ms':>12s} {'GFLOP/s':>8s} {'numpy ms':>10s} {'GFLOP/s':>8s} "
-           f"{'speedup':>8s}")
+    hdr = (
+        f"{'shape':30s} {'fastattn ms':>12s} {'GFLOP/s':>8s} {'numpy ms':>10s} {'GFLOP/s':>8s} "
+        f"{'speedup':>8s}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for n, (B, H, L, S, D, causal) in enumerate(shapes, 1):
@@ -144,8 +189,11 @@ def benchmark(budget_s: float = 1.0) -> None:
                 _progress(f"[{n}/{len(shapes)}] measuring {label} ... {reps} runs")
         fl = _flops(B, H, L, S, D, causal)
         _progress("")
-        print(f"{label:30s} {best[0] * 1e3:12.3f} {fl / best[0] / 1e9:8.1f} {best[1] * 1e3:10.3f} "
-              f"{fl / best[1] / 1e9:8.1f} {best[1] / best[0]:7.2f}x", flush=True)
+        print(
+            f"{label:30s} {best[0] * 1e3:12.3f} {fl / best[0] / 1e9:8.1f} {best[1] * 1e3:10.3f} "
+            f"{fl / best[1] / 1e9:8.1f} {best[1] / best[0]:7.2f}x",
+            flush=True,
+        )
 
 
 def main(argv=None) -> int:
@@ -165,8 +213,11 @@ def main(argv=None) -> int:
         except ImportError as e:
             if getattr(e, "name", None) not in ("fastattn.bench", None):
                 raise
-            print("python -m fastattn bench: the benchmark suite (fastattn.bench) is not part of this "
-                  "installation", file=sys.stderr)
+            print(
+                "python -m fastattn bench: the benchmark suite (fastattn.bench) is not part of this "
+                "installation",
+                file=sys.stderr,
+            )
             return 2
         return bench.main(argv[1:]) or 0
     if cmd not in (None, "check"):

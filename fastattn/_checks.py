@@ -1,5 +1,6 @@
 """Argument checking shared by the public functions.  Every check raises
 ``TypeError`` or ``ValueError`` naming the argument, before any C code runs."""
+
 from __future__ import annotations
 
 import math

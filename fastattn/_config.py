@@ -1,13 +1,13 @@
 """Run-time knobs.  Each ``FASTATTN_*`` environment variable is read here
 and nowhere else; ``show_config()`` reports every one of them."""
+
 from __future__ import annotations
 
 import os
 import platform
 import sys
 
-from . import _build_config
-from . import _kernels
+from . import _build_config, _kernels
 
 __all__ = ["get_num_threads", "set_num_threads", "show_config", "get_isa", "set_isa", "config"]
 
@@ -70,7 +70,8 @@ def set_isa(isa: str) -> None:
     if not _kernels.isa_set(isa):
         raise ValueError(
             f"this CPU cannot run the {isa!r} path (it supports: "
-            f"{', '.join(i for i in _kernels.ISA_NAMES if _kernels.cpu_has(i))})")
+            f"{', '.join(i for i in _kernels.ISA_NAMES if _kernels.cpu_has(i))})"
+        )
 
 
 if _ENV_ISA:
@@ -107,7 +108,9 @@ def config() -> dict:
         "compiler": _build_config.COMPILER,
         "cflags": _build_config.CFLAGS,
         "native_build (FASTATTN_NATIVE)": _build_config.NATIVE,
-        "avx512_emulated (FASTATTN_EMULATE_AVX512, tests only)": getattr(_build_config, "EMULATE_AVX512", False),
+        "avx512_emulated (FASTATTN_EMULATE_AVX512, tests only)": getattr(
+            _build_config, "EMULATE_AVX512", False
+        ),
         "openmp": _kernels.openmp_enabled(),
         "cpu_features": _kernels.cpu_features(),
         "isa": get_isa(),

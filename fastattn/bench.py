@@ -25,6 +25,7 @@ slow NumPy's BLAS (and so the GEMM reference rate and the NumPy baseline); run
 ``env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python -m fastattn.bench`` to
 measure the true limit.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -91,13 +92,28 @@ CASES = [
     Case("B1 H32 S8192 D128 decode bf16kv", 1, 32, 32, 1, 8192, 128, kv_dtype="bfloat16", kind="decode"),
     Case("B1 H32/8 S8192 D128 decode f16kv", 1, 32, 8, 1, 8192, 128, kv_dtype="float16", kind="decode"),
     Case("B1 H8 L16384 D64 window512", 1, 8, 8, 16384, 16384, 64, causal=True, window=(512, 0)),
-    Case("varlen 8 seqs 128..2048 H8 D64 causal", 8, 8, 8, 0, 0, 64, causal=True, kind="varlen",
-         seqlens=_varlen_lengths()),
+    Case(
+        "varlen 8 seqs 128..2048 H8 D64 causal",
+        8,
+        8,
+        8,
+        0,
+        0,
+        64,
+        causal=True,
+        kind="varlen",
+        seqlens=_varlen_lengths(),
+    ),
     Case("B1 H8 L16 D64", 1, 8, 8, 16, 16, 64, kind="small"),
 ]
 
-QUICK_CASES = ("B1 H8 L1024 D64", "B1 H8 L1024 D64 causal", "B1 H32/8 S8192 D128 decode",
-               "B1 H32 S8192 D128 decode f16kv", "B1 H8 L16 D64")
+QUICK_CASES = (
+    "B1 H8 L1024 D64",
+    "B1 H8 L1024 D64 causal",
+    "B1 H32/8 S8192 D128 decode",
+    "B1 H32 S8192 D128 decode f16kv",
+    "B1 H8 L16 D64",
+)
 
 SWEEP_LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
 
@@ -108,6 +124,7 @@ def sweep_cases() -> list:
 
 
 # --------------------------------------------------------------------------- dtypes and sizes
+
 
 def _np_dtype(name: str):
     if name == "bfloat16":
@@ -155,6 +172,7 @@ def _scores_bytes(case: Case) -> int:
 
 # --------------------------------------------------------------------------- inputs
 
+
 @dataclasses.dataclass
 class Inputs:
     """q (B,Hq,L,D), k/v (B,Hk,S,D) for one case (lists of per-sequence (1,H,n,D) for varlen)."""
@@ -165,8 +183,11 @@ class Inputs:
     v: object
 
     def as_float32(self) -> Inputs:
-        f = (lambda a: a.astype(np.float32)) if not isinstance(self.q, list) else (
-            lambda xs: [a.astype(np.float32) for a in xs])
+        f = (
+            (lambda a: a.astype(np.float32))
+            if not isinstance(self.q, list)
+            else (lambda xs: [a.astype(np.float32) for a in xs])
+        )
         return Inputs(self.case, f(self.q), f(self.k), f(self.v))
 
 
@@ -183,8 +204,12 @@ def make_inputs(case: Case, dtype: str, seed: int = 0) -> Inputs:
         ks = [gen((1, case.Hk, n, case.D), kvdt) for n in case.seqlens]
         vs = [gen((1, case.Hk, n, case.D), kvdt) for n in case.seqlens]
         return Inputs(case, qs, ks, vs)
-    return Inputs(case, gen((case.B, case.Hq, case.L, case.D), qdt),
-                  gen((case.B, case.Hk, case.S, case.D), kvdt), gen((case.B, case.Hk, case.S, case.D), kvdt))
+    return Inputs(
+        case,
+        gen((case.B, case.Hq, case.L, case.D), qdt),
+        gen((case.B, case.Hk, case.S, case.D), kvdt),
+        gen((case.B, case.Hk, case.S, case.D), kvdt),
+    )
 
 
 def check_slice(inp: Inputs) -> Inputs:
@@ -209,12 +234,18 @@ def check_slice(inp: Inputs) -> Inputs:
 def reference_output(inp: Inputs) -> np.ndarray:
     case = inp.case
     if case.kind == "varlen":
-        return np.concatenate([
-            reference.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=case.gqa,
-                                                   window=case.window).reshape(case.Hq, -1, case.D)
-            for q, k, v in zip(inp.q, inp.k, inp.v)], axis=1)
-    return reference.scaled_dot_product_attention(inp.q, inp.k, inp.v, is_causal=case.causal,
-                                                  enable_gqa=case.gqa, window=case.window)
+        return np.concatenate(
+            [
+                reference.scaled_dot_product_attention(
+                    q, k, v, is_causal=case.causal, enable_gqa=case.gqa, window=case.window
+                ).reshape(case.Hq, -1, case.D)
+                for q, k, v in zip(inp.q, inp.k, inp.v)
+            ],
+            axis=1,
+        )
+    return reference.scaled_dot_product_attention(
+        inp.q, inp.k, inp.v, is_causal=case.causal, enable_gqa=case.gqa, window=case.window
+    )
 
 
 def bool_mask(L: int, S: int, causal: bool, window) -> np.ndarray | None:
@@ -236,6 +267,7 @@ def bool_mask(L: int, S: int, causal: bool, window) -> np.ndarray | None:
 
 
 # --------------------------------------------------------------------------- implementations
+
 
 class Skip(Exception):
     """An implementation does not run this case (the message says why)."""
@@ -268,13 +300,24 @@ class FastAttn(Impl):
             cu = np.concatenate([[0], np.cumsum(case.seqlens)]).astype(np.int32)
 
             def run():
-                o = fastattn.varlen_attention(q, k, v, cu, cu, is_causal=case.causal, enable_gqa=case.gqa,
-                                              window=case.window, num_threads=threads)
+                o = fastattn.varlen_attention(
+                    q,
+                    k,
+                    v,
+                    cu,
+                    cu,
+                    is_causal=case.causal,
+                    enable_gqa=case.gqa,
+                    window=case.window,
+                    num_threads=threads,
+                )
                 return o.transpose(1, 0, 2)
+
             return run
         q, k, v = inp.q, inp.k, inp.v
         return lambda: fastattn.scaled_dot_product_attention(
-            q, k, v, is_causal=case.causal, enable_gqa=case.gqa, window=case.window, num_threads=threads)
+            q, k, v, is_causal=case.causal, enable_gqa=case.gqa, window=case.window, num_threads=threads
+        )
 
 
 class Torch(Impl):
@@ -328,11 +371,14 @@ class Torch(Impl):
 
         def run():
             with torch.inference_mode():
-                outs = [F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=c, enable_gqa=gqa)
-                        for q, k, v, m, c in calls]
+                outs = [
+                    F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=c, enable_gqa=gqa)
+                    for q, k, v, m, c in calls
+                ]
             if case.kind == "varlen":
                 return np.concatenate([self._numpy(o)[0] for o in outs], axis=1)
             return self._numpy(outs[0])
+
         return run
 
 
@@ -350,8 +396,9 @@ def _ort_session(model, threads):
 def _onnx_type(dt: np.dtype):
     from onnx import TensorProto
 
-    return {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16,
-            "bfloat16": TensorProto.BFLOAT16}[dt.name]
+    return {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}[
+        dt.name
+    ]
 
 
 class _OrtBase(Impl):
@@ -371,8 +418,12 @@ class _OrtBase(Impl):
         if _scores_bytes(case) > SCORES_LIMIT:
             raise Skip(f"materialises {_scores_bytes(case) / 2**30:.1f} GiB of scores")
         if case.kind == "varlen":
-            runs = [self._prepare_one(dataclasses.replace(case, B=1, L=q.shape[2], S=q.shape[2]), q, k, v,
-                                      threads) for q, k, v in zip(inp.q, inp.k, inp.v)]
+            runs = [
+                self._prepare_one(
+                    dataclasses.replace(case, B=1, L=q.shape[2], S=q.shape[2]), q, k, v, threads
+                )
+                for q, k, v in zip(inp.q, inp.k, inp.v)
+            ]
             return lambda: np.concatenate([r()[0] for r in runs], axis=1)
         return self._prepare_one(case, inp.q, inp.k, inp.v, threads)
 
@@ -407,30 +458,43 @@ class OrtMHA(_OrtBase):
             raise Skip("causal with L != S")
         mask = self._float_mask(case, L, S, dt)
         t = _onnx_type(dt)
-        inputs = [helper.make_tensor_value_info("q", t, ["B", "L", Hq * D]),
-                  helper.make_tensor_value_info("k", t, ["B", "S", Hq * D]),
-                  helper.make_tensor_value_info("v", t, ["B", "S", Hq * D])]
+        inputs = [
+            helper.make_tensor_value_info("q", t, ["B", "L", Hq * D]),
+            helper.make_tensor_value_info("k", t, ["B", "S", Hq * D]),
+            helper.make_tensor_value_info("v", t, ["B", "S", Hq * D]),
+        ]
         names = ["q", "k", "v", "", ""]
-        feeds = {"q": np.ascontiguousarray(q.transpose(0, 2, 1, 3)).reshape(B, L, Hq * D),
-                 "k": np.ascontiguousarray(k.transpose(0, 2, 1, 3)).reshape(B, S, Hq * D),
-                 "v": np.ascontiguousarray(v.transpose(0, 2, 1, 3)).reshape(B, S, Hq * D)}
+        feeds = {
+            "q": np.ascontiguousarray(q.transpose(0, 2, 1, 3)).reshape(B, L, Hq * D),
+            "k": np.ascontiguousarray(k.transpose(0, 2, 1, 3)).reshape(B, S, Hq * D),
+            "v": np.ascontiguousarray(v.transpose(0, 2, 1, 3)).reshape(B, S, Hq * D),
+        }
         if mask is not None:
             inputs.append(helper.make_tensor_value_info("bias", t, [1, 1, "L", "S"]))
             names.append("bias")
             feeds["bias"] = mask[None, None]
-        node = helper.make_node("MultiHeadAttention", names, ["o"], domain="com.microsoft", num_heads=Hq,
-                                unidirectional=int(case.causal and mask is None),
-                                scale=1.0 / math.sqrt(D))
-        graph = helper.make_graph([node], "mha", inputs,
-                                  [helper.make_tensor_value_info("o", t, ["B", "L", Hq * D])])
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23),
-                                                        helper.make_opsetid("com.microsoft", 1)])
+        node = helper.make_node(
+            "MultiHeadAttention",
+            names,
+            ["o"],
+            domain="com.microsoft",
+            num_heads=Hq,
+            unidirectional=int(case.causal and mask is None),
+            scale=1.0 / math.sqrt(D),
+        )
+        graph = helper.make_graph(
+            [node], "mha", inputs, [helper.make_tensor_value_info("o", t, ["B", "L", Hq * D])]
+        )
+        model = helper.make_model(
+            graph, opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid("com.microsoft", 1)]
+        )
         model.ir_version = 10
         sess = _ort_session(model, threads)
 
         def run():
             o = sess.run(None, feeds)[0]
             return o.reshape(B, L, Hq, D).transpose(0, 2, 1, 3)
+
         return run
 
 
@@ -445,19 +509,23 @@ class OrtAttention(_OrtBase):
         Hk, S = k.shape[1], k.shape[2]
         t = _onnx_type(q.dtype)
         mask = self._float_mask(case, L, S, q.dtype)
-        inputs = [helper.make_tensor_value_info("q", t, ["B", Hq, "L", D]),
-                  helper.make_tensor_value_info("k", t, ["B", Hk, "S", D]),
-                  helper.make_tensor_value_info("v", t, ["B", Hk, "S", D])]
+        inputs = [
+            helper.make_tensor_value_info("q", t, ["B", Hq, "L", D]),
+            helper.make_tensor_value_info("k", t, ["B", Hk, "S", D]),
+            helper.make_tensor_value_info("v", t, ["B", Hk, "S", D]),
+        ]
         names = ["q", "k", "v"]
         feeds = {"q": q, "k": k, "v": v}
         if mask is not None:
             inputs.append(helper.make_tensor_value_info("mask", t, ["L", "S"]))
             names.append("mask")
             feeds["mask"] = mask
-        node = helper.make_node("Attention", names, ["o"], is_causal=int(case.causal and mask is None),
-                                scale=1.0 / math.sqrt(D))
-        graph = helper.make_graph([node], "attn", inputs,
-                                  [helper.make_tensor_value_info("o", t, ["B", Hq, "L", D])])
+        node = helper.make_node(
+            "Attention", names, ["o"], is_causal=int(case.causal and mask is None), scale=1.0 / math.sqrt(D)
+        )
+        graph = helper.make_graph(
+            [node], "attn", inputs, [helper.make_tensor_value_info("o", t, ["B", Hq, "L", D])]
+        )
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
         model.ir_version = 10
         sess = _ort_session(model, threads)
@@ -509,6 +577,7 @@ class NumpyRef(Impl):
             if case.kind == "varlen":
                 return np.concatenate([o[0] for o in outs], axis=1)
             return outs[0]
+
         return run
 
 
@@ -539,6 +608,7 @@ IMPLS = [FastAttn, Torch, OrtMHA, OrtAttention, NumpyRef]
 
 
 # --------------------------------------------------------------------------- machine limits
+
 
 def measure_gemm(threads: int, n: int = 2048, repeat: int = 5) -> float:
     """fp32 GEMM rate (GFLOP/s) of NumPy's BLAS, n×n×n."""
@@ -603,9 +673,15 @@ def machine_info(threads: int, gemm: float | None, bw: float | None) -> dict:
         except ImportError:
             pass
     return {
-        "cpu": cpu_model(), "cores": os.cpu_count(), "isa": fastattn.get_isa(), "threads": threads,
-        "gemm_gflops": gemm, "bandwidth_gbps": bw, "python": sys.version.split()[0],
-        "platform": platform.platform(), "versions": versions,
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "isa": fastattn.get_isa(),
+        "threads": threads,
+        "gemm_gflops": gemm,
+        "bandwidth_gbps": bw,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "versions": versions,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE"),
         "OPENBLAS_L2_SIZE": os.environ.get("OPENBLAS_L2_SIZE"),
@@ -613,6 +689,7 @@ def machine_info(threads: int, gemm: float | None, bw: float | None) -> dict:
 
 
 # --------------------------------------------------------------------------- timing
+
 
 def _tolerance(inp: Inputs) -> float:
     q = inp.q[0] if isinstance(inp.q, list) else inp.q
@@ -638,9 +715,22 @@ def run_case(case: Case, impls: list, args, log) -> list:
     records, runners = [], []
     for cls in impls:
         impl = cls()
-        rec = {"case": case.name, "impl": impl.name, "seconds": None, "seconds_min": None,
-               "gflops": None, "gbps": None, "ratio": None, "status": "ok", "note": "", "max_err": None,
-               "kind": case.kind, "dtype": case.kv_dtype or args.dtype, "L": case.L, "S": case.S}
+        rec = {
+            "case": case.name,
+            "impl": impl.name,
+            "seconds": None,
+            "seconds_min": None,
+            "gflops": None,
+            "gbps": None,
+            "ratio": None,
+            "status": "ok",
+            "note": "",
+            "max_err": None,
+            "kind": case.kind,
+            "dtype": case.kv_dtype or args.dtype,
+            "L": case.L,
+            "S": case.S,
+        }
         records.append(rec)
         why = impl.available()
         if why is None and args.quick and case.window is not None and impl.name != "fastattn":
@@ -712,9 +802,16 @@ def _fmt_time(s: float | None) -> str:
 
 
 def print_case(case: Case, records: list, machine: dict, out) -> None:
-    print(f"\n{case.name}  ({case_flops(case) / 1e9:.2f} GFLOP"
-          + (f", K+V {_kv_bytes(case, _np_dtype(records[0]['dtype'])) / 2**20:.0f} MiB" if
-             case.kind == "decode" else "") + ")", file=out)
+    print(
+        f"\n{case.name}  ({case_flops(case) / 1e9:.2f} GFLOP"
+        + (
+            f", K+V {_kv_bytes(case, _np_dtype(records[0]['dtype'])) / 2**20:.0f} MiB"
+            if case.kind == "decode"
+            else ""
+        )
+        + ")",
+        file=out,
+    )
     for r in records:
         if r["seconds"] is None:
             print(f"  {r['impl']:11s} {r['status']}: {r['note']}", file=out)
@@ -726,12 +823,18 @@ def print_case(case: Case, records: list, machine: dict, out) -> None:
             rate = f"{r['gflops']:7.1f} GFLOP/s"
             peak = machine.get("gemm_gflops")
         what = "bw" if case.kind == "decode" else "gemm"
-        pct = f"{100 * (r['gbps'] or r['gflops']) / peak:5.0f}% of {what:4s}" \
-            if peak and case.kind != "small" else " " * 16
+        pct = (
+            f"{100 * (r['gbps'] or r['gflops']) / peak:5.0f}% of {what:4s}"
+            if peak and case.kind != "small"
+            else " " * 16
+        )
         ratio = ""
         if r["impl"] != "fastattn" and r["ratio"] is not None:
-            ratio = f"  fastattn {r['ratio']:.2f}x faster" if r["ratio"] >= 1 else \
-                f"  fastattn {1 / r['ratio']:.2f}x slower"
+            ratio = (
+                f"  fastattn {r['ratio']:.2f}x faster"
+                if r["ratio"] >= 1
+                else f"  fastattn {1 / r['ratio']:.2f}x slower"
+            )
         note = f"  [{r['note']}]" if r["note"] else ""
         print(f"  {r['impl']:11s} {_fmt_time(r['seconds'])}  {rate}  {pct}{ratio}{note}", file=out)
 
@@ -745,11 +848,16 @@ def causal_summary(records: list, out) -> None:
         for impl in dict.fromkeys(r["impl"] for r in records):
             a, b = by.get((full, impl)), by.get((causal, impl))
             if a and b:
-                lines.append(f"  {impl:11s} {causal}: {b / a:.2f} of the non-causal time"
-                             + ("  (masked work not skipped)" if b / a > 0.85 else ""))
+                lines.append(
+                    f"  {impl:11s} {causal}: {b / a:.2f} of the non-causal time"
+                    + ("  (masked work not skipped)" if b / a > 0.85 else "")
+                )
     if lines:
-        print("\ncausal / non-causal time (0.5 = the masked half is skipped; two cases timed apart, "
-              "so noisy on a busy machine):", file=out)
+        print(
+            "\ncausal / non-causal time (0.5 = the masked half is skipped; two cases timed apart, "
+            "so noisy on a busy machine):",
+            file=out,
+        )
         for line in lines:
             print(line, file=out)
 
@@ -796,20 +904,29 @@ def select_cases(patterns: list | None, cases: list) -> list:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m fastattn.bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="cases:\n  " + "\n  ".join(c.name for c in CASES))
+    p = argparse.ArgumentParser(
+        prog="python -m fastattn.bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="cases:\n  " + "\n  ".join(c.name for c in CASES),
+    )
     p.add_argument("--threads", type=int, default=None, help="threads for every library (default: all cores)")
     p.add_argument("--cases", nargs="+", default=None, help="case names or substrings")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     p.add_argument("--json", metavar="PATH", default=None, help="write records and machine info as JSON")
-    p.add_argument("--repeat", type=int, default=None,
-                   help="interleaved rounds per case (default 5, quick 2)")
-    p.add_argument("--quick", action="store_true",
-                   help="a subset of the cases (unless --cases), fewer rounds, shorter samples (< 1 minute)")
-    p.add_argument("--sweep", action="store_true",
-                   help="throughput vs L (256..8192, B1 H8 D64) for fastattn, torch, numpy "
-                   "(for benchmarks/plot.py)")
+    p.add_argument(
+        "--repeat", type=int, default=None, help="interleaved rounds per case (default 5, quick 2)"
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a subset of the cases (unless --cases), fewer rounds, shorter samples (< 1 minute)",
+    )
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="throughput vs L (256..8192, B1 H8 D64) for fastattn, torch, numpy (for benchmarks/plot.py)",
+    )
     p.add_argument("--impls", nargs="+", default=None, help="restrict to these implementations")
     p.add_argument("--markdown", action="store_true", help="also print a Markdown summary table")
     p.add_argument("--no-machine", action="store_true", help="skip the GEMM and bandwidth measurements")
@@ -845,20 +962,28 @@ def main(argv=None) -> int:
         impls = [c for c in impls if c.name in args.impls]
         if FastAttn not in impls:
             impls.insert(0, FastAttn)
-    print(f"fastattn {fastattn.__version__} on {cpu_model()} ({fastattn.get_isa()} kernels), "
-          f"{args.threads} thread(s), dtype {args.dtype}", file=out)
+    print(
+        f"fastattn {fastattn.__version__} on {cpu_model()} ({fastattn.get_isa()} kernels), "
+        f"{args.threads} thread(s), dtype {args.dtype}",
+        file=out,
+    )
     for var in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
         if os.environ.get(var):
-            print(f"note: {var}={os.environ[var]} is set and slows NumPy's BLAS (GEMM reference, numpy "
-                  "baseline); for the true limit run\n  env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE "
-                  "python -m fastattn.bench", file=out)
+            print(
+                f"note: {var}={os.environ[var]} is set and slows NumPy's BLAS (GEMM reference, numpy "
+                "baseline); for the true limit run\n  env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE "
+                "python -m fastattn.bench",
+                file=out,
+            )
             break
     gemm = bw = None
     if not args.no_machine:
         gemm = measure_gemm(args.threads)
         bw = measure_bandwidth(args.threads, nbytes=(256 << 20) if args.quick else (1 << 30))
-        print(f"machine: fp32 GEMM (numpy sgemm 2048^3) {gemm:.1f} GFLOP/s, read bandwidth {bw:.1f} GB/s",
-              file=out)
+        print(
+            f"machine: fp32 GEMM (numpy sgemm 2048^3) {gemm:.1f} GFLOP/s, read bandwidth {bw:.1f} GB/s",
+            file=out,
+        )
     machine = machine_info(args.threads, gemm, bw)
     records = []
     t_start = time.perf_counter()
@@ -873,13 +998,19 @@ def main(argv=None) -> int:
     if not args.no_machine:  # measured again: on a busy machine one measurement may be low
         gemm2 = measure_gemm(args.threads)
         bw2 = measure_bandwidth(args.threads, nbytes=(256 << 20) if args.quick else (1 << 30))
-        print(f"\nmachine again at the end: fp32 GEMM {gemm2:.1f} GFLOP/s, read bandwidth {bw2:.1f} GB/s "
-              "(the JSON keeps the higher of the two)", file=out)
+        print(
+            f"\nmachine again at the end: fp32 GEMM {gemm2:.1f} GFLOP/s, read bandwidth {bw2:.1f} GB/s "
+            "(the JSON keeps the higher of the two)",
+            file=out,
+        )
         machine["gemm_gflops"] = max(gemm, gemm2)
         machine["bandwidth_gbps"] = max(bw, bw2)
-    print(f"\n(time = median of {args.repeat} interleaved rounds (fewer for calls over "
-          f"{args.budget / args.repeat:.0f} s); speedup = peer time / fastattn time; "
-          f"total {time.perf_counter() - t_start:.0f} s)", file=out)
+    print(
+        f"\n(time = median of {args.repeat} interleaved rounds (fewer for calls over "
+        f"{args.budget / args.repeat:.0f} s); speedup = peer time / fastattn time; "
+        f"total {time.perf_counter() - t_start:.0f} s)",
+        file=out,
+    )
     if args.markdown:
         print("\n" + markdown_table(records, machine), file=out)
     if args.json:

@@ -5,6 +5,7 @@ length, D head dim, Dv value head dim.  Masks: bool ``True`` = may attend,
 floats are added to the scores.  ``is_causal`` is aligned to the bottom right:
 query i sees keys j <= i + (S - L).
 """
+
 from __future__ import annotations
 
 import math
@@ -40,8 +41,8 @@ def _check_dtypes(q, k, v):
     dts = (q.dtype, k.dtype, v.dtype)
     if F64 in dts and not all(d == F64 for d in dts):
         raise TypeError(
-            "query, key and value must all be float64 when one is; got "
-            f"{q.dtype}, {k.dtype}, {v.dtype}")
+            f"query, key and value must all be float64 when one is; got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
     if k.dtype != v.dtype:
         raise TypeError(f"key and value must share a dtype, got {k.dtype} and {v.dtype}")
 
@@ -100,10 +101,14 @@ def _check_shapes(q, k, v, layout, enable_gqa):
     min_nd = 2 if layout == "bhsd" else 3
     for a, n in ((q, "query"), (k, "key"), (v, "value")):
         if a.ndim < min_nd:
-            raise ValueError(f"{n} must have at least {min_nd} dimensions for layout={layout!r}, got shape {a.shape}")
+            raise ValueError(
+                f"{n} must have at least {min_nd} dimensions for layout={layout!r}, got shape {a.shape}"
+            )
     if not (q.ndim == k.ndim == v.ndim):
-        raise ValueError(f"query, key and value must have the same number of dimensions, got "
-                         f"{q.shape}, {k.shape}, {v.shape}")
+        raise ValueError(
+            f"query, key and value must have the same number of dimensions, got "
+            f"{q.shape}, {k.shape}, {v.shape}"
+        )
 
     def bhsd(shape):
         if layout == "bshd":
@@ -113,7 +118,9 @@ def _check_shapes(q, k, v, layout, enable_gqa):
     qs, ks, vs = bhsd(tuple(q.shape)), bhsd(tuple(k.shape)), bhsd(tuple(v.shape))
     lead = qs[:-3]
     if ks[:-3] != lead or vs[:-3] != lead:
-        raise ValueError(f"query, key and value must share their batch dims, got {q.shape}, {k.shape}, {v.shape}")
+        raise ValueError(
+            f"query, key and value must share their batch dims, got {q.shape}, {k.shape}, {v.shape}"
+        )
     Hq, L, D = qs[-3:]
     Hk, S, Dk = ks[-3:]
     Hv, Sv, Dv = vs[-3:]
@@ -122,11 +129,15 @@ def _check_shapes(q, k, v, layout, enable_gqa):
     if D == 0 or Dv == 0:
         raise ValueError("head dims of query, key and value must be >= 1")
     if Hk != Hv or S != Sv:
-        raise ValueError(f"key and value must have the same heads and length, got key {k.shape}, value {v.shape}")
+        raise ValueError(
+            f"key and value must have the same heads and length, got key {k.shape}, value {v.shape}"
+        )
     if Hq != Hk:
         if not enable_gqa:
-            raise ValueError(f"query has {Hq} heads but key/value have {Hk}; pass enable_gqa=True for "
-                             "grouped-query attention")
+            raise ValueError(
+                f"query has {Hq} heads but key/value have {Hk}; pass enable_gqa=True for "
+                "grouped-query attention"
+            )
         if Hk == 0 or Hq % Hk:
             raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hk})")
     return lead, (Hq, L, D), (Hk, S, Dv)
@@ -168,18 +179,44 @@ def _attention(qh, kh, vh, mask, oh, lseh, opts):
             for key in ("alibi", "q_lens", "k_lens"):
                 if opts[key] is not None:
                     n = opts[key].shape[0] // lead[0]
-                    sub[key] = opts[key][i * n:(i + 1) * n]
+                    sub[key] = opts[key][i * n : (i + 1) * n]
             if opts["bmask"] is not None:
                 n = opts["bmask"].shape[0] // lead[0]
-                sub["bmask"] = opts["bmask"][i * n:(i + 1) * n]
-            _attention(qh[i], kh[i], vh[i], None if mask is None else mask[i], oh[i],
-                       None if lseh is None else lseh[i], sub)
+                sub["bmask"] = opts["bmask"][i * n : (i + 1) * n]
+            _attention(
+                qh[i],
+                kh[i],
+                vh[i],
+                None if mask is None else mask[i],
+                oh[i],
+                None if lseh is None else lseh[i],
+                sub,
+            )
         return
     _kernels.attention(
-        kernel_ready(q4), kernel_ready(k4), kernel_ready(v4), o4, l4,
-        m4, opts["mask_kind"], opts["scale"], opts["causal"], opts["wl"], opts["wr"], opts["softcap"],
-        opts["alibi"], opts["sinks"], opts["q_lens"], opts["k_lens"], None, None,
-        opts["bmask"], opts["bm_q"], opts["bm_k"], opts["threads"])
+        kernel_ready(q4),
+        kernel_ready(k4),
+        kernel_ready(v4),
+        o4,
+        l4,
+        m4,
+        opts["mask_kind"],
+        opts["scale"],
+        opts["causal"],
+        opts["wl"],
+        opts["wr"],
+        opts["softcap"],
+        opts["alibi"],
+        opts["sinks"],
+        opts["q_lens"],
+        opts["k_lens"],
+        None,
+        None,
+        opts["bmask"],
+        opts["bm_q"],
+        opts["bm_k"],
+        opts["threads"],
+    )
 
 
 def scaled_dot_product_attention(
@@ -258,16 +295,34 @@ def scaled_dot_product_attention(
     if device is not None and device != "cpu":
         if device != "cuda":
             raise ValueError(f"device must be None, 'cpu' or 'cuda', got {device!r}")
-        cpu_only = dict(num_threads=num_threads, sinks=sinks, query_lengths=query_lengths,
-                        block_mask=block_mask, block_size=block_size)
+        cpu_only = dict(
+            num_threads=num_threads,
+            sinks=sinks,
+            query_lengths=query_lengths,
+            block_mask=block_mask,
+            block_size=block_size,
+        )
         for name, val in cpu_only.items():
             if val is not None:
                 raise ValueError(f"{name} is not supported with device='cuda'")
         from . import cuda
 
         return cuda.scaled_dot_product_attention(
-            query, key, value, attn_mask, is_causal, scale, enable_gqa, layout=layout, return_lse=return_lse,
-            out=out, window=window, alibi_slopes=alibi_slopes, softcap=softcap, key_lengths=key_lengths)
+            query,
+            key,
+            value,
+            attn_mask,
+            is_causal,
+            scale,
+            enable_gqa,
+            layout=layout,
+            return_lse=return_lse,
+            out=out,
+            window=window,
+            alibi_slopes=alibi_slopes,
+            softcap=softcap,
+            key_lengths=key_lengths,
+        )
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     q = as_array(query, "query")
@@ -303,7 +358,9 @@ def scaled_dot_product_attention(
         try:
             mask = np.broadcast_to(m, lead + (Hq, L, S))
         except ValueError:
-            raise ValueError(f"attn_mask of shape {m.shape} does not broadcast to {lead + (Hq, L, S)}") from None
+            raise ValueError(
+                f"attn_mask of shape {m.shape} does not broadcast to {lead + (Hq, L, S)}"
+            ) from None
         if mask.ctypes.data % mask.dtype.itemsize or any(s % mask.dtype.itemsize for s in mask.strides):
             mask = np.broadcast_to(m.copy(), lead + (Hq, L, S))
         mask_kind = _MASK_KINDS[mask.dtype]
@@ -327,8 +384,10 @@ def scaled_dot_product_attention(
         try:
             bm = np.broadcast_to(bm, lead + (Hq, nbq, nbk))
         except ValueError:
-            raise ValueError(f"block_mask of shape {bm.shape} does not broadcast to "
-                             f"{lead + (Hq, nbq, nbk)} (blocks of {bm_q}x{bm_k})") from None
+            raise ValueError(
+                f"block_mask of shape {bm.shape} does not broadcast to "
+                f"{lead + (Hq, nbq, nbk)} (blocks of {bm_q}x{bm_k})"
+            ) from None
         bmask = np.ascontiguousarray(bm).reshape((B, Hq, nbq, nbk))
 
     out_dtype = q.dtype
@@ -346,9 +405,12 @@ def scaled_dot_product_attention(
             if isinstance(a, np.ndarray) and np.may_share_memory(out, a):
                 raise ValueError(f"out must not share memory with {n}")
         res = out
-        direct = out.dtype.isnative and out.ctypes.data % out.dtype.itemsize == 0 and (
-            Dv == 1 or out.strides[-1] == out.dtype.itemsize) and all(
-            s % out.dtype.itemsize == 0 for s in out.strides)
+        direct = (
+            out.dtype.isnative
+            and out.ctypes.data % out.dtype.itemsize == 0
+            and (Dv == 1 or out.strides[-1] == out.dtype.itemsize)
+            and all(s % out.dtype.itemsize == 0 for s in out.strides)
+        )
         work = out if direct else np.empty(out_shape, dtype=out_dtype)
     else:
         res = work = np.empty(out_shape, dtype=out_dtype)
@@ -363,9 +425,22 @@ def scaled_dot_product_attention(
         lse = np.empty(lead + (Hq, L), dtype=cdt)
         lseh = lse
 
-    opts = dict(mask_kind=mask_kind, scale=sc, causal=bool(is_causal), wl=wl, wr=wr, softcap=cap,
-                alibi=alibi, sinks=sk, q_lens=q_lens, k_lens=k_lens, bmask=bmask, bm_q=bm_q, bm_k=bm_k,
-                threads=threads)
+    opts = dict(
+        mask_kind=mask_kind,
+        scale=sc,
+        causal=bool(is_causal),
+        wl=wl,
+        wr=wr,
+        softcap=cap,
+        alibi=alibi,
+        sinks=sk,
+        q_lens=q_lens,
+        k_lens=k_lens,
+        bmask=bmask,
+        bm_q=bm_q,
+        bm_k=bm_k,
+        threads=threads,
+    )
     if lead == ():
         qh, kh, vh, oh = qh[None], kh[None], vh[None], oh[None]
         mask = None if mask is None else mask[None]
@@ -442,8 +517,9 @@ def varlen_attention(
         cus.append(c)
     cq, ck = cus
     if cq.shape != ck.shape:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got {cq.shape[0]} "
-                         f"and {ck.shape[0]}")
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length, got {cq.shape[0]} and {ck.shape[0]}"
+        )
     nb = cq.shape[0] - 1
     sc = scale_value(scale, D)
     threads = threads_value(num_threads, get_num_threads)
@@ -455,7 +531,9 @@ def varlen_attention(
         if not isinstance(out, np.ndarray):
             raise TypeError(f"out must be a numpy.ndarray, got {type(out).__name__}")
         if out.shape != (Tq, Hq, Dv) or out.dtype != qa.dtype:
-            raise ValueError(f"out must have shape {(Tq, Hq, Dv)} and dtype {qa.dtype}, got {out.shape} {out.dtype}")
+            raise ValueError(
+                f"out must have shape {(Tq, Hq, Dv)} and dtype {qa.dtype}, got {out.shape} {out.dtype}"
+            )
         if not out.flags.writeable or not out.flags.c_contiguous:
             raise ValueError("out must be writable and C-contiguous")
         for a, n in ((qa, "q"), (ka, "k"), (va, "v")):
@@ -466,6 +544,7 @@ def varlen_attention(
         o = np.empty((Tq, Hq, Dv), dtype=qa.dtype)
     lse = np.empty((Hq, Tq), dtype=_compute_dtype(qa)) if return_lse else None
     if nb > 0 and Tq > 0:
+
         def batched(a):  # (T, H, X) -> (nb, H, T, X) with batch stride 0
             a = np.swapaxes(kernel_ready(a), 0, 1)
             return np.lib.stride_tricks.as_strided(a, (nb,) + a.shape, (0,) + a.strides)
@@ -474,9 +553,31 @@ def varlen_attention(
         if lse is not None:
             l4 = np.lib.stride_tricks.as_strided(lse, (nb,) + lse.shape, (0,) + lse.strides)
         _kernels.attention(
-            batched(qa), batched(ka), batched(va), batched(o), l4, None, _kernels.MASK_NONE, sc,
-            bool(is_causal), wl, wr, cap, alibi, sk, None, None, cq, ck, None, 1, 1, threads,
-            int(np.max(np.diff(cq))), int(np.max(np.diff(ck))))
+            batched(qa),
+            batched(ka),
+            batched(va),
+            batched(o),
+            l4,
+            None,
+            _kernels.MASK_NONE,
+            sc,
+            bool(is_causal),
+            wl,
+            wr,
+            cap,
+            alibi,
+            sk,
+            None,
+            None,
+            cq,
+            ck,
+            None,
+            1,
+            1,
+            threads,
+            int(np.max(np.diff(cq))),
+            int(np.max(np.diff(ck))),
+        )
     elif lse is not None:
         lse[...] = -np.inf
     return (o, lse) if return_lse else o

@@ -11,6 +11,7 @@ Causal alignment is bottom-right per sequence: the ``Lq`` queries of a step
 are the ``Lq`` newest cached positions, so query ``i`` of sequence ``b`` (with
 ``n_b`` valid keys) sees keys ``j <= i + n_b - Lq``.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -21,6 +22,7 @@ from ._checks import BFLOAT16, F32, F64, STORAGE_DTYPES, as_array, int_value, sc
 from .functional import _per_head, _softcap, _window, scaled_dot_product_attention
 
 __all__ = ["KVCache", "attention_with_kvcache"]
+
 
 def _cache_dtype(dtype):
     try:
@@ -91,7 +93,7 @@ def _rows(a, idx):
     if pr is None:
         return None
     start, step = pr
-    return a[start:start + step * (idx.size - 1) + 1:step]
+    return a[start : start + step * (idx.size - 1) + 1 : step]
 
 
 def _new_tokens(x, name, n, Hk, Dx, allow_3d):
@@ -200,9 +202,11 @@ class KVCache:
         return view
 
     def __repr__(self):
-        return (f"KVCache(batch={self.batch}, num_kv_heads={self.num_kv_heads}, max_len={self.max_len}, "
-                f"head_dim={self.head_dim}, value_dim={self.value_dim}, dtype={self.dtype}, "
-                f"lengths={self._len.tolist()})")
+        return (
+            f"KVCache(batch={self.batch}, num_kv_heads={self.num_kv_heads}, max_len={self.max_len}, "
+            f"head_dim={self.head_dim}, value_dim={self.value_dim}, dtype={self.dtype}, "
+            f"lengths={self._len.tolist()})"
+        )
 
     # -------------------------------------------------------------- mutation
     def append(self, k_new, v_new, *, batch_index=None):
@@ -227,8 +231,10 @@ class KVCache:
         sel = self._len if idx is None else self._len[idx]
         if sel.size and sel.max() + T > self.max_len:
             b = int(np.argmax(sel)) if idx is None else int(idx[np.argmax(sel)])
-            raise ValueError(f"appending {T} tokens to sequence {b} (length {int(self._len[b])}) exceeds "
-                             f"max_len={self.max_len}")
+            raise ValueError(
+                f"appending {T} tokens to sequence {b} (length {int(self._len[b])}) exceeds "
+                f"max_len={self.max_len}"
+            )
         # Convert before the first write so that a failing conversion changes nothing.
         with np.errstate(over="ignore"):
             kc = k if k.dtype == dt else k.astype(dt)
@@ -240,15 +246,15 @@ class KVCache:
                 s0 = int(start[0])
                 kv = _rows(self._k, idx)
                 if kv is not None:
-                    kv[:, :, s0:s0 + T] = kc
-                    _rows(self._v, idx)[:, :, s0:s0 + T] = vc
+                    kv[:, :, s0 : s0 + T] = kc
+                    _rows(self._v, idx)[:, :, s0 : s0 + T] = vc
                 else:
-                    self._k[rows, :, s0:s0 + T] = kc
-                    self._v[rows, :, s0:s0 + T] = vc
+                    self._k[rows, :, s0 : s0 + T] = kc
+                    self._v[rows, :, s0 : s0 + T] = vc
             else:
                 for r, (b, s) in enumerate(zip(rows.tolist(), start.tolist())):
-                    self._k[b, :, s:s + T] = kc[r]
-                    self._v[b, :, s:s + T] = vc[r]
+                    self._k[b, :, s : s + T] = kc[r]
+                    self._v[b, :, s : s + T] = vc[r]
             self._len[rows] += T
         return self._len[rows].copy()
 
@@ -261,8 +267,18 @@ class KVCache:
             self._len[idx] = 0
 
     # -------------------------------------------------------------- attention
-    def attend(self, q, *, window=None, alibi_slopes=None, softcap=None, scale=None, return_lse=False,
-               num_threads=None, batch_index=None):
+    def attend(
+        self,
+        q,
+        *,
+        window=None,
+        alibi_slopes=None,
+        softcap=None,
+        scale=None,
+        return_lse=False,
+        num_threads=None,
+        batch_index=None,
+    ):
         """Causal attention of the ``Lq`` newest tokens over each sequence's cached prefix.
 
         ``q``: ``(B, Hq, Lq, D)`` (``(len(idx), Hq, Lq, D)`` with
@@ -285,42 +301,72 @@ class KVCache:
             raise ValueError(f"q must have shape ({n}, Hq, Lq, {self.head_dim}), got {qa.shape}")
         Hq, Lq = qa.shape[1], qa.shape[2]
         if Hq % self.num_kv_heads:
-            raise ValueError(f"q heads ({Hq}) must be a multiple of the cache's kv heads "
-                             f"({self.num_kv_heads})")
+            raise ValueError(
+                f"q heads ({Hq}) must be a multiple of the cache's kv heads ({self.num_kv_heads})"
+            )
         lens = self._len if idx is None else self._len[idx]
         if lens.size and lens.min() < Lq:
             b = int(np.argmin(lens)) if idx is None else int(idx[np.argmin(lens)])
-            raise ValueError(f"q holds {Lq} query tokens but sequence {b} has only {int(self._len[b])} "
-                             "cached tokens; append the new tokens' keys and values before attending")
+            raise ValueError(
+                f"q holds {Lq} query tokens but sequence {b} has only {int(self._len[b])} "
+                "cached tokens; append the new tokens' keys and values before attending"
+            )
         if alibi_slopes is not None:
             al = as_array(alibi_slopes, "alibi_slopes")
             if al.ndim == 2 and al.shape[0] != n:
                 raise ValueError(f"alibi_slopes must have shape ({Hq},) or ({n}, {Hq}), got {al.shape}")
-        opts = dict(is_causal=True, enable_gqa=True, window=window, softcap=softcap, scale=scale,
-                    return_lse=return_lse, num_threads=num_threads)
+        opts = dict(
+            is_causal=True,
+            enable_gqa=True,
+            window=window,
+            softcap=softcap,
+            scale=scale,
+            return_lse=return_lse,
+            num_threads=num_threads,
+        )
         kv = _rows(self._k, idx)
         if kv is not None:
-            return scaled_dot_product_attention(qa, kv, _rows(self._v, idx), key_lengths=lens.copy(),
-                                                alibi_slopes=alibi_slopes, **opts)
+            return scaled_dot_product_attention(
+                qa, kv, _rows(self._v, idx), key_lengths=lens.copy(), alibi_slopes=alibi_slopes, **opts
+            )
         # Scattered indices: one kernel call per sequence, each on a view of the cache.
         out = np.empty(qa.shape[:3] + (self.value_dim,), dtype=qa.dtype)
         lse = np.empty(qa.shape[:3], dtype=F32) if return_lse else None
         al = None if alibi_slopes is None else as_array(alibi_slopes, "alibi_slopes")
         for r, b in enumerate(idx.tolist()):
-            slopes = None if al is None else (al[r:r + 1] if al.ndim == 2 else al)
-            res = scaled_dot_product_attention(qa[r:r + 1], self._k[b:b + 1], self._v[b:b + 1],
-                                               key_lengths=self._len[b:b + 1].copy(), alibi_slopes=slopes,
-                                               **opts)
+            slopes = None if al is None else (al[r : r + 1] if al.ndim == 2 else al)
+            res = scaled_dot_product_attention(
+                qa[r : r + 1],
+                self._k[b : b + 1],
+                self._v[b : b + 1],
+                key_lengths=self._len[b : b + 1].copy(),
+                alibi_slopes=slopes,
+                **opts,
+            )
             if return_lse:
-                out[r:r + 1], lse[r:r + 1] = res
+                out[r : r + 1], lse[r : r + 1] = res
             else:
-                out[r:r + 1] = res
+                out[r : r + 1] = res
         return (out, lse) if return_lse else out
 
 
-def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *, is_causal=True,
-                           window=None, alibi_slopes=None, softcap=None, scale=None, return_lse=False,
-                           num_threads=None, layout="bhsd"):
+def attention_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    k_new=None,
+    v_new=None,
+    *,
+    is_causal=True,
+    window=None,
+    alibi_slopes=None,
+    softcap=None,
+    scale=None,
+    return_lse=False,
+    num_threads=None,
+    layout="bhsd",
+):
     """Attention over caller-owned caches, optionally appending new keys/values first
     (the semantics of flash-attn's ``flash_attn_with_kvcache``).
 
@@ -369,13 +415,16 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     B, Hq, Lq, D = qh.shape
     _, Hk, S, Dk = kc.shape
     if kc.shape[0] != B or vc.shape[0] != B:
-        raise ValueError(f"q, k_cache and v_cache must share the batch size, got {qa.shape}, "
-                         f"{k_cache.shape}, {v_cache.shape}")
+        raise ValueError(
+            f"q, k_cache and v_cache must share the batch size, got {qa.shape}, "
+            f"{k_cache.shape}, {v_cache.shape}"
+        )
     if Dk != D:
         raise ValueError(f"k_cache head dim ({Dk}) must equal q's ({D})")
     if vc.shape[1] != Hk or vc.shape[2] != S:
-        raise ValueError(f"v_cache must have the heads and length of k_cache, got {v_cache.shape} and "
-                         f"{k_cache.shape}")
+        raise ValueError(
+            f"v_cache must have the heads and length of k_cache, got {v_cache.shape} and {k_cache.shape}"
+        )
     Dv = vc.shape[3]
     if Hk == 0 or Hq % Hk:
         raise ValueError(f"q heads ({Hq}) must be a multiple of the cache's kv heads ({Hk})")
@@ -401,19 +450,23 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
         kn = bhsd(_as_new(k_new, "k_new", layout))
         vn = bhsd(_as_new(v_new, "v_new", layout))
         if kn.shape[:2] != (B, Hk) or kn.shape[3] != D:
-            raise ValueError(f"k_new must have {B} sequences, {Hk} heads and head dim {D}, "
-                             f"got {np.shape(k_new)}")
+            raise ValueError(
+                f"k_new must have {B} sequences, {Hk} heads and head dim {D}, got {np.shape(k_new)}"
+            )
         if vn.shape[:2] != (B, Hk) or vn.shape[3] != Dv:
-            raise ValueError(f"v_new must have {B} sequences, {Hk} heads and head dim {Dv}, "
-                             f"got {np.shape(v_new)}")
+            raise ValueError(
+                f"v_new must have {B} sequences, {Hk} heads and head dim {Dv}, got {np.shape(v_new)}"
+            )
         T = kn.shape[2]
         if vn.shape[2] != T:
-            raise ValueError(f"k_new and v_new must hold the same number of tokens, "
-                             f"got {T} and {vn.shape[2]}")
+            raise ValueError(
+                f"k_new and v_new must hold the same number of tokens, got {T} and {vn.shape[2]}"
+            )
         if seq.size and seq.max() + T > S:
             b = int(np.argmax(seq))
-            raise ValueError(f"cache_seqlens[{b}] + {T} new tokens = {int(seq[b]) + T} exceeds the cache "
-                             f"length {S}")
+            raise ValueError(
+                f"cache_seqlens[{b}] + {T} new tokens = {int(seq[b]) + T} exceeds the cache length {S}"
+            )
         for a, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
             if not a.flags.writeable:
                 raise ValueError(f"{name} must be writable to append k_new/v_new")
@@ -422,9 +475,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     total = seq + T
     if is_causal and total.size and total.min() < Lq:
         b = int(np.argmin(total))
-        raise ValueError(f"q holds {Lq} query tokens but sequence {b} has only {int(total[b])} keys; "
-                         "causal decoding needs cache_seqlens + new tokens >= query length "
-                         "(or pass is_causal=False)")
+        raise ValueError(
+            f"q holds {Lq} query tokens but sequence {b} has only {int(total[b])} keys; "
+            "causal decoding needs cache_seqlens + new tokens >= query length "
+            "(or pass is_causal=False)"
+        )
     _check_options(window, alibi_slopes, softcap, scale, num_threads, B, Hq, D)
     if T and B:
         with np.errstate(over="ignore"):
@@ -432,16 +487,27 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
             vw = vn if vn.dtype == cdt else vn.astype(cdt)
         if np.all(seq == seq[0]):
             s0 = int(seq[0])
-            kc[:, :, s0:s0 + T] = kw
-            vc[:, :, s0:s0 + T] = vw
+            kc[:, :, s0 : s0 + T] = kw
+            vc[:, :, s0 : s0 + T] = vw
         else:
             for b, s0 in enumerate(seq.tolist()):
-                kc[b, :, s0:s0 + T] = kw[b]
-                vc[b, :, s0:s0 + T] = vw[b]
+                kc[b, :, s0 : s0 + T] = kw[b]
+                vc[b, :, s0 : s0 + T] = vw[b]
     return scaled_dot_product_attention(
-        qa, k_cache, v_cache, is_causal=bool(is_causal), enable_gqa=True, layout=layout, key_lengths=total,
-        window=window, alibi_slopes=alibi_slopes, softcap=softcap, scale=scale, return_lse=return_lse,
-        num_threads=num_threads)
+        qa,
+        k_cache,
+        v_cache,
+        is_causal=bool(is_causal),
+        enable_gqa=True,
+        layout=layout,
+        key_lengths=total,
+        window=window,
+        alibi_slopes=alibi_slopes,
+        softcap=softcap,
+        scale=scale,
+        return_lse=return_lse,
+        num_threads=num_threads,
+    )
 
 
 def _as_new(x, name, layout):

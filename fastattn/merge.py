@@ -1,4 +1,5 @@
 """Combining partial attention results computed over disjoint key sets."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -5,6 +5,7 @@ computed the obvious way: materialise the (..., Hq, L, S) scores in float64,
 transform, softmax, multiply.  Kept simple enough to check by eye.  Returns
 float64 (the caller compares at the precision of its inputs).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,11 +17,29 @@ def _f64(x):
     return np.asarray(x).astype(np.float64)
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                 scale=None, enable_gqa=False, *, layout="bhsd", return_lse=False,
-                                 out=None, num_threads=None, window=None, alibi_slopes=None,
-                                 softcap=None, sinks=None, key_lengths=None, query_lengths=None,
-                                 block_mask=None, block_size=None):
+def scaled_dot_product_attention(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    *,
+    layout="bhsd",
+    return_lse=False,
+    out=None,
+    num_threads=None,
+    window=None,
+    alibi_slopes=None,
+    softcap=None,
+    sinks=None,
+    key_lengths=None,
+    query_lengths=None,
+    block_mask=None,
+    block_size=None,
+):
     q, k, v = _f64(query), _f64(key), _f64(value)
     if layout == "bshd":
         q, k, v = (np.swapaxes(a, -2, -3) for a in (q, k, v))
@@ -103,9 +122,24 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     return (o, lse) if return_lse else o
 
 
-def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, is_causal=False, scale=None,
-                     enable_gqa=False, window=None, alibi_slopes=None, softcap=None, sinks=None,
-                     return_lse=False, out=None, num_threads=None):
+def varlen_attention(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    window=None,
+    alibi_slopes=None,
+    softcap=None,
+    sinks=None,
+    return_lse=False,
+    out=None,
+    num_threads=None,
+):
     """Packed sequences, one reference call per sequence."""
     q, k, v = _f64(q), _f64(k), _f64(v)
     Hq = q.shape[1]
@@ -119,8 +153,18 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, is_causal=False, sc
             a = np.asarray(alibi_slopes)
             slopes = a if a.ndim == 1 else a[b]
         ob, lb = scaled_dot_product_attention(
-            q[qs:qe], k[ks:ke], v[ks:ke], is_causal=is_causal, scale=scale, layout="bshd",
-            window=window, alibi_slopes=slopes, softcap=softcap, sinks=sinks, return_lse=True)
+            q[qs:qe],
+            k[ks:ke],
+            v[ks:ke],
+            is_causal=is_causal,
+            scale=scale,
+            layout="bshd",
+            window=window,
+            alibi_slopes=slopes,
+            softcap=softcap,
+            sinks=sinks,
+            return_lse=True,
+        )
         o[qs:qe] = ob
         lse[:, qs:qe] = lb
     return (o, lse) if return_lse else o

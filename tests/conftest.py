@@ -7,6 +7,7 @@ With ``FASTATTN_TEST_INSTALLED=1`` (set by ``.ci/run``) the session refuses to
 start unless ``fastattn`` was imported from an installed copy (site-packages),
 so that CI tests what a user installs rather than the source tree.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,7 +36,8 @@ def pytest_configure(config):
         path = os.path.realpath(fastattn.__file__)
         if "site-packages" not in path and "dist-packages" not in path:
             raise pytest.UsageError(
-                f"FASTATTN_TEST_INSTALLED=1 but fastattn was imported from {path}, not an installed copy")
+                f"FASTATTN_TEST_INSTALLED=1 but fastattn was imported from {path}, not an installed copy"
+            )
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """Bad arguments raise TypeError/ValueError naming the argument, before any C
 code runs (the kernel entry point is replaced by a tripwire here)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -40,20 +41,23 @@ def test_tripwire_works():
         sdpa(Q, K, V)
 
 
-@pytest.mark.parametrize("args,match", [
-    ((t(16), K, V), "query"),
-    ((t(1, 16), t(2, 10, 16), V), "dimensions"),
-    ((Q, t(4, 10, 16), V), "dimensions"),
-    ((Q, K, t(2, 4, 10)), "dimensions"),
-    ((Q, t(2, 4, 10, 15), V), "head dim"),
-    ((Q, t(3, 4, 10, 16), t(3, 4, 10, 16)), "batch"),
-    ((t(2, 3, 4, 8, 16), t(2, 2, 4, 10, 16), t(2, 2, 4, 10, 16)), "batch"),
-    ((Q, K, t(2, 4, 11, 16)), "key and value"),
-    ((Q, K, t(2, 2, 10, 16)), "key and value"),
-    ((Q, t(2, 2, 10, 16), t(2, 2, 10, 16)), "enable_gqa"),
-    ((t(2, 4, 8, 0), t(2, 4, 10, 0), V), "head dim"),
-    ((Q, K, t(2, 4, 10, 0)), "head dim"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ((t(16), K, V), "query"),
+        ((t(1, 16), t(2, 10, 16), V), "dimensions"),
+        ((Q, t(4, 10, 16), V), "dimensions"),
+        ((Q, K, t(2, 4, 10)), "dimensions"),
+        ((Q, t(2, 4, 10, 15), V), "head dim"),
+        ((Q, t(3, 4, 10, 16), t(3, 4, 10, 16)), "batch"),
+        ((t(2, 3, 4, 8, 16), t(2, 2, 4, 10, 16), t(2, 2, 4, 10, 16)), "batch"),
+        ((Q, K, t(2, 4, 11, 16)), "key and value"),
+        ((Q, K, t(2, 2, 10, 16)), "key and value"),
+        ((Q, t(2, 2, 10, 16), t(2, 2, 10, 16)), "enable_gqa"),
+        ((t(2, 4, 8, 0), t(2, 4, 10, 0), V), "head dim"),
+        ((Q, K, t(2, 4, 10, 0)), "head dim"),
+    ],
+)
 def test_shapes(args, match):
     check(ValueError, match, *args)
 
@@ -87,29 +91,50 @@ def test_not_arrays(bad):
         sdpa(bad, K, V)
 
 
-@pytest.mark.parametrize("mask,exc", [
-    (t(8, 9), ValueError),
-    (t(3, 8, 10), ValueError),
-    (t(2, 4, 8, 10, 1)[..., 0][None, None], ValueError),
-    (np.zeros((8, 10), np.int32), TypeError),
-    (np.zeros((8, 10), np.uint8), TypeError),
-    (np.zeros((8, 10), np.complex64), TypeError),
-    (np.zeros((8, 10), object), TypeError),
-    ("mask", TypeError),
-])
+@pytest.mark.parametrize(
+    "mask,exc",
+    [
+        (t(8, 9), ValueError),
+        (t(3, 8, 10), ValueError),
+        (t(2, 4, 8, 10, 1)[..., 0][None, None], ValueError),
+        (np.zeros((8, 10), np.int32), TypeError),
+        (np.zeros((8, 10), np.uint8), TypeError),
+        (np.zeros((8, 10), np.complex64), TypeError),
+        (np.zeros((8, 10), object), TypeError),
+        ("mask", TypeError),
+    ],
+)
 def test_bad_masks(mask, exc):
     check(exc, "attn_mask", Q, K, V, attn_mask=mask)
 
 
-@pytest.mark.parametrize("scale,exc", [(float("nan"), ValueError), (float("inf"), ValueError),
-                                       (-float("inf"), ValueError), ("1", TypeError),
-                                       (True, TypeError), (1j, TypeError), ([1.0], TypeError)])
+@pytest.mark.parametrize(
+    "scale,exc",
+    [
+        (float("nan"), ValueError),
+        (float("inf"), ValueError),
+        (-float("inf"), ValueError),
+        ("1", TypeError),
+        (True, TypeError),
+        (1j, TypeError),
+        ([1.0], TypeError),
+    ],
+)
 def test_bad_scale(scale, exc):
     check(exc, "scale", Q, K, V, scale=scale)
 
 
-@pytest.mark.parametrize("n,exc", [(0, ValueError), (-1, ValueError), (1.5, TypeError), (2.0, TypeError),
-                                   ("2", TypeError), (True, TypeError)])
+@pytest.mark.parametrize(
+    "n,exc",
+    [
+        (0, ValueError),
+        (-1, ValueError),
+        (1.5, TypeError),
+        (2.0, TypeError),
+        ("2", TypeError),
+        (True, TypeError),
+    ],
+)
 def test_bad_num_threads(n, exc):
     check(exc, "num_threads", Q, K, V, num_threads=n)
 
@@ -131,13 +156,16 @@ def test_bad_isa():
         fastattn.set_isa("sse9")
 
 
-@pytest.mark.parametrize("out,exc,match", [
-    (t(2, 4, 8, 15), ValueError, "shape"),
-    (t(2, 4, 8), ValueError, "shape"),
-    (t(2, 4, 8, 16, dtype=np.float64), TypeError, "dtype"),
-    (t(2, 4, 8, 16, dtype=np.float16), TypeError, "dtype"),
-    ([[0.0]], TypeError, "out"),
-])
+@pytest.mark.parametrize(
+    "out,exc,match",
+    [
+        (t(2, 4, 8, 15), ValueError, "shape"),
+        (t(2, 4, 8), ValueError, "shape"),
+        (t(2, 4, 8, 16, dtype=np.float64), TypeError, "dtype"),
+        (t(2, 4, 8, 16, dtype=np.float16), TypeError, "dtype"),
+        ([[0.0]], TypeError, "out"),
+    ],
+)
 def test_bad_out(out, exc, match):
     with pytest.raises(exc, match="out") as e:
         sdpa(Q, K, V, out=out)
@@ -156,8 +184,7 @@ def test_out_aliases_input():
     v = np.zeros((2, 4, 10, 16), np.float32)
     check(ValueError, "value", Q, K, v, out=v[:, :, 1:9])
     m = np.zeros((2, 4, 8, 16), np.float32)  # an out that overlaps a float mask of shape (L, S)
-    check(ValueError, "attn_mask", Q, t(2, 4, 16, 16), t(2, 4, 16, 16), attn_mask=m[0, 0, :, :16],
-          out=m)
+    check(ValueError, "attn_mask", Q, t(2, 4, 16, 16), t(2, 4, 16, 16), attn_mask=m[0, 0, :, :16], out=m)
 
 
 @pytest.mark.parametrize("p", [0.1, 1.0, -0.5])

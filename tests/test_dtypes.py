@@ -7,6 +7,7 @@ output to 16 bits when the query is 16-bit.  ``bound`` measures the naive
 float32 error against the float64 reference and allows a small multiple of it,
 plus one 16-bit ulp of the reference value when the output is 16-bit.
 """
+
 from __future__ import annotations
 
 import ml_dtypes
@@ -107,8 +108,9 @@ def test_half_decode_split_kv(isa, rng, kv_dtype, q_same):
 
 @pytest.mark.parametrize("kv_dtype", HALF, ids=["f16", "bf16"])
 def test_half_value_dim_and_lengths(isa, rng, kv_dtype):
-    check_half(rng, 3, 2, 1, 5, 33, 24, kv_dtype, kv_dtype, Dv=9, is_causal=True,
-               key_lengths=np.array([33, 7, 5]))
+    check_half(
+        rng, 3, 2, 1, 5, 33, 24, kv_dtype, kv_dtype, Dv=9, is_causal=True, key_lengths=np.array([33, 7, 5])
+    )
 
 
 @pytest.mark.parametrize("kv_dtype", HALF, ids=["f16", "bf16"])

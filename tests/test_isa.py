@@ -1,5 +1,6 @@
 """Every instruction-set path this CPU has: kernel against the reference at
 tile boundaries, and the vectorised exp2 over its whole input range."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -12,8 +13,7 @@ from fastattn import _kernels
 sdpa = fastattn.scaled_dot_product_attention
 
 # Query tiles are 48/96 rows and key tiles 64/128 keys: probe 1, tile-1, tile, tile+1 and primes.
-LS = [(1, 1), (47, 63), (48, 64), (49, 65), (95, 127), (96, 128), (97, 129), (101, 257), (193, 131),
-      (7, 300)]
+LS = [(1, 1), (47, 63), (48, 64), (49, 65), (95, 127), (96, 128), (97, 129), (101, 257), (193, 131), (7, 300)]
 
 
 @pytest.mark.parametrize("L,S", LS)
@@ -86,6 +86,7 @@ def test_scalar_always_available():
 
 # --- exp2 --------------------------------------------------------------------
 
+
 def _exp2_inputs():
     rng = np.random.default_rng(7)
     bits = rng.integers(0, 2**32, 1_000_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
@@ -93,9 +94,27 @@ def _exp2_inputs():
     ints = np.arange(-160, 140, dtype=np.float32)
     halves = ints + np.float32(0.5)
     small = np.float32(2.0) ** np.arange(-149, 0, dtype=np.float32)  # tiny |x| around 1.0
-    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 127.99999, 128.0, -126.0, -149.0, -149.5,
-                        -150.0, -150.5, 1e30, -1e30, np.finfo(np.float32).max, -np.finfo(np.float32).max],
-                       np.float32)
+    special = np.array(
+        [
+            0.0,
+            -0.0,
+            np.inf,
+            -np.inf,
+            np.nan,
+            127.99999,
+            128.0,
+            -126.0,
+            -149.0,
+            -149.5,
+            -150.0,
+            -150.5,
+            1e30,
+            -1e30,
+            np.finfo(np.float32).max,
+            -np.finfo(np.float32).max,
+        ],
+        np.float32,
+    )
     x = np.concatenate([bits, grid, ints, halves, small, -small, special])
     with np.errstate(over="ignore", invalid="ignore"):
         return x, np.exp2(x.astype(np.float64))

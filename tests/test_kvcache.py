@@ -1,6 +1,7 @@
 """KVCache and attention_with_kvcache: token-by-token decoding equals full causal
 attention over the whole sequence (the float64 reference) at every step; ragged
 batches; bounds and bad input leave the cache unchanged; the generate example."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -49,6 +50,7 @@ def assert_unchanged(cache, snap):
 
 # --- decoding equals full attention -----------------------------------------
 
+
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=["f32", "f16", "bf16"])
 @pytest.mark.parametrize("q_in_cache_dtype", [False, True], ids=["q32", "qc"])
 def test_token_by_token_equals_full_causal(isa, rng, cache_dtype, q_in_cache_dtype):
@@ -65,11 +67,11 @@ def test_token_by_token_equals_full_causal(isa, rng, cache_dtype, q_in_cache_dty
     assert o.dtype == qdt and o.shape == (B, Hq, P, Dv)
     assert_close(o, expected_step(q[:, :, :P], kr[:, :, :P], vr[:, :, :P]), tol=out_tol(qdt))
     for t in range(P, T):
-        lens = cache.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        lens = cache.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
         np.testing.assert_array_equal(lens, [t + 1] * B)
         # one thread: results are bit-identical for any thread count, and tiny calls are cheaper
-        o, lse = cache.attend(q[:, :, t:t + 1], return_lse=True, num_threads=1)
-        eo, else_ = expected_step(q[:, :, t:t + 1], kr[:, :, :t + 1], vr[:, :, :t + 1], return_lse=True)
+        o, lse = cache.attend(q[:, :, t : t + 1], return_lse=True, num_threads=1)
+        eo, else_ = expected_step(q[:, :, t : t + 1], kr[:, :, : t + 1], vr[:, :, : t + 1], return_lse=True)
         assert_close(o, eo, tol=out_tol(qdt), what=f"step {t}")
         assert_close(lse, else_, np.float32, what=f"lse step {t}")
     np.testing.assert_array_equal(cache.k[:, :, :T], kr)  # stored exactly as converted
@@ -84,9 +86,9 @@ def test_decode_long_cache_uses_split_kv(isa, rng):
     cache.append(k[:, :, :n], v[:, :, :n])
     kr, vr = k.astype(np.float16), v.astype(np.float16)
     for t in range(n, n + 3):
-        cache.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        cache.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
         q = randn(rng, (1, Hq, 1, D))
-        assert_close(cache.attend(q), expected_step(q, kr[:, :, :t + 1], vr[:, :, :t + 1]), np.float32)
+        assert_close(cache.attend(q), expected_step(q, kr[:, :, : t + 1], vr[:, :, : t + 1]), np.float32)
 
 
 def test_attend_options_match_reference(rng):
@@ -105,6 +107,7 @@ def test_attend_options_match_reference(rng):
 
 # --- ragged batches ------------------------------------------------------------
 
+
 def test_ragged_batch_with_batch_index(rng):
     B, Hq, Hk, D = 4, 2, 1, 16
     cache = KVCache(B, Hk, 50, D, dtype=BF16)
@@ -114,8 +117,8 @@ def test_ragged_batch_with_batch_index(rng):
 
     def add(idx, T):
         idx_list = [idx] if isinstance(idx, int) else list(range(B)[idx] if isinstance(idx, slice) else idx)
-        kn = np.stack([seqs_k[b][:, n[b]:n[b] + T] for b in idx_list])
-        vn = np.stack([seqs_v[b][:, n[b]:n[b] + T] for b in idx_list])
+        kn = np.stack([seqs_k[b][:, n[b] : n[b] + T] for b in idx_list])
+        vn = np.stack([seqs_v[b][:, n[b] : n[b] + T] for b in idx_list])
         if isinstance(idx, int):
             kn, vn = kn[0], vn[0]  # an int index also takes (Hk, T, D)
         cache.append(kn, vn, batch_index=idx)
@@ -126,19 +129,20 @@ def test_ragged_batch_with_batch_index(rng):
         q = randn(rng, (len(idx), Hq, Lq, D))
         o = cache.attend(q, batch_index=np.array(idx), num_threads=1)
         for r, b in enumerate(idx):
-            e = expected_step(q[r:r + 1], seqs_k[b][None, :, :n[b]].astype(BF16),
-                              seqs_v[b][None, :, :n[b]].astype(BF16))
-            assert_close(o[r:r + 1], e, np.float32, what=f"sequence {b}")
+            e = expected_step(
+                q[r : r + 1], seqs_k[b][None, :, : n[b]].astype(BF16), seqs_v[b][None, :, : n[b]].astype(BF16)
+            )
+            assert_close(o[r : r + 1], e, np.float32, what=f"sequence {b}")
 
     add(0, 9)
-    add([2, 1], 4)          # non-monotone index array
+    add([2, 1], 4)  # non-monotone index array
     add(3, 1)
     np.testing.assert_array_equal(cache.lengths, [9, 4, 4, 1])
     check([0, 1, 2, 3], 1)  # all sequences, different lengths, one kernel call
-    check([2, 0], 3)        # scattered order: per-sequence calls
-    add([0, 2], 2)          # equal-step progression: a strided view
+    check([2, 0], 3)  # scattered order: per-sequence calls
+    add([0, 2], 2)  # equal-step progression: a strided view
     check([0, 2], 2)
-    add(slice(None), 1)     # a slice selects all
+    add(slice(None), 1)  # a slice selects all
     check([0, 1, 2, 3], 1)
     np.testing.assert_array_equal(cache.lengths, [12, 5, 7, 2])
     o = cache.attend(np.zeros((0, Hq, 1, D), np.float32), batch_index=[])
@@ -183,6 +187,7 @@ def test_properties_nbytes_and_read_only_views():
 
 # --- bounds and bad input leave the cache unchanged ----------------------------
 
+
 def test_append_past_max_len_raises_and_changes_nothing(rng):
     cache = KVCache(2, 1, 8, 4, dtype=np.float16)
     cache.append(randn(rng, (2, 1, 5, 4)), randn(rng, (2, 1, 5, 4)))
@@ -208,7 +213,7 @@ def test_bad_input_names_the_argument_and_changes_nothing(rng):
         (TypeError, "v_new", dict(k_new=k1, v_new=k1.astype(np.complex64))),
         (ValueError, "k_new", dict(k_new=randn(rng, (2, 3, 1, 4)), v_new=k1)),  # heads
         (ValueError, "v_new", dict(k_new=k1, v_new=randn(rng, (2, 2, 1, 5)))),  # value dim
-        (ValueError, "k_new", dict(k_new=k1[:1], v_new=k1[:1])),                # batch
+        (ValueError, "k_new", dict(k_new=k1[:1], v_new=k1[:1])),  # batch
         (ValueError, "same number of tokens", dict(k_new=k1, v_new=randn(rng, (2, 2, 2, 4)))),
         (ValueError, "batch_index", dict(k_new=k1[:1], v_new=k1[:1], batch_index=2)),
         (ValueError, "batch_index", dict(k_new=k1, v_new=k1, batch_index=[1, 1])),
@@ -224,10 +229,10 @@ def test_bad_input_names_the_argument_and_changes_nothing(rng):
     q = randn(rng, (2, 4, 1, 4))
     bad_attends = [
         (TypeError, "q", dict(q=q.astype(np.float64))),
-        (TypeError, "q", dict(q=q.astype(BF16))),           # a float16 cache takes float32 or float16
+        (TypeError, "q", dict(q=q.astype(BF16))),  # a float16 cache takes float32 or float16
         (ValueError, "q", dict(q=randn(rng, (2, 3, 1, 4)))),  # 3 heads over 2 kv heads
         (ValueError, "q", dict(q=randn(rng, (2, 4, 1, 5)))),  # head dim
-        (ValueError, "q", dict(q=q[:1])),                   # batch
+        (ValueError, "q", dict(q=q[:1])),  # batch
         (ValueError, "cached tokens", dict(q=randn(rng, (2, 4, 4, 4)))),  # 4 queries, 3 tokens
         (ValueError, "batch_index", dict(q=q[:1], batch_index=5)),
         (ValueError, "window", dict(q=q, window=(-2, 0))),
@@ -237,12 +242,20 @@ def test_bad_input_names_the_argument_and_changes_nothing(rng):
         with pytest.raises(exc, match=name):
             cache.attend(**kw)
         assert_unchanged(cache, snap)
-    for exc, kw in [(TypeError, dict(dtype=np.int32)), (TypeError, dict(dtype=np.complex64)),
-                    (TypeError, dict(dtype="nope"))]:
+    for exc, kw in [
+        (TypeError, dict(dtype=np.int32)),
+        (TypeError, dict(dtype=np.complex64)),
+        (TypeError, dict(dtype="nope")),
+    ]:
         with pytest.raises(exc, match="dtype"):
             KVCache(1, 1, 4, 4, **kw)
-    for args, name in [((0, 1, 4, 4), "batch"), ((1, 0, 4, 4), "num_kv_heads"), ((1, 1, 0, 4), "max_len"),
-                       ((1, 1, 4, 0), "head_dim"), ((1, 1, 4.0, 4), "max_len")]:
+    for args, name in [
+        ((0, 1, 4, 4), "batch"),
+        ((1, 0, 4, 4), "num_kv_heads"),
+        ((1, 1, 0, 4), "max_len"),
+        ((1, 1, 4, 0), "head_dim"),
+        ((1, 1, 4.0, 4), "max_len"),
+    ]:
         with pytest.raises((ValueError, TypeError), match=name):
             KVCache(*args)
 
@@ -260,6 +273,7 @@ def test_concurrent_attend_matches_serial(rng):
 
 # --- attention_with_kvcache ----------------------------------------------------
 
+
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=["f32", "f16", "bf16"])
 def test_attention_with_kvcache_matches_kvcache(rng, cache_dtype):
     B, Hq, Hk, D, S = 3, 4, 2, 16, 32
@@ -268,7 +282,7 @@ def test_attention_with_kvcache_matches_kvcache(rng, cache_dtype):
     vc = randn(rng, (B, Hk, S, D)).astype(cache_dtype)
     cache = KVCache(B, Hk, S, D, dtype=cache_dtype)
     for b in range(B):
-        cache.append(kc[b, :, :seqlens[b]], vc[b, :, :seqlens[b]], batch_index=b)
+        cache.append(kc[b, :, : seqlens[b]], vc[b, :, : seqlens[b]], batch_index=b)
     kn, vn = randn(rng, (B, Hk, 2, D)), randn(rng, (B, Hk, 2, D))
     q = randn(rng, (B, Hq, 2, D))
     copies = seqlens.copy(), kn.copy(), vn.copy(), q.copy()
@@ -276,16 +290,16 @@ def test_attention_with_kvcache_matches_kvcache(rng, cache_dtype):
     for a, c in zip((seqlens, kn, vn, q), copies):  # not advanced (the caller does that), not modified
         np.testing.assert_array_equal(a, c)
     for b in range(B):  # written in place at cache_seqlens[b]
-        np.testing.assert_array_equal(kc[b, :, seqlens[b]:seqlens[b] + 2], kn[b].astype(cache_dtype))
-        np.testing.assert_array_equal(vc[b, :, seqlens[b]:seqlens[b] + 2], vn[b].astype(cache_dtype))
+        np.testing.assert_array_equal(kc[b, :, seqlens[b] : seqlens[b] + 2], kn[b].astype(cache_dtype))
+        np.testing.assert_array_equal(vc[b, :, seqlens[b] : seqlens[b] + 2], vn[b].astype(cache_dtype))
     cache.append(kn, vn)
     co, clse = cache.attend(q, return_lse=True)
     np.testing.assert_array_equal(o, co)
     np.testing.assert_array_equal(lse, clse)
     for b in range(B):
         n = seqlens[b] + 2
-        e = expected_step(q[b:b + 1], kc[b:b + 1, :, :n], vc[b:b + 1, :, :n])
-        assert_close(o[b:b + 1], e, np.float32)
+        e = expected_step(q[b : b + 1], kc[b : b + 1, :, :n], vc[b : b + 1, :, :n])
+        assert_close(o[b : b + 1], e, np.float32)
 
 
 def test_attention_with_kvcache_bshd_int_seqlens_and_no_new(rng):
@@ -296,8 +310,9 @@ def test_attention_with_kvcache_bshd_int_seqlens_and_no_new(rng):
     o = awk(q, kc, vc, 9, kn, vn, layout="bshd")
     assert o.shape == (B, 1, Hq, D)
     np.testing.assert_array_equal(kc[:, 9], kn[:, 0])
-    e = ref.scaled_dot_product_attention(q, kc[:, :10], vc[:, :10], is_causal=True, enable_gqa=True,
-                                         layout="bshd")
+    e = ref.scaled_dot_product_attention(
+        q, kc[:, :10], vc[:, :10], is_causal=True, enable_gqa=True, layout="bshd"
+    )
     assert_close(o, e, np.float32)
     o2 = awk(q, kc, vc, np.array([10, 10]), layout="bshd")  # attend only, same keys
     np.testing.assert_array_equal(o2, o)
@@ -306,9 +321,10 @@ def test_attention_with_kvcache_bshd_int_seqlens_and_no_new(rng):
     q3 = randn(rng, (B, 15, Hq, D))
     o3 = awk(q3, kc, vc, np.array([4, 10]), is_causal=False, layout="bshd")
     for b, n in enumerate([4, 10]):
-        e = ref.scaled_dot_product_attention(q3[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], enable_gqa=True,
-                                             layout="bshd")
-        assert_close(o3[b:b + 1], e, np.float32)
+        e = ref.scaled_dot_product_attention(
+            q3[b : b + 1], kc[b : b + 1, :n], vc[b : b + 1, :n], enable_gqa=True, layout="bshd"
+        )
+        assert_close(o3[b : b + 1], e, np.float32)
 
 
 def test_attention_with_kvcache_bad_input_changes_nothing(rng):
@@ -326,12 +342,18 @@ def test_attention_with_kvcache_bad_input_changes_nothing(rng):
         (ValueError, "k_new", dict(cache_seqlens=3, k_new=kn[:, :1], v_new=kn)),
         (TypeError, "k_new", dict(cache_seqlens=3, k_new=kn.astype(int), v_new=kn)),
         (TypeError, "v_cache", dict(cache_seqlens=3, v_cache=vc.astype(np.float32), k_new=kn, v_new=kn)),
-        (TypeError, "k_cache", dict(cache_seqlens=3, k_cache=kc.astype(np.int16),
-                                    v_cache=kc.astype(np.int16))),
+        (
+            TypeError,
+            "k_cache",
+            dict(cache_seqlens=3, k_cache=kc.astype(np.int16), v_cache=kc.astype(np.int16)),
+        ),
         (TypeError, "q", dict(cache_seqlens=3, q=q.astype(np.float64), k_new=kn, v_new=kn)),
         (ValueError, "multiple", dict(cache_seqlens=3, q=randn(rng, (B, 3, 1, D)), k_new=kn, v_new=kn)),
-        (ValueError, "query length", dict(cache_seqlens=np.array([0, 4]), q=randn(rng, (B, Hq, 2, D)),
-                                          k_new=kn, v_new=kn)),
+        (
+            ValueError,
+            "query length",
+            dict(cache_seqlens=np.array([0, 4]), q=randn(rng, (B, Hq, 2, D)), k_new=kn, v_new=kn),
+        ),
         (ValueError, "window", dict(cache_seqlens=3, k_new=kn, v_new=kn, window=(1, -5))),
         (ValueError, "softcap", dict(cache_seqlens=3, k_new=kn, v_new=kn, softcap=-1.0)),
         (ValueError, "alibi_slopes", dict(cache_seqlens=3, k_new=kn, v_new=kn, alibi_slopes=np.ones(5))),
@@ -353,9 +375,11 @@ def test_attention_with_kvcache_bad_input_changes_nothing(rng):
 
 # --- the example -----------------------------------------------------------------
 
+
 def load_example():
-    spec = importlib.util.spec_from_file_location("fastattn_example_generate",
-                                                  os.path.join(ROOT, "examples", "generate.py"))
+    spec = importlib.util.spec_from_file_location(
+        "fastattn_example_generate", os.path.join(ROOT, "examples", "generate.py")
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -373,7 +397,19 @@ def test_generate_example_script_exit_status():
     env = dict(os.environ, FASTATTN_NUM_THREADS="1")
     # import the fastattn under test (installed or in-place build), never a bare source tree
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "generate.py"), "--steps", "2",
-                        "--dtype", "bfloat16"], capture_output=True, text=True, env=env, timeout=120,
-                       cwd=os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "examples", "generate.py"),
+            "--steps",
+            "2",
+            "--dtype",
+            "bfloat16",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+    )
     assert r.returncode == 0, r.stdout + r.stderr

@@ -1,5 +1,6 @@
 """merge_attention_states, and the driver's split-KV decoding path checked
 against chunked attention merged in Python and against the reference."""
+
 from __future__ import annotations
 
 import ml_dtypes
@@ -24,11 +25,15 @@ def random_partition(rng, S, parts):
 
 # --- merge_attention_states -------------------------------------------------
 
+
 @pytest.mark.parametrize("parts", [2, 3, 6])
 def test_merge_random_partitions_float64(rng, parts):
     B, H, L, S, D = 2, 3, 5, 40, 7
-    q, k, v = randn(rng, (B, H, L, D), np.float64), randn(rng, (B, H, S, D), np.float64), \
-        randn(rng, (B, H, S, D), np.float64)
+    q, k, v = (
+        randn(rng, (B, H, L, D), np.float64),
+        randn(rng, (B, H, S, D), np.float64),
+        randn(rng, (B, H, S, D), np.float64),
+    )
     full_o, full_lse = ref.scaled_dot_product_attention(q, k, v, return_lse=True)
     cuts = random_partition(rng, S, parts)
     outs, lses = [], []
@@ -109,9 +114,10 @@ def test_merge_keeps_16bit_dtype_and_inputs(rng):
     out, l2 = merge(o, lse)
     assert out.dtype == bf and l2.dtype == np.float32
     w = np.exp(np.stack(lse).astype(np.float64))
-    expect = (w[0][..., None] * o[0].astype(np.float64) + w[1][..., None] * o[1].astype(np.float64)) / \
-        (w[0] + w[1])[..., None]
-    assert np.all(np.abs(out.astype(np.float64) - expect) <= 2 ** -8 * np.abs(expect) + 1e-6)
+    expect = (w[0][..., None] * o[0].astype(np.float64) + w[1][..., None] * o[1].astype(np.float64)) / (
+        w[0] + w[1]
+    )[..., None]
+    assert np.all(np.abs(out.astype(np.float64) - expect) <= 2**-8 * np.abs(expect) + 1e-6)
     for a, c in zip(o + lse, copies):
         np.testing.assert_array_equal(a, c)
 
@@ -136,6 +142,7 @@ def test_merge_bad_input():
 
 # --- split-KV decoding in the driver -----------------------------------------
 
+
 @pytest.mark.parametrize("S,D,Hk,G", [(1024, 64, 2, 4), (4100, 17, 1, 3), (2500, 80, 2, 1)])
 def test_split_kv_decode_equals_chunks_and_reference(isa, rng, S, D, Hk, G):
     # q (1, Hq, 1, D), S >= 1024, few kv heads: B*Hk*query-blocks < 16, so the keys are split.
@@ -147,8 +154,10 @@ def test_split_kv_decode_equals_chunks_and_reference(isa, rng, S, D, Hk, G):
     assert_close(lse, rlse, np.float32, what="lse")
     # The same attention as 5 chunk calls (each small enough not to split), merged in Python.
     cuts = np.linspace(0, S, 6).astype(int)
-    parts = [sdpa(q, k[:, :, a:b], v[:, :, a:b], enable_gqa=G > 1, return_lse=True)
-             for a, b in zip(cuts[:-1], cuts[1:])]
+    parts = [
+        sdpa(q, k[:, :, a:b], v[:, :, a:b], enable_gqa=G > 1, return_lse=True)
+        for a, b in zip(cuts[:-1], cuts[1:])
+    ]
     mo, mlse = merge([p[0] for p in parts], [p[1] for p in parts])
     np.testing.assert_allclose(o, mo, rtol=0, atol=1e-5 * np.abs(ro).max())
     np.testing.assert_allclose(lse, mlse, rtol=2e-6, atol=0)
@@ -165,8 +174,9 @@ def test_split_kv_with_key_lengths_and_causal(isa, rng):
     q, k, v = randn(rng, (B, Hq, L, D)), randn(rng, (B, Hk, S, D)), randn(rng, (B, Hk, S, D))
     kl = np.array([700, 2999])
     o, lse = sdpa(q, k, v, enable_gqa=True, is_causal=True, key_lengths=kl, return_lse=True)
-    ro, rlse = ref.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True, key_lengths=kl,
-                                                return_lse=True)
+    ro, rlse = ref.scaled_dot_product_attention(
+        q, k, v, enable_gqa=True, is_causal=True, key_lengths=kl, return_lse=True
+    )
     assert_close(o, ro, np.float32)
     assert_close(lse, rlse, np.float32, what="lse")
 

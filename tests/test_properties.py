@@ -1,5 +1,6 @@
 """Property tests: random shapes, strides, layouts, masks and options against
 the float64 reference (hypothesis)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -59,9 +60,25 @@ def problems(draw):
         lead, two_d = (), True
     else:
         two_d = False
-    return dict(dtype=dtype, lead=lead, Hq=Hq, Hk=Hk, L=L, S=S, D=D, Dv=Dv, layout=layout, causal=causal,
-                mask_kind=mask_kind, mshape=mshape, how=how, scale=scale, threads=threads, seed=seed,
-                two_d=two_d)
+    return dict(
+        dtype=dtype,
+        lead=lead,
+        Hq=Hq,
+        Hk=Hk,
+        L=L,
+        S=S,
+        D=D,
+        Dv=Dv,
+        layout=layout,
+        causal=causal,
+        mask_kind=mask_kind,
+        mshape=mshape,
+        how=how,
+        scale=scale,
+        threads=threads,
+        seed=seed,
+        two_d=two_d,
+    )
 
 
 def _shape(p, H, n, d):
@@ -78,8 +95,13 @@ def test_matches_reference(p):
     q = _strided(rng, _shape(p, p["Hq"], p["L"], p["D"]), p["dtype"], p["how"][0])
     k = _strided(rng, _shape(p, p["Hk"], p["S"], p["D"]), p["dtype"], p["how"][1])
     v = _strided(rng, _shape(p, p["Hk"], p["S"], p["Dv"]), p["dtype"], p["how"][2])
-    kw = dict(is_causal=p["causal"], scale=p["scale"], layout=p["layout"], num_threads=p["threads"],
-              enable_gqa=p["Hq"] != p["Hk"])
+    kw = dict(
+        is_causal=p["causal"],
+        scale=p["scale"],
+        layout=p["layout"],
+        num_threads=p["threads"],
+        enable_gqa=p["Hq"] != p["Hk"],
+    )
     if p["mask_kind"] is not None and not p["two_d"]:
         if p["mask_kind"] == "bool":
             m = rng.random(p["mshape"]) > 0.3

@@ -1,5 +1,6 @@
 """scaled_dot_product_attention against the float64 reference: shapes, dtypes,
 masks, causal alignment, GQA, layouts, strides, out=, special values."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,11 +17,15 @@ DTYPES = [np.float32, np.float64]
 def qkv(rng, B, Hq, L, S, D, Dv=None, Hk=None, dtype=np.float32):
     Hk = Hq if Hk is None else Hk
     Dv = D if Dv is None else Dv
-    return (randn(rng, (B, Hq, L, D), dtype), randn(rng, (B, Hk, S, D), dtype),
-            randn(rng, (B, Hk, S, Dv), dtype))
+    return (
+        randn(rng, (B, Hq, L, D), dtype),
+        randn(rng, (B, Hk, S, D), dtype),
+        randn(rng, (B, Hk, S, Dv), dtype),
+    )
 
 
 # --- shapes ---------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D", [1, 3, 16, 17, 64, 80, 128, 256])
@@ -29,9 +34,25 @@ def test_head_dims(rng, dtype, D):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("L,S", [(1, 1), (1, 17), (17, 1), (97, 127), (127, 128), (128, 129),
-                                 (47, 63), (48, 64), (49, 65), (95, 191), (96, 192), (97, 193),
-                                 (1, 2053), (211, 1031)])
+@pytest.mark.parametrize(
+    "L,S",
+    [
+        (1, 1),
+        (1, 17),
+        (17, 1),
+        (97, 127),
+        (127, 128),
+        (128, 129),
+        (47, 63),
+        (48, 64),
+        (49, 65),
+        (95, 191),
+        (96, 192),
+        (97, 193),
+        (1, 2053),
+        (211, 1031),
+    ],
+)
 @pytest.mark.parametrize("causal", [False, True])
 def test_lengths(rng, dtype, L, S, causal):
     check_sdpa(*qkv(rng, 1, 2, L, S, 32, dtype=dtype), is_causal=causal)
@@ -94,8 +115,16 @@ def test_empty(rng):
 
 # --- masks ----------------------------------------------------------------
 
-MASK_SHAPES = [(11, 13), (1, 13), (11, 1), (3, 1, 13), (3, 11, 13), (2, 1, 11, 13), (2, 3, 11, 13),
-               (1, 1, 1, 13)]
+MASK_SHAPES = [
+    (11, 13),
+    (1, 13),
+    (11, 1),
+    (3, 1, 13),
+    (3, 11, 13),
+    (2, 1, 11, 13),
+    (2, 3, 11, 13),
+    (1, 1, 1, 13),
+]
 
 
 @pytest.mark.parametrize("mdtype", [np.bool_, np.float32, np.float64, np.float16])
@@ -148,6 +177,7 @@ def test_fully_masked_rows(rng, dtype):
 
 # --- causal -----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("L,S", [(5, 9), (9, 5), (64, 200), (200, 64), (1, 100), (100, 1)])
 def test_causal_bottom_right(rng, L, S):
     q, k, v = qkv(rng, 1, 2, L, S, 8)
@@ -168,6 +198,7 @@ def test_causal_decode_row_sees_everything(rng):
 
 # --- GQA / MQA --------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("Hq,Hk", [(8, 2), (6, 3), (8, 1), (4, 4)])
 def test_gqa(rng, dtype, Hq, Hk):
@@ -183,6 +214,7 @@ def test_gqa_with_mask(rng):
 
 
 # --- layouts -----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_bshd_layout(rng, dtype):
@@ -203,6 +235,7 @@ def test_bshd_3d(rng):
 
 
 # --- strides and memory -------------------------------------------------------
+
 
 def test_packed_qkv_views(rng):
     B, L, H, D = 2, 37, 4, 16
@@ -251,6 +284,7 @@ def test_lists_are_accepted():
 
 # --- out= ------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_out(rng, dtype):
     q, k, v = qkv(rng, 2, 3, 20, 30, 16, dtype=dtype)
@@ -277,6 +311,7 @@ def test_out_non_contiguous_view(rng):
 
 
 # --- special values --------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_very_negative_logits_not_masked(rng, dtype):

@@ -1,5 +1,6 @@
 """Thread counts: results are bit-identical for every count (the work split
 depends on shapes only), and the default count follows the documented rules."""
+
 from __future__ import annotations
 
 import os
@@ -63,8 +64,9 @@ def _child_threads(env_extra):
     env["PYTHONPATH"] = pkg_parent
     code = "import fastattn, numpy as np; print(fastattn.get_num_threads())"
     with tempfile.TemporaryDirectory() as d:  # a cwd that holds no fastattn source
-        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                           timeout=60, cwd=d)
+        r = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, cwd=d
+        )
     assert r.returncode == 0, r.stderr
     return int(r.stdout.strip().splitlines()[-1])
 

@@ -6,7 +6,7 @@
 # stack: a frame in the fastattn extension (fastattn/_kernels*.so), a
 # function named fa_*, or a source file under csrc/ or fastattn/_kernels.c.
 # CPython, NumPy and OpenBLAS report errors of their own under memcheck
-# (about 200 for a bare `import`); those are counted but do not fail the run.
+# (tens to a couple of hundred contexts); those are counted but do not fail the run.
 #
 #   tools/valgrind.sh                     # default subset (test_valgrind_subset)
 #   tools/valgrind.sh tests/test_sdpa.py -k causal   # other pytest arguments
@@ -28,7 +28,7 @@ vg=(valgrind --tool=memcheck --error-limit=no --num-callers=40 --leak-check=full
 
 if [ "${1:-}" = "--self-test" ]; then
     # A probe library with one out-of-bounds read and one uninitialised branch in
-    # functions named fa_*: the filter below must report exactly those two.
+    # functions named fa_*: the filter below must flag both ...
     cat >"$work/probe.c" <<'C'
 #include <stdlib.h>
 float fa_probe_oob(int n) { float *p = malloc(n * sizeof(float)); for (int i = 0; i < n; i++) p[i] = i;
