@@ -329,7 +329,12 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
                 int64_t j = jt + jj;
                 if (j < lo || j >= hi) { s[jj] = -INFINITY; continue; }
                 double x = s[jj];
-                if (!use_log2) x = p->softcap * tanh(x / p->softcap) * FA_LOG2E;
+                if (!use_log2) {
+                    /* c*tanh(x/c) = x*(1 - (x/c)^2/3 + ...): for tiny x/c (which FTZ/DAZ
+                     * would flush to 0) the cap is the identity to double precision. */
+                    double y = x / p->softcap;
+                    x = (fabs(y) < 1e-6 ? x : p->softcap * tanh(y)) * FA_LOG2E;
+                }
                 if (p->alibi) x -= slope * (double)(ip > j ? ip - j : j - ip);
                 if (mrow) {
                     int64_t mo = j * p->m_ss;

@@ -67,8 +67,8 @@ def threads_value(num_threads, default):
         return default()
     if isinstance(num_threads, (bool, np.bool_)) or not isinstance(num_threads, numbers.Integral):
         raise TypeError(f"num_threads must be an int or None, got {type(num_threads).__name__}")
-    if num_threads < 1:
-        raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+    if not 1 <= num_threads <= 2**31 - 1:
+        raise ValueError(f"num_threads must be in [1, 2**31 - 1], got {num_threads}")
     return int(num_threads)
 
 

@@ -10,6 +10,7 @@ dtypes, masks, variants and ``num_threads`` in {1, 2, 3}; ``varlen_attention``;
 safe; ``append``/``reset`` concurrently with anything else are documented as
 unsafe and are not exercised).
 """
+
 from __future__ import annotations
 
 import threading
@@ -36,8 +37,12 @@ def _jobs(rng):
         (np.float32, (1, 2, 70, 16), (1, 2, 90, 16), dict(mask="bool", dv=24, num_threads=1)),
         (np.float16, (2, 2, 33, 64), (2, 2, 65, 64), dict(mask="float", num_threads=2)),
         (bf16, (1, 3, 40, 16), (1, 3, 40, 16), dict(window=(8, 0), softcap=30.0, num_threads=3)),
-        (np.float32, (1, 4, 25, 32), (1, 4, 300, 32),
-         dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625]), num_threads=2)),
+        (
+            np.float32,
+            (1, 4, 25, 32),
+            (1, 4, 300, 32),
+            dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625]), num_threads=2),
+        ),
         (np.float64, (1, 2, 1, 16), (1, 2, 700, 16), dict(num_threads=3)),
         (np.float32, (3, 2, 9, 8), (3, 2, 31, 8), dict(key_lengths=np.array([31, 5, 0]), num_threads=1)),
     ]
@@ -53,8 +58,14 @@ def _jobs(rng):
         ref_kw = {a: b for a, b in kw.items() if a != "num_threads"}
         expected = ref.scaled_dot_product_attention(q, k, v, return_lse=True, **ref_kw)
         name = f"sdpa {np.dtype(dt).name} q{qs} k{ks} {sorted(kw)}"
-        jobs.append((name, (lambda q=q, k=k, v=v, kw=kw: sdpa(q, k, v, return_lse=True, **kw)),
-                     expected, (q, k, v, kw.get("attn_mask"))))
+        jobs.append(
+            (
+                name,
+                (lambda q=q, k=k, v=v, kw=kw: sdpa(q, k, v, return_lse=True, **kw)),
+                expected,
+                (q, k, v, kw.get("attn_mask")),
+            )
+        )
 
     # varlen: three packed sequences (one empty query sequence), causal GQA
     cu_q, cu_k = np.array([0, 5, 5, 42]), np.array([0, 17, 30, 99])
@@ -62,10 +73,14 @@ def _jobs(rng):
     for nt in (1, 2, 3):
         kw = dict(is_causal=True, enable_gqa=True, return_lse=True)
         expected = ref.varlen_attention(q, k, v, cu_q, cu_k, **kw)
-        jobs.append((f"varlen num_threads={nt}",
-                     (lambda nt=nt, kw=kw: fastattn.varlen_attention(q, k, v, cu_q, cu_k, num_threads=nt,
-                                                                      **kw)),
-                     expected, (q, k, v, None)))
+        jobs.append(
+            (
+                f"varlen num_threads={nt}",
+                (lambda nt=nt, kw=kw: fastattn.varlen_attention(q, k, v, cu_q, cu_k, num_threads=nt, **kw)),
+                expected,
+                (q, k, v, None),
+            )
+        )
     return jobs
 
 
@@ -73,19 +88,26 @@ def _kvcache_jobs(rng):
     """Concurrent attend calls on one shared, already-filled cache."""
     cache = fastattn.KVCache(3, 2, 256, 32, dtype=np.float16)
     cache.append(randn(rng, (3, 2, 200, 32), np.float16), randn(rng, (3, 2, 200, 32), np.float16))
-    cache.append(randn(rng, (2, 2, 40, 32), np.float16), randn(rng, (2, 2, 40, 32), np.float16),
-                 batch_index=[0, 2])
+    cache.append(
+        randn(rng, (2, 2, 40, 32), np.float16), randn(rng, (2, 2, 40, 32), np.float16), batch_index=[0, 2]
+    )
     jobs = []
     for lq, nt, dt in ((1, 1, np.float32), (4, 2, np.float16), (16, 3, np.float32)):
         q = randn(rng, (3, 4, lq, 32), dt)
         lens = cache.lengths.copy()
         kf = cache.k.astype(np.float64)
         vf = cache.v.astype(np.float64)
-        expected = ref.scaled_dot_product_attention(q, kf, vf, is_causal=True, enable_gqa=True,
-                                                    key_lengths=lens, return_lse=True)
-        jobs.append((f"kvcache.attend Lq={lq} {np.dtype(dt).name}",
-                     (lambda q=q, nt=nt: cache.attend(q, num_threads=nt, return_lse=True)), expected,
-                     (q, cache.k, cache.v, None)))
+        expected = ref.scaled_dot_product_attention(
+            q, kf, vf, is_causal=True, enable_gqa=True, key_lengths=lens, return_lse=True
+        )
+        jobs.append(
+            (
+                f"kvcache.attend Lq={lq} {np.dtype(dt).name}",
+                (lambda q=q, nt=nt: cache.attend(q, num_threads=nt, return_lse=True)),
+                expected,
+                (q, cache.k, cache.v, None),
+            )
+        )
     return jobs, cache
 
 

@@ -7,6 +7,7 @@ clean exception or a correct result.
 Budget: FASTATTN_FUZZ_EXAMPLES examples per fuzzer (default 150, a few seconds
 each); run longer on demand, e.g. FASTATTN_FUZZ_EXAMPLES=20000.
 """
+
 import os
 
 import ml_dtypes
@@ -22,8 +23,12 @@ import fastattn  # noqa: E402
 from fastattn import reference  # noqa: E402
 
 N = int(os.environ.get("FASTATTN_FUZZ_EXAMPLES", "150"))
-FUZZ = settings(max_examples=N, deadline=None, derandomize=N <= 150,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=N,
+    deadline=None,
+    derandomize=N <= 150,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 BF16 = np.dtype(ml_dtypes.bfloat16)
 TOL = {np.dtype(np.float64): 1e-9, np.dtype(np.float32): 2e-4, np.dtype(np.float16): 2e-2, BF16: 1e-1}
 SPECIAL = [0.0, -0.0, 1e30, -1e30, 1e-40, -1e-40, 1e-310, np.nan, np.inf, -np.inf]
@@ -105,8 +110,9 @@ def test_differential_fuzz(data):
     kw = {}
     mk = data.draw(st.sampled_from(["none", "bool", "float", "float-inf"]), label="mask")
     if mk != "none":
-        mshape = data.draw(st.sampled_from([(L, S), (1, S), (Hk * G, 1, S), (B, 1, L, S)]),
-                           label="mask shape")
+        mshape = data.draw(
+            st.sampled_from([(L, S), (1, S), (Hk * G, 1, S), (B, 1, L, S)]), label="mask shape"
+        )
         if mk == "bool":
             kw["attn_mask"] = rng.random(mshape) > 0.3
         else:
@@ -132,10 +138,12 @@ def test_differential_fuzz(data):
         kw.pop("attn_mask", None)  # masks are (..., H, L, S) in both layouts; keep the fuzz simple
     copies = [a.copy() for a in (q, k, v)]
 
-    o, lse = fastattn.scaled_dot_product_attention(q, k, v, enable_gqa=True, layout=layout,
-                                                   return_lse=True, **kw)
-    r, rl = reference.scaled_dot_product_attention(q, k, v, enable_gqa=True, layout=layout,
-                                                   return_lse=True, **kw)
+    o, lse = fastattn.scaled_dot_product_attention(
+        q, k, v, enable_gqa=True, layout=layout, return_lse=True, **kw
+    )
+    r, rl = reference.scaled_dot_product_attention(
+        q, k, v, enable_gqa=True, layout=layout, return_lse=True, **kw
+    )
     for a, c in zip((q, k, v), copies):
         np.testing.assert_array_equal(a.astype(np.float64), c.astype(np.float64))
     assert o.shape == r.shape and o.dtype == q.dtype
@@ -148,8 +156,9 @@ def test_differential_fuzz(data):
     if special and not np.array_equal(np.isnan(o64), np.isnan(r)):
         # The kernel treats denormal inputs as zero (DAZ), so a denormal times an
         # infinity is 0 * inf = NaN there: judge against the flushed inputs then.
-        r, rl = reference.scaled_dot_product_attention(*(_flush_denormals(a) for a in (q, k, v)),
-                                                       enable_gqa=True, layout=layout, return_lse=True, **kw)
+        r, rl = reference.scaled_dot_product_attention(
+            *(_flush_denormals(a) for a in (q, k, v)), enable_gqa=True, layout=layout, return_lse=True, **kw
+        )
     nan_r, nan_o = np.isnan(r), np.isnan(o64)
     np.testing.assert_array_equal(nan_o, nan_r)
     fin = np.isfinite(r)
@@ -165,19 +174,47 @@ def test_differential_fuzz(data):
 def _junk():
     arrays = hnp.arrays(
         dtype=st.sampled_from([np.float32, np.float64, np.int32, np.bool_, np.complex64, np.float16]),
-        shape=hnp.array_shapes(min_dims=0, max_dims=5, min_side=0, max_side=5))
+        shape=hnp.array_shapes(min_dims=0, max_dims=5, min_side=0, max_side=5),
+    )
     return st.one_of(
-        st.none(), st.booleans(), st.integers(-5, 2**65), st.floats(allow_nan=True),
-        st.text(max_size=5), st.binary(max_size=5), st.lists(st.integers(), max_size=4),
+        st.none(),
+        st.booleans(),
+        st.integers(-5, 2**65),
+        st.floats(allow_nan=True),
+        st.text(max_size=5),
+        st.binary(max_size=5),
+        st.lists(st.integers(), max_size=4),
         st.tuples(st.integers(-3, 3), st.integers(-3, 3)),
         st.dictionaries(st.text(max_size=2), st.integers()),
-        arrays, st.just(object()), st.just(np.float32(2.0)), st.just(memoryview(b"abcd")),
+        arrays,
+        st.just(object()),
+        st.just(np.float32(2.0)),
+        st.just(memoryview(b"abcd")),
     )
 
 
-ARGS = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa", "layout",
-        "return_lse", "out", "num_threads", "window", "alibi_slopes", "softcap", "sinks", "key_lengths",
-        "query_lengths", "block_mask", "block_size"]
+ARGS = [
+    "query",
+    "key",
+    "value",
+    "attn_mask",
+    "dropout_p",
+    "is_causal",
+    "scale",
+    "enable_gqa",
+    "layout",
+    "return_lse",
+    "out",
+    "num_threads",
+    "window",
+    "alibi_slopes",
+    "softcap",
+    "sinks",
+    "key_lengths",
+    "query_lengths",
+    "block_mask",
+    "block_size",
+]
 CLEAN = (TypeError, ValueError, NotImplementedError)
 
 
@@ -185,9 +222,11 @@ CLEAN = (TypeError, ValueError, NotImplementedError)
 @given(data=st.data())
 def test_argument_fuzz(data):
     rng = np.random.default_rng(0)
-    base = {"query": rng.standard_normal((1, 2, 5, 4)).astype(np.float32),
-            "key": rng.standard_normal((1, 2, 7, 4)).astype(np.float32),
-            "value": rng.standard_normal((1, 2, 7, 3)).astype(np.float32)}
+    base = {
+        "query": rng.standard_normal((1, 2, 5, 4)).astype(np.float32),
+        "key": rng.standard_normal((1, 2, 7, 4)).astype(np.float32),
+        "value": rng.standard_normal((1, 2, 7, 3)).astype(np.float32),
+    }
     kw = dict(base)
     for name in data.draw(st.lists(st.sampled_from(ARGS), min_size=1, max_size=3, unique=True), label="args"):
         kw[name] = data.draw(_junk(), label=name)
