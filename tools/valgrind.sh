@@ -49,9 +49,15 @@ fastattn.scaled_dot_product_attention(np.ones((1, 1, 4, 16), np.float32), k, k, 
     expect=-1
 else
     args=("$@")
-    [ ${#args[@]} -gt 0 ] || args=(tests/test_hardening.py -q -p no:cacheprovider -k "valgrind_subset")
-    cd "$src"
-    export PYTHONPATH="$src${PYTHONPATH:+:$PYTHONPATH}"
+    [ ${#args[@]} -gt 0 ] || args=("$src/tests/test_hardening.py" -q -p no:cacheprovider -k "valgrind_subset")
+    if ls "$src"/fastattn/_kernels*.so >/dev/null 2>&1; then
+        # an in-place build: test it
+        cd "$src"
+        export PYTHONPATH="$src${PYTHONPATH:+:$PYTHONPATH}"
+    else
+        # no in-place build (e.g. CI): test the installed package, away from the source tree
+        cd "$work"
+    fi
     PYTHONMALLOC=malloc OMP_NUM_THREADS=2 "${vg[@]}" "$py" -m pytest "${args[@]}" \
         || { keep=1; echo "pytest failed under valgrind (logs: $work/vg.*.xml)"; exit 1; }
     expect=0
