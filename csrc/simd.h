@@ -46,23 +46,12 @@ typedef __m512 vf;
 #define vf_max(a, b) _mm512_max_ps((a), (b))
 FA_INLINE float vf_hsum(vf x) { return _mm512_reduce_add_ps(x); }
 FA_INLINE float vf_hmax(vf x) { return _mm512_reduce_max_ps(x); }
-
-/* 2^x for any x: NaN propagates, <= -150 gives 0, >= 128 gives inf. */
-FA_INLINE vf vf_exp2(vf x)
+#define vf_min(a, b) _mm512_min_ps((a), (b))
+#define vf_round(x) _mm512_roundscale_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+/* p * 2^n for integral n in [-150, 128], as two factors in the normal range
+ * so that a denormal result is rounded once. */
+FA_INLINE vf vf_ldexp2(vf p, vf n)
 {
-    /* max/min return the SECOND operand when one is NaN: keep x second. */
-    vf xc = _mm512_min_ps(_mm512_set1_ps(128.0f), _mm512_max_ps(_mm512_set1_ps(-150.0f), x));
-    vf n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vf f = _mm512_sub_ps(xc, n);
-    vf p = _mm512_set1_ps(FA_EXP2_C7);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_C6));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_C5));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_C4));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_C3));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_C2));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_C1));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    /* 2^n as two factors in the normal range so that denormal results round once. */
     __m512i ni = _mm512_cvtps_epi32(n);
     __m512i n1 = _mm512_srai_epi32(ni, 1);
     __m512i n2 = _mm512_sub_epi32(ni, n1);
@@ -70,27 +59,10 @@ FA_INLINE vf vf_exp2(vf x)
     vf s2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, _mm512_set1_epi32(127)), 23));
     return _mm512_mul_ps(_mm512_mul_ps(p, s1), s2);
 }
+/* The float whose bits are those of t shifted left by 23. */
+#define vf_shl23(t) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(t), 23))
 
-/* 2^x for x <= 0 or NaN, inside the kernel (denormals flushed to zero, MXCSR
- * FTZ/DAZ): x + 1.5*2^23 + 127 rounds to nearest and leaves n + 127 in the
- * low mantissa bits, which one shift moves into the exponent field.  Below
- * -127 the result is 0 (a denormal under FTZ anyway); NaN propagates. */
-FA_INLINE vf vf_exp2_neg(vf x)
-{
-    const vf magic = _mm512_set1_ps(12583039.0f); /* 1.5 * 2^23 + 127 */
-    vf xc = _mm512_max_ps(_mm512_set1_ps(-127.0f), x);
-    vf t = _mm512_add_ps(xc, magic);
-    vf f = _mm512_sub_ps(xc, _mm512_sub_ps(t, magic));
-    vf p = _mm512_set1_ps(FA_EXP2_C7);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_C6));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_C5));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_C4));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_C3));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_C2));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FA_EXP2_C1));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(t), 23)));
-}
+
 
 /* dst[0:n] = src[0:n] converted to float; n is a multiple of VW or a tail. */
 FA_INLINE void fa_cvt_row(float *dst, const void *src, int dt, int64_t n)
@@ -141,20 +113,12 @@ FA_INLINE float vf_hmax(vf x)
     s = _mm_max_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-
-FA_INLINE vf vf_exp2(vf x)
+#define vf_min(a, b) _mm256_min_ps((a), (b))
+#define vf_round(x) _mm256_round_ps((x), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+/* p * 2^n for integral n in [-150, 128], as two factors in the normal range
+ * so that a denormal result is rounded once. */
+FA_INLINE vf vf_ldexp2(vf p, vf n)
 {
-    vf xc = _mm256_min_ps(_mm256_set1_ps(128.0f), _mm256_max_ps(_mm256_set1_ps(-150.0f), x));
-    vf n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vf f = _mm256_sub_ps(xc, n);
-    vf p = _mm256_set1_ps(FA_EXP2_C7);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FA_EXP2_C6));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FA_EXP2_C5));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FA_EXP2_C4));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FA_EXP2_C3));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FA_EXP2_C2));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FA_EXP2_C1));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
     __m256i ni = _mm256_cvtps_epi32(n);
     __m256i n1 = _mm256_srai_epi32(ni, 1);
     __m256i n2 = _mm256_sub_epi32(ni, n1);
@@ -162,23 +126,10 @@ FA_INLINE vf vf_exp2(vf x)
     vf s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
     return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
 }
+/* The float whose bits are those of t shifted left by 23. */
+#define vf_shl23(t) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(t), 23))
 
-FA_INLINE vf vf_exp2_neg(vf x)
-{
-    const vf magic = _mm256_set1_ps(12583039.0f); /* 1.5 * 2^23 + 127 */
-    vf xc = _mm256_max_ps(_mm256_set1_ps(-127.0f), x);
-    vf t = _mm256_add_ps(xc, magic);
-    vf f = _mm256_sub_ps(xc, _mm256_sub_ps(t, magic));
-    vf p = _mm256_set1_ps(FA_EXP2_C7);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FA_EXP2_C6));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FA_EXP2_C5));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FA_EXP2_C4));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FA_EXP2_C3));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FA_EXP2_C2));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FA_EXP2_C1));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(t), 23)));
-}
+
 
 FA_INLINE void fa_cvt_row(float *dst, const void *src, int dt, int64_t n)
 {
@@ -224,6 +175,42 @@ typedef REAL vf;
 FA_INLINE void fa_cvt_row(REAL *dst, const void *src, int dt, int64_t n)
 {
     for (int64_t j = 0; j < n; j++) dst[j] = (REAL)fa_load_elem(src, dt, j);
+}
+#endif
+
+#if defined(FA_TARGET_AVX512) || defined(FA_TARGET_AVX2)
+/* The exp2 of both vector paths, written once over the hooks above. */
+FA_INLINE vf fa_exp2_poly(vf f) /* 2^f for f in [-0.5, 0.5] (Horner) */
+{
+    vf p = vf_set1(FA_EXP2_C7);
+    p = vf_fma(p, f, vf_set1(FA_EXP2_C6));
+    p = vf_fma(p, f, vf_set1(FA_EXP2_C5));
+    p = vf_fma(p, f, vf_set1(FA_EXP2_C4));
+    p = vf_fma(p, f, vf_set1(FA_EXP2_C3));
+    p = vf_fma(p, f, vf_set1(FA_EXP2_C2));
+    p = vf_fma(p, f, vf_set1(FA_EXP2_C1));
+    return vf_fma(p, f, vf_set1(1.0f));
+}
+
+/* 2^x for any x: NaN propagates, <= -150 gives 0, >= 128 gives inf.  max/min
+ * return their SECOND operand when one is NaN: x is kept second. */
+FA_INLINE vf vf_exp2(vf x)
+{
+    vf xc = vf_min(vf_set1(128.0f), vf_max(vf_set1(-150.0f), x));
+    vf n = vf_round(xc);
+    return vf_ldexp2(fa_exp2_poly(vf_sub(xc, n)), n);
+}
+
+/* 2^x for x <= 0 or NaN, inside the kernel (denormals flushed to zero, MXCSR
+ * FTZ/DAZ): x + 1.5*2^23 + 127 rounds to nearest and leaves n + 127 in the
+ * low mantissa bits, which one shift moves into the exponent field.  Below
+ * -127 the result is 0 (a denormal under FTZ anyway); NaN propagates. */
+FA_INLINE vf vf_exp2_neg(vf x)
+{
+    const vf magic = vf_set1(12583039.0f); /* 1.5 * 2^23 + 127 */
+    vf xc = vf_max(vf_set1(-127.0f), x);
+    vf t = vf_add(xc, magic);
+    return vf_mul(fa_exp2_poly(vf_sub(xc, vf_sub(t, magic))), vf_shl23(t));
 }
 #endif
 

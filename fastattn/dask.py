@@ -242,47 +242,14 @@ def scaled_dot_product_attention(
     k = _as_dask(key, "key")
     v = _as_dask(value, "value")
     _functional._check_dtypes(q, k, v)
-    min_nd = 2 if layout == "bhsd" else 3
-    for a, n in ((q, "query"), (k, "key"), (v, "value")):
-        if a.ndim < min_nd:
-            raise ValueError(
-                f"{n} must have at least {min_nd} dimensions for layout={layout!r}, got shape {a.shape}"
-            )
-    if not (q.ndim == k.ndim == v.ndim):
-        raise ValueError(
-            f"query, key and value must have the same number of dimensions, got "
-            f"{q.shape}, {k.shape}, {v.shape}"
-        )
+    # the in-memory function's shape checks (they read only .ndim and .shape)
+    lead, (Hq, L, D), (Hk, S, Dv) = _functional._check_shapes(q, k, v, layout, enable_gqa)
     two_d = q.ndim == 2
     if two_d:  # one head: work on (1, L, D)
         q, k, v = q[None], k[None], v[None]
     nd = q.ndim
     nlead = nd - 3
     h_ax, s_ax = (nd - 3, nd - 2) if layout == "bhsd" else (nd - 2, nd - 3)
-    lead = q.shape[:nlead]
-    if k.shape[:nlead] != lead or v.shape[:nlead] != lead:
-        raise ValueError(
-            f"query, key and value must share their batch dims, got {query.shape}, {key.shape}, {value.shape}"
-        )
-    Hq, L, D = q.shape[h_ax], q.shape[s_ax], q.shape[-1]
-    Hk, S, Dk = k.shape[h_ax], k.shape[s_ax], k.shape[-1]
-    Hv, Sv, Dv = v.shape[h_ax], v.shape[s_ax], v.shape[-1]
-    if D != Dk:
-        raise ValueError(f"query and key must have the same head dim, got {D} and {Dk}")
-    if D == 0 or Dv == 0:
-        raise ValueError("head dims of query, key and value must be >= 1")
-    if Hk != Hv or S != Sv:
-        raise ValueError(
-            f"key and value must have the same heads and length, got key {key.shape}, value {value.shape}"
-        )
-    if Hq != Hk:
-        if not enable_gqa:
-            raise ValueError(
-                f"query has {Hq} heads but key/value have {Hk}; pass enable_gqa=True for "
-                "grouped-query attention"
-            )
-        if Hk == 0 or Hq % Hk:
-            raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hk})")
     G = Hq // Hk if Hk else 1
     sc = scale_value(scale, D)
     if num_threads is not None:
