@@ -16,6 +16,7 @@ import os
 import numpy as np
 
 import fastattn
+from fastattn import bench as bench_cmd
 
 THREADS = int(os.environ.get("FASTATTN_BENCH_THREADS", "0")) or (os.cpu_count() or 1)
 
@@ -60,16 +61,8 @@ def _inputs(B, Hq, Hk, L, S, D, kv_dtype, seed=0):
 
 def _mask(L, S, causal, window):
     """Additive float32 (L, S) mask (bottom-right aligned), or None."""
-    if not causal and window is None:
-        return None
-    i = np.arange(L)[:, None] + (S - L)
-    j = np.arange(S)[None, :]
-    ok = np.ones((L, S), dtype=bool)
-    if causal:
-        ok &= j <= i
-    if window is not None:
-        ok &= j >= i - window[0]
-    return np.where(ok, 0.0, -np.inf).astype(np.float32)
+    ok = bench_cmd.bool_mask(L, S, causal, window)
+    return None if ok is None else np.where(ok, 0.0, -np.inf).astype(np.float32)
 
 
 def numpy_attention(q, k, v, add=None):

@@ -6,6 +6,7 @@ import itertools
 import os
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -342,7 +343,11 @@ def test_errors_before_any_task_runs():
 
 def test_import_fastattn_does_not_import_dask():
     code = "import sys, fastattn; assert not any(m == 'dask' or m.startswith('dask.') for m in sys.modules)"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    # the fastattn under test (installed or in-place), from a cwd holding no source tree
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__)))
+    env = dict(os.environ, PYTHONPATH=pkg_parent)
+    with tempfile.TemporaryDirectory() as d:
+        subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=d)
 
 
 # --------------------------------------------------------------------------- distributed scheduler
