@@ -361,7 +361,7 @@ def scaled_dot_product_attention(
             raise ValueError(
                 f"attn_mask of shape {m.shape} does not broadcast to {lead + (Hq, L, S)}"
             ) from None
-        if mask.ctypes.data % mask.dtype.itemsize or any(s % mask.dtype.itemsize for s in mask.strides):
+        if not mask.flags.aligned:
             mask = np.broadcast_to(m.copy(), lead + (Hq, L, S))
         mask_kind = _MASK_KINDS[mask.dtype]
 
@@ -406,10 +406,7 @@ def scaled_dot_product_attention(
                 raise ValueError(f"out must not share memory with {n}")
         res = out
         direct = (
-            out.dtype.isnative
-            and out.ctypes.data % out.dtype.itemsize == 0
-            and (Dv == 1 or out.strides[-1] == out.dtype.itemsize)
-            and all(s % out.dtype.itemsize == 0 for s in out.strides)
+            out.dtype.isnative and out.flags.aligned and (Dv == 1 or out.strides[-1] == out.dtype.itemsize)
         )
         work = out if direct else np.empty(out_shape, dtype=out_dtype)
     else:
