@@ -10,7 +10,6 @@ Run from the repository root (see asv.conf.json)::
 
 from __future__ import annotations
 
-import math
 import os
 
 import numpy as np
@@ -65,25 +64,6 @@ def _mask(L, S, causal, window):
     return None if ok is None else np.where(ok, 0.0, -np.inf).astype(np.float32)
 
 
-def numpy_attention(q, k, v, add=None):
-    """The plain NumPy baseline: float32 softmax(Q Kᵀ / sqrt(D) + mask) V, GQA by reshaping q."""
-    q = q.astype(np.float32, copy=False)
-    k = k.astype(np.float32, copy=False)
-    v = v.astype(np.float32, copy=False)
-    B, Hq, L, D = q.shape
-    Hk = k.shape[1]
-    g = Hq // Hk
-    s = np.matmul(q.reshape(B, Hk, g * L, D), k.swapaxes(-1, -2))
-    s *= np.float32(1.0 / math.sqrt(D))
-    s = s.reshape(B, Hk, g, L, -1)
-    if add is not None:
-        s += add
-    s -= s.max(axis=-1, keepdims=True)
-    np.exp(s, out=s)
-    s /= s.sum(axis=-1, keepdims=True)
-    return np.matmul(s.reshape(B, Hk, g * L, -1), v).reshape(B, Hq, L, -1)
-
-
 class _Cases:
     cases: dict = {}
     params = ([], ["fastattn", "numpy"])
@@ -102,7 +82,7 @@ class _Cases:
             from threadpoolctl import threadpool_limits
 
             self.limits = threadpool_limits(limits=THREADS, user_api="blas")
-            self.fn = lambda: numpy_attention(q, k, v, add)
+            self.fn = lambda: bench_cmd.numpy_attention(q, k, v, add)
 
     def teardown(self, case, impl):
         limits = getattr(self, "limits", None)
@@ -159,7 +139,7 @@ class Varlen:
                 fastattn.scaled_dot_product_attention(q, k, v, is_causal=True, num_threads=THREADS)
         else:
             for (q, k, v), m in zip(self.seqs, self.masks):
-                numpy_attention(q[None], k[None], v[None], m)
+                bench_cmd.numpy_attention(q[None], k[None], v[None], m)
 
 
 class Memory:
@@ -181,7 +161,7 @@ class Memory:
         if impl == "fastattn":
             fastattn.scaled_dot_product_attention(self.q, self.k, self.v, out=self.out, num_threads=THREADS)
         else:
-            self.out[...] = numpy_attention(self.q, self.k, self.v)
+            self.out[...] = bench_cmd.numpy_attention(self.q, self.k, self.v)
 
     def peakmem_attention(self, L, impl):
         """Whole-process peak RSS (includes the interpreter and the inputs)."""
