@@ -109,50 +109,40 @@ int fa_omp_max_threads(void)
 #endif
 }
 
-static void fa_merge_row(const fa_params *p, const fa_task *parts, int64_t nsplit, int64_t r,
-                         int64_t rows, int64_t h, int64_t i, const fa_batch *bi)
+/* Row r of the split parts of one task group, merged with the log-sum-exp
+ * rule in double: out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max). */
+static void fa_merge_row(const fa_params *p, const fa_task *parts, int64_t nsplit, int64_t r, int64_t h,
+                         int64_t i, const fa_batch *bi)
 {
     const int f64 = p->q_dtype == FA_F64;
     const int64_t Dv = p->Dv;
-    double M = -INFINITY;
+    double wgt[FA_SPLIT_TASKS], M = -INFINITY, den = 0.0; /* nsplit <= FA_SPLIT_TASKS */
     int nan = 0;
     for (int64_t s = 0; s < nsplit; s++) {
-        double l = f64 ? ((double *)parts[s].part_lse)[r] : ((float *)parts[s].part_lse)[r];
-        if (l != l) nan = 1;
-        if (l > M) M = l;
+        wgt[s] = f64 ? ((double *)parts[s].part_lse)[r] : ((float *)parts[s].part_lse)[r];
+        if (wgt[s] != wgt[s]) nan = 1;
+        if (wgt[s] > M) M = wgt[s];
     }
-    (void)rows;
-    int64_t oo = parts[0].b * p->o_sb + h * p->o_sh + (bi->qoff + i) * p->o_sl;
-    double wgt[64], den = 0.0; /* nsplit <= FA_SPLIT_TASKS */
-    if (!nan && M != -INFINITY)
+    const int live = !nan && M != -INFINITY;
+    if (live)
         for (int64_t s = 0; s < nsplit; s++) {
-            double l = f64 ? ((double *)parts[s].part_lse)[r] : ((float *)parts[s].part_lse)[r];
-            wgt[s] = exp(l - M);
+            wgt[s] = exp(wgt[s] - M); /* parts at -inf weigh exactly 0 */
             den += wgt[s];
         }
+    int64_t oo = parts[0].b * p->o_sb + h * p->o_sh + (bi->qoff + i) * p->o_sl;
     for (int64_t c = 0; c < Dv; c++) {
-        double acc = 0.0;
-        if (!nan && M != -INFINITY) {
+        double acc = nan ? NAN : 0.0;
+        if (live) {
             for (int64_t s = 0; s < nsplit; s++) {
                 double o = f64 ? ((double *)parts[s].part_o)[r * Dv + c] : ((float *)parts[s].part_o)[r * Dv + c];
                 if (wgt[s] > 0.0) acc += wgt[s] * o;
             }
             acc /= den;
-        } else if (nan) {
-            acc = NAN;
         }
         fa_store_elem(p->o, p->o_dtype, oo + c, acc);
     }
     if (p->lse) {
-        double lse = nan ? NAN : M == -INFINITY ? -INFINITY : M + log(den > 0 ? den : 1.0);
-        if (Dv == 0 && !nan && M != -INFINITY) {
-            den = 0.0;
-            for (int64_t s = 0; s < nsplit; s++) {
-                double l = f64 ? ((double *)parts[s].part_lse)[r] : ((float *)parts[s].part_lse)[r];
-                den += exp(l - M);
-            }
-            lse = M + log(den);
-        }
+        double lse = nan ? NAN : live ? M + log(den) : -INFINITY;
         fa_store_elem(p->lse, f64 ? FA_F64 : FA_F32,
                       parts[0].b * p->lse_sb + h * p->lse_sh + (bi->qoff + i) * p->lse_sl, lse);
     }
@@ -234,7 +224,7 @@ int fa_attention(const fa_params *p)
             for (int64_t r = 0; r < G * parts[0].ni; r++) {
                 int64_t g = r / parts[0].ni, ii = r % parts[0].ni;
                 if (p->cu_q && parts[0].i0 + ii >= bi.Lb) continue; /* packed varlen: not ours */
-                fa_merge_row(p, parts, nsplit, r, prow, parts[0].hk * G + g, parts[0].i0 + ii, &bi);
+                fa_merge_row(p, parts, nsplit, r, parts[0].hk * G + g, parts[0].i0 + ii, &bi);
             }
         }
     }
