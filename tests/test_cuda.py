@@ -170,12 +170,20 @@ class HostCAI:
         }
 
 
+def _emulate(monkeypatch, emu=None):
+    """Replace fastattn._cuda by the emulator.  CuPy is hidden too: with CuPy
+    installed (as on GPU machines) fastattn.cuda allocates results with it,
+    and the emulator would then write host-side into real device memory."""
+    emu = _EmulatedCuda() if emu is None else emu
+    monkeypatch.setattr(fcuda, "_cuda", emu)
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    return emu
+
+
 @pytest.fixture(params=["emulated", "gpu"])
 def backend(request, monkeypatch):
     if request.param == "emulated":
-        emu = _EmulatedCuda()
-        monkeypatch.setattr(fcuda, "_cuda", emu)
-        return emu
+        return _emulate(monkeypatch)
     if not fcuda.is_available():
         pytest.skip("no CUDA device (or fastattn built without FASTATTN_CUDA=1)")
     return None
@@ -351,8 +359,7 @@ def test_inputs_not_modified_and_no_leaks(backend):
 
 
 def test_device_inputs_strided_broadcast_mask_and_lead_dims(monkeypatch):
-    emu = _EmulatedCuda()
-    monkeypatch.setattr(fcuda, "_cuda", emu)
+    emu = _emulate(monkeypatch)
     rng = np.random.default_rng(5)
     # lead dims (2, 3); key is a transposed (non-contiguous) view; the mask
     # (2, 1, 1, L, S) cannot merge its lead dims -> one launch per lead[0].
@@ -409,7 +416,7 @@ def test_streams(monkeypatch):
     emu = _EmulatedCuda()
     synced = []
     emu.stream_synchronize = synced.append
-    monkeypatch.setattr(fcuda, "_cuda", emu)
+    _emulate(monkeypatch, emu)
     x = np.ones((1, 2, 3, 8), np.float32)
     out = fcuda.scaled_dot_product_attention(
         HostCAI(x, stream=77), HostCAI(x, stream=77), HostCAI(x, stream=5)
@@ -423,7 +430,7 @@ def test_streams(monkeypatch):
 
 
 def test_device_array_roundtrip_bfloat16(monkeypatch):
-    monkeypatch.setattr(fcuda, "_cuda", _EmulatedCuda())
+    _emulate(monkeypatch)
     rng = np.random.default_rng(6)
     q, k, v = (_rand(rng, (1, 2, 4, 8), BF16) for _ in range(3))
     dq, dk, dv = (fcuda.to_device(a) for a in (q, k, v))
@@ -435,7 +442,7 @@ def test_device_array_roundtrip_bfloat16(monkeypatch):
 
 
 def test_bad_input_messages(monkeypatch):
-    monkeypatch.setattr(fcuda, "_cuda", _EmulatedCuda())
+    _emulate(monkeypatch)
     x = np.ones((1, 2, 3, 8), np.float32)
     cases = [
         (
