@@ -355,6 +355,157 @@ def test_inputs_not_modified_and_no_leaks(backend):
 
 
 # ---------------------------------------------------------------------------
+# GPU only: the split-KV path (decode), the LSE merge and the two tile loaders.
+# FASTATTN_CUDA_SPLITS=N (read by attention.cu at each launch) forces N key
+# chunks so that the split path also runs on small shapes; "1" disables it.
+
+
+def _gpu_or_skip():
+    if not fcuda.is_available():
+        pytest.skip("no CUDA device (or fastattn built without FASTATTN_CUDA=1)")
+
+
+def _splits(monkeypatch, splits):
+    if splits is None:
+        monkeypatch.delenv("FASTATTN_CUDA_SPLITS", raising=False)
+    else:
+        monkeypatch.setenv("FASTATTN_CUDA_SPLITS", splits)
+
+
+def _check_lse(lse, rlse):
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(rlse))
+    np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(rlse))
+    np.testing.assert_array_equal(lse[np.isinf(rlse)], rlse[np.isinf(rlse)])
+    fin = np.isfinite(rlse)
+    np.testing.assert_allclose(lse[fin], rlse[fin], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("splits", [None, "1", "7"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16])
+@pytest.mark.parametrize("S", [1, 255, 257, 8192, 20000])
+def test_gpu_split_kv_decode(monkeypatch, S, dtype, splits):
+    """Decode with few blocks: the keys are split over chunks and merged (automatically
+    for the long S; forced with "7"; off with "1").  Batch 1 sees a third of the keys,
+    batch 2 none (zeros, LSE -inf)."""
+    _gpu_or_skip()
+    _splits(monkeypatch, splits)
+    rng = np.random.default_rng(S)
+    B, (Hq, Hk), D = 3, ((32, 8) if S < 8192 else (4, 1)), 64
+    q, k, v = (
+        _rand(rng, (B, Hq, 1, D), dtype),
+        _rand(rng, (B, Hk, S, D), dtype),
+        _rand(rng, (B, Hk, S, D), dtype),
+    )
+    klens = np.array([S, S // 3, 0])
+    kw = dict(enable_gqa=True, key_lengths=klens, return_lse=True)
+    out, lse = fcuda.scaled_dot_product_attention(q, k, v, **kw)
+    ref, rlse = reference.scaled_dot_product_attention(q, k, v, **kw)
+    assert out.dtype == np.dtype(dtype)
+    _check(out, ref, dtype)
+    _check_lse(lse, rlse)
+    assert np.all(out[2] == 0) and np.all(lse[2] == -np.inf)
+    # no key lengths, MHA: every chunk is visible
+    out = fcuda.scaled_dot_product_attention(q[:, :Hk], k, v)
+    _check(out, reference.scaled_dot_product_attention(q[:, :Hk], k, v), dtype)
+
+
+@pytest.mark.parametrize("splits", [None, "3", "64"])
+def test_gpu_split_kv_variants(monkeypatch, splits):
+    """Causal L > 1, a bool mask that blocks whole chunks, rows that see nothing, windows,
+    ALiBi, softcap, float masks, key lengths, Dv != D and NaN poisoning through the split
+    path (chunks of 32 keys with "64")."""
+    _gpu_or_skip()
+    _splits(monkeypatch, splits)
+    rng = np.random.default_rng(11)
+    B, Hq, Hk, L, S, D, Dv = 2, 4, 2, 3, 200, 40, 24
+    q, k, v = _rand(rng, (B, Hq, L, D)), _rand(rng, (B, Hk, S, D)), _rand(rng, (B, Hk, S, Dv))
+    bmask = rng.random((L, S)) < 0.7
+    bmask[:, 32:160] = False  # whole chunks (of 32 or 67 keys) see nothing
+    bmask[1] = False  # query 1 sees no key at all
+    fmask = _rand(rng, (B, 1, L, S)) * 3.0
+    for kw in (
+        dict(attn_mask=bmask, is_causal=True),
+        dict(attn_mask=bmask, window=(40, 0)),
+        dict(window=(5, 0), alibi_slopes=rng.random(Hq), softcap=4.0),
+        dict(attn_mask=fmask, key_lengths=np.array([200, 33]), is_causal=True),
+        dict(attn_mask=fmask.astype(np.float64), window=(70, 3), scale=0.2),
+    ):
+        out, lse = fcuda.scaled_dot_product_attention(q, k, v, enable_gqa=True, return_lse=True, **kw)
+        ref, rlse = reference.scaled_dot_product_attention(q, k, v, enable_gqa=True, return_lse=True, **kw)
+        _check(out, ref, np.float32)
+        _check_lse(lse, rlse)
+    out, lse = fcuda.scaled_dot_product_attention(q, k, v, attn_mask=bmask, enable_gqa=True, return_lse=True)
+    assert np.all(out[:, :, 1] == 0) and np.all(lse[:, :, 1] == -np.inf)
+    kn = k.copy()
+    kn[0, 1, 199] = np.nan  # only the last query (position 199) of kv head 1 sees key 199
+    out, lse = fcuda.scaled_dot_product_attention(q, kn, v, is_causal=True, enable_gqa=True, return_lse=True)
+    ref, rlse = reference.scaled_dot_product_attention(
+        q, kn, v, is_causal=True, enable_gqa=True, return_lse=True
+    )
+    assert (
+        np.all(np.isnan(out[0, 2:, 2]))
+        and np.all(np.isfinite(out[0, 2:, :2]))
+        and np.all(np.isfinite(out[1]))
+    )
+    _check(out, ref, np.float32)
+    _check_lse(lse, rlse)
+
+
+@pytest.mark.parametrize("splits", [None, "4"])
+@pytest.mark.parametrize(
+    "dtype,D,Dv",
+    [
+        (np.float16, 20, 20),
+        (np.float16, 6, 10),
+        (np.float32, 256, 256),
+        (BF16, 128, 64),
+        (np.float16, 256, 256),
+    ],
+)
+def test_gpu_loaders(monkeypatch, dtype, D, Dv, splits):
+    """Head dims for both tile loaders: 16-byte vectors (fp16 D=256) and the scalar
+    fallback (D not a multiple of the vector, fp32 D=256, D != Dv)."""
+    _gpu_or_skip()
+    _splits(monkeypatch, splits)
+    rng = np.random.default_rng(D + Dv)
+    for L, S in ((1, 300), (45, 70)):
+        q, k, v = (
+            _rand(rng, (2, 2, L, D), dtype),
+            _rand(rng, (2, 2, S, D), dtype),
+            _rand(rng, (2, 2, S, Dv), dtype),
+        )
+        out, lse = fcuda.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True)
+        ref, rlse = reference.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True)
+        _check(out, ref, dtype)
+        _check_lse(lse, rlse)
+
+
+def test_gpu_unaligned_device_views(monkeypatch):
+    """Device tensors whose rows are not 16-byte aligned (scalar loader) and aligned
+    strided ones (vector loader), split and not."""
+    _gpu_or_skip()
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    rng = np.random.default_rng(12)
+    big_k, big_v = _rand(rng, (2, 4, 600, 72), np.float16), _rand(rng, (2, 4, 600, 72), np.float16)
+    q = _rand(rng, (2, 4, 1, 64), np.float16)
+    for off in (0, 1, 8):
+        k, v = big_k[..., off : off + 64], big_v[..., off : off + 64]
+        ref = reference.scaled_dot_product_attention(q, k, v)
+        tk, tv = (
+            torch.from_numpy(np.ascontiguousarray(a)).cuda()[..., off : off + 64] for a in (big_k, big_v)
+        )
+        tq = torch.from_numpy(q).cuda()
+        for splits in (None, "5"):
+            _splits(monkeypatch, splits)
+            o = torch.empty((2, 4, 1, 64), dtype=torch.float16, device="cuda")
+            fcuda.scaled_dot_product_attention(tq, tk, tv, out=o)
+            torch.cuda.synchronize()
+            _check(o.cpu().numpy(), ref, np.float16)
+
+
+# ---------------------------------------------------------------------------
 # Device-array inputs (__cuda_array_interface__): emulated with host memory
 
 

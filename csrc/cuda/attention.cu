@@ -7,14 +7,30 @@
  * indexing (query head h reads key/value head h / (Hq / Hk)), rows that see
  * no key -> zeros and LSE -inf, NaN scores poison their row.
  *
- * Work split: one block of NWARPS warps handles BM = NWARPS * RPW stacked
+ * Work split.  One block of NWARPS warps handles BM = NWARPS * RPW stacked
  * rows of one (batch, key/value head): row r is query head hk*G + r / L at
  * position r % L (G = Hq / Hk), so the query heads sharing a key/value head
  * share its K/V tiles (this is what makes GQA decode cheap).  Each warp owns
- * RPW rows.  Per tile of BN = 32 keys the block stages K and V in shared
- * memory as fp32; lane j of a warp computes the score of key jt + j for a row
- * (a dot product over D), the warp reduces max and sum with shuffles, and
- * lane c accumulates output columns c, c+32, ... in registers.
+ * RPW rows (RPW = 4 in general, 1 when a (batch, kv head) has <= 4 rows, so
+ * that GQA decode spreads its rows over all warps).  Per tile of BN = 32 keys
+ * the block stages K and V in shared memory as fp32; lane j of a warp
+ * computes the scores of key jt + j for all the warp's rows (float4 dot
+ * products over D), the warp reduces max and sum with shuffles, and lane c
+ * accumulates output columns c, c+32, ... in registers.
+ *
+ * Loads.  When K and V rows are 16-byte aligned (checked on the host from
+ * pointers, strides and head dims) each thread loads its share of the next
+ * tile with 16-byte loads into registers while the current tile is being
+ * computed (software pipelining), so a block keeps a whole tile in flight
+ * instead of one element per thread.  Otherwise a batched scalar loader is
+ * used (8 independent loads per thread before their stores).
+ *
+ * Split-KV.  When the blocks (row blocks x Hk x B) are too few to fill the GPU
+ * (decode), the key range [0, S) is cut into NS chunks of `chunk` keys (a
+ * multiple of BN); block (row block, split s) only visits keys of chunk s and
+ * writes its normalised partial output (fp32) and LSE to a workspace; a second
+ * kernel merges the NS parts of each row with the log-sum-exp rule.  Parts
+ * that saw no key have LSE -inf (weight 0); a NaN part poisons the row.
  *
  * This is a CUDA-core kernel (fp32 FMA); it does not use tensor cores. */
 #include <cuda_runtime.h>
@@ -22,18 +38,41 @@
 #include <cuda_bf16.h>
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include <mutex>
 
 #include "fastattn_cuda.h"
 
 namespace {
 
 constexpr int NWARPS = 4;
-constexpr int RPW = 4;                /* rows per warp */
-constexpr int BM = NWARPS * RPW;      /* rows per block */
 constexpr int BN = 32;                /* keys per tile = warp size */
 constexpr int THREADS = NWARPS * 32;
 constexpr unsigned FULL = 0xffffffffu;
+constexpr int64_t MIN_SPLIT_KEYS = 256; /* automatic splits keep >= this many keys per chunk */
+constexpr int MAX_SPLITS = 128;
+constexpr int MAX_DEVICES = 64;
+
+/* 16-byte vectors per thread (for K, and again for V) that the pipelined
+ * loader keeps in registers: a 32-key tile of 32 * DVL columns of T is
+ * 32 * 32 * DVL * sizeof(T) / 16 / THREADS = DVL * sizeof(T) / 2 vectors per
+ * thread; capped at 8 (32 registers per operand). */
+template <typename T> __host__ __device__ constexpr int nvec_for(int dvl)
+{
+    return dvl * (int)sizeof(T) / 2 < 8 ? dvl * (int)sizeof(T) / 2 : 8;
+}
+
+/* Split-KV and loader settings of one launch (decided on the host). */
+struct fa_split {
+    int ns;          /* key chunks; 1: no split, the kernel writes o and lse itself */
+    int vec;         /* 1: the 16-byte pipelined loader may be used */
+    int64_t chunk;   /* keys per chunk (a multiple of BN); unused when ns == 1 */
+    int64_t nrows;   /* B * Hq * L: rows of the workspace per split */
+    float *part_o;   /* (ns, nrows, Dv) normalised partial outputs */
+    float *part_lse; /* (ns, nrows) partial LSEs (-inf: no key, NaN: poisoned) */
+};
 
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
@@ -43,6 +82,35 @@ template <typename T> __device__ __forceinline__ T from_f(float x);
 template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+/* Stores the 16 bytes u (16 / sizeof(T) elements of type T, little-endian)
+ * as floats at dst (16-byte aligned shared memory).  Conversions are exact. */
+__device__ __forceinline__ void st_vec(float *dst, uint4 u, float)
+{
+    *reinterpret_cast<float4 *>(dst) =
+        make_float4(__uint_as_float(u.x), __uint_as_float(u.y), __uint_as_float(u.z), __uint_as_float(u.w));
+}
+
+__device__ __forceinline__ float h_lo(unsigned w) { return __half2float(__ushort_as_half((unsigned short)(w & 0xffffu))); }
+__device__ __forceinline__ float h_hi(unsigned w) { return __half2float(__ushort_as_half((unsigned short)(w >> 16))); }
+
+__device__ __forceinline__ void st_vec(float *dst, uint4 u, __half)
+{
+    float4 *d4 = reinterpret_cast<float4 *>(dst);
+    d4[0] = make_float4(h_lo(u.x), h_hi(u.x), h_lo(u.y), h_hi(u.y));
+    d4[1] = make_float4(h_lo(u.z), h_hi(u.z), h_lo(u.w), h_hi(u.w));
+}
+
+/* bfloat16 -> float is the 16 bits placed high in a float. */
+__device__ __forceinline__ float b_lo(unsigned w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float b_hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+
+__device__ __forceinline__ void st_vec(float *dst, uint4 u, __nv_bfloat16)
+{
+    float4 *d4 = reinterpret_cast<float4 *>(dst);
+    d4[0] = make_float4(b_lo(u.x), b_hi(u.x), b_lo(u.y), b_hi(u.y));
+    d4[1] = make_float4(b_lo(u.z), b_hi(u.z), b_lo(u.w), b_hi(u.w));
+}
 
 /* Warp all-reduce; every lane returns lane 0's value so that all lanes agree
  * bit for bit. */
@@ -71,39 +139,251 @@ __device__ __forceinline__ void row_range(const fa_cuda_params &p, int64_t ip, i
     *hi = h > l ? h : l;
 }
 
-/* DVL: output columns per lane (Dv <= 32 * DVL; 2, 4 or 8). */
-template <typename TQ, typename TKV, int DVL>
-__global__ void __launch_bounds__(THREADS) fa_fwd_kernel(const fa_cuda_params p)
+/* Shared-memory geometry of a launch.  DP: D rounded up to a multiple of 4
+ * (pad columns are zero in Qs and Ks); DK: Ks row stride, a multiple of 4
+ * floats (16-byte rows for float4 access) with DK / 4 odd, so that the 8
+ * lanes of a quarter warp reading float4 from 8 consecutive rows hit 8
+ * disjoint groups of 4 banks (conflict-free). */
+__host__ __device__ __forceinline__ int padded_d(int D) { return (D + 3) & ~3; }
+__host__ __device__ __forceinline__ int k_stride(int D) { return 4 * ((padded_d(D) / 4) | 1); }
+
+size_t smem_floats(int rpw, int D, int Dv)
 {
-    extern __shared__ float smem[];
-    const int D = (int)p.D, Dv = (int)p.Dv, DK = D + 1; /* padded K rows: no bank conflicts */
+    return (size_t)NWARPS * rpw * padded_d(D) + (size_t)BN * k_stride(D) + (size_t)BN * Dv;
+}
+
+/* The pipelined 16-byte loader of one operand (K or V) of a tile: a thread's
+ * vectors u = 0..NV-1 are the tile's vectors tid + u * THREADS in row-major
+ * order (rv = cols / VE vectors per row), so row j and column c advance by
+ * (dj, dc) per u with at most one carry (dc < cols).  Vectors with j >= BN
+ * lie beyond the tile: not stored.  Rows j >= nj (beyond the visible range)
+ * are loaded as zeros.  Requires (host-checked) cols % VE == 0, 16-byte
+ * aligned rows and BN * rv <= NV * THREADS (the whole tile fits). */
+template <typename T, int NV>
+struct VecLoader {
+    static constexpr int VE = 16 / (int)sizeof(T);
+    uint4 r[NV];
+    int j0, c0, dj, dc, cols;
+
+    __device__ __forceinline__ void init(int tid, int ncols)
+    {
+        cols = ncols;
+        const int rv = ncols / VE;
+        j0 = tid / rv;
+        c0 = (tid % rv) * VE;
+        dj = THREADS / rv;
+        dc = (THREADS % rv) * VE;
+    }
+
+    /* global -> registers; base points at row 0 of the tile, rows sl apart */
+    __device__ __forceinline__ void load(const T *base, int64_t sl, int nj)
+    {
+        int j = j0, c = c0;
+#pragma unroll
+        for (int u = 0; u < NV; u++) {
+            r[u] = j < nj ? __ldg(reinterpret_cast<const uint4 *>(base + j * sl + c)) : make_uint4(0u, 0u, 0u, 0u);
+            c += dc;
+            j += dj;
+            if (c >= cols) {
+                c -= cols;
+                j++;
+            }
+        }
+    }
+
+    /* registers -> shared memory as fp32, rows `stride` floats apart */
+    __device__ __forceinline__ void store(float *dst, int stride) const
+    {
+        int j = j0, c = c0;
+#pragma unroll
+        for (int u = 0; u < NV; u++) {
+            if (j < BN) st_vec(dst + j * stride + c, r[u], T());
+            c += dc;
+            j += dj;
+            if (c >= cols) {
+                c -= cols;
+                j++;
+            }
+        }
+    }
+};
+
+/* Fallback loader (any alignment, any head dim): rows [0, nj) of a tile of
+ * `cols` columns into dst (rows `stride` floats apart, pcols >= cols columns
+ * written, the pad and rows >= nj as zeros).  Each thread issues 8
+ * independent loads before storing them, to keep several loads in flight. */
+template <typename T>
+__device__ __forceinline__ void load_tile_scalar(float *dst, int stride, const T *src, int64_t sl, int nj,
+                                                 int cols, int pcols, int tid)
+{
+    const int total = BN * pcols;
+    for (int base = 0; base < total; base += 8 * THREADS) {
+        float t[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            const int idx = base + u * THREADS + tid;
+            const int j = idx / pcols, d = idx - j * pcols;
+            t[u] = (j < nj && d < cols) ? to_f(src[j * sl + d]) : 0.0f; /* j < nj implies idx < total */
+        }
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            const int idx = base + u * THREADS + tid;
+            const int j = idx / pcols, d = idx - j * pcols;
+            if (idx < total) dst[j * stride + d] = t[u];
+        }
+    }
+}
+
+/* Running state of a warp's RPW rows (rows >= R are never used):
+ * online-softmax max m, sum l, output accumulators (lane c holds columns c,
+ * c+32, ...), NaN flag, bottom-right position ip, mask row offset, ALiBi
+ * slope. */
+template <int RPW, int DVL>
+struct RowState {
+    float m[RPW], l[RPW], acc[RPW][DVL], slope[RPW];
+    int64_t ipk[RPW], mrow[RPW];
+    bool nan_row[RPW];
+};
+
+/* One tile of nj <= BN keys starting at jt, staged in Ks / Vs (rows >= nj
+ * zero), for the warp's rows whose Q rows start at qw. */
+template <int RPW, int DVL>
+__device__ __forceinline__ void compute_tile(const fa_cuda_params &p, RowState<RPW, DVL> &st, const float *qw,
+                                             const float *Ks, const float *Vs, int64_t jt, int nj, int64_t Sb,
+                                             int64_t R, int64_t rw, int lane, int DP, int DK, int Dv)
+{
+    /* Scores of key j = jt + lane for the warp's RPW rows (Q rows are read
+     * as broadcasts, K rows conflict-free, see k_stride). */
+    const int64_t j = jt + lane;
+    float dot[RPW];
+#pragma unroll
+    for (int k = 0; k < RPW; k++) dot[k] = 0.0f;
+    {
+        const int n4 = DP / 4;
+        const float4 *kr = reinterpret_cast<const float4 *>(Ks + lane * DK);
+        const float4 *qr = reinterpret_cast<const float4 *>(qw);
+#pragma unroll 2 /* more unrolling only buys register pressure */
+        for (int d4 = 0; d4 < n4; d4++) {
+            const float4 kv = kr[d4];
+#pragma unroll
+            for (int k = 0; k < RPW; k++) {
+                const float4 qv = qr[k * n4 + d4];
+                dot[k] = fmaf(qv.x, kv.x, dot[k]);
+                dot[k] = fmaf(qv.y, kv.y, dot[k]);
+                dot[k] = fmaf(qv.z, kv.z, dot[k]);
+                dot[k] = fmaf(qv.w, kv.w, dot[k]);
+            }
+        }
+    }
+
+    /* Online softmax per row; pj[k]: this lane's probability (relative to
+     * the new running max) for row k, act[k]: row k takes this tile. */
+    float pj[RPW];
+    bool act[RPW];
+#pragma unroll
+    for (int k = 0; k < RPW; k++) {
+        pj[k] = 0.0f;
+        act[k] = false;
+        if (rw + k >= R) continue; /* uniform across the warp */
+        const int64_t ip = st.ipk[k];
+        int64_t lo, hi;
+        row_range(p, ip, Sb, &lo, &hi);
+        float s = -INFINITY;
+        if (lane < nj && j >= lo && j < hi) {
+            float x = dot[k] * (float)p.scale;
+            if (p.softcap != 0.0) x = (float)p.softcap * tanhf(x / (float)p.softcap);
+            if (p.alibi) x -= st.slope[k] * (float)(ip > j ? ip - j : j - ip);
+            if (p.mask_kind != FA_MASK_NONE) {
+                const int64_t mo = st.mrow[k] + j * p.m_ss;
+                if (p.mask_kind == FA_MASK_BOOL) {
+                    if (!((const unsigned char *)p.mask)[mo]) x = -INFINITY;
+                } else if (p.mask_kind == FA_MASK_F32) {
+                    x += ((const float *)p.mask)[mo];
+                } else {
+                    x = (float)((double)x + ((const double *)p.mask)[mo]);
+                }
+            }
+            s = x;
+        }
+        if (__any_sync(FULL, s != s)) st.nan_row[k] = true;
+        const float mx = warp_max(s); /* fmaxf skips NaN; nan_row records it */
+        const float mnew = fmaxf(st.m[k], mx);
+        if (mnew == -INFINITY) continue; /* nothing visible yet (uniform) */
+        const float alpha = expf(st.m[k] - mnew); /* 0 when m is -inf */
+        const float e = (s == -INFINITY || s != s) ? 0.0f : expf(s - mnew);
+        st.l[k] = st.l[k] * alpha + warp_sum(e);
+#pragma unroll
+        for (int c = 0; c < DVL; c++) st.acc[k][c] *= alpha;
+        st.m[k] = mnew;
+        pj[k] = e;
+        act[k] = true;
+    }
+
+    /* acc += P V over all BN keys of the tile: keys beyond nj have
+     * probability 0 and zero V rows, so they add exact zeros. */
+#pragma unroll 2
+    for (int jj = 0; jj < BN; jj++) {
+        float vv[DVL];
+#pragma unroll
+        for (int c = 0; c < DVL; c++) {
+            const int d = lane + 32 * c;
+            vv[c] = d < Dv ? Vs[jj * Dv + d] : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < RPW; k++) {
+            if (!act[k]) continue; /* uniform across the warp */
+            const float pv = __shfl_sync(FULL, pj[k], jj);
+#pragma unroll
+            for (int c = 0; c < DVL; c++) st.acc[k][c] = fmaf(pv, vv[c], st.acc[k][c]);
+        }
+    }
+}
+
+/* RPW: rows per warp (1 or 4); DVL: output columns per lane (Dv <= 32 * DVL;
+ * 2, 4 or 8).  Grid: (row blocks * sp.ns, Hk, B); blockIdx.x = row block *
+ * sp.ns + split.  Every __syncthreads is reached by all threads: sp.vec and
+ * the tile loop bounds are block-uniform, and the per-row `continue`s are
+ * warp-uniform and contain no block barrier. */
+template <typename TQ, typename TKV, int RPW, int DVL>
+__global__ void __launch_bounds__(THREADS) fa_fwd_kernel(const fa_cuda_params p, const fa_split sp)
+{
+    constexpr int BM = NWARPS * RPW;
+    constexpr int NV = nvec_for<TKV>(DVL);
+    extern __shared__ float4 smem4[]; /* float4: 16-byte aligned */
+    float *smem = reinterpret_cast<float *>(smem4);
+    const int D = (int)p.D, Dv = (int)p.Dv, DP = padded_d(D), DK = k_stride(D);
     const int64_t G = p.Hq / p.Hk, L = p.L, R = G * L;
     const int64_t hk = blockIdx.y, b = blockIdx.z;
-    const int64_t r0 = (int64_t)blockIdx.x * BM;
+    const int split = (int)(blockIdx.x % (unsigned)sp.ns);
+    const int64_t r0 = (int64_t)(blockIdx.x / (unsigned)sp.ns) * BM;
     const int64_t Sb = p.k_lens ? p.k_lens[b] : p.S;
     const int64_t delta = Sb - L;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int64_t rw = r0 + warp * RPW; /* the warp's first row */
 
-    float *Qs = smem;              /* BM x D  */
-    float *Ks = Qs + BM * D;       /* BN x DK */
-    float *Vs = Ks + BN * DK;      /* BN x Dv */
+    /* Offsets are multiples of 4 floats, so every array is 16-byte aligned. */
+    float *Qs = smem;         /* BM x DP (rows >= R and columns >= D are zero) */
+    float *Ks = Qs + BM * DP; /* BN x DK (columns [D, DP) zero, [DP, DK) unused) */
+    float *Vs = Ks + BN * DK; /* BN x Dv */
+    const float *qw = Qs + warp * RPW * DP;
 
     const TQ *q = (const TQ *)p.q;
     const TKV *kp = (const TKV *)p.k + b * p.k_sb + hk * p.k_sh;
     const TKV *vp = (const TKV *)p.v + b * p.v_sb + hk * p.v_sh;
 
-    for (int idx = tid; idx < BM * D; idx += THREADS) {
-        const int rr = idx / D, d = idx % D;
+    for (int idx = tid; idx < BM * DP; idx += THREADS) {
+        const int rr = idx / DP, d = idx - rr * DP;
         const int64_t r = r0 + rr;
         float x = 0.0f;
-        if (r < R) {
+        if (r < R && d < D) {
             const int64_t h = hk * G + r / L, i = r % L;
             x = to_f(q[b * p.q_sb + h * p.q_sh + i * p.q_sl + d]);
         }
         Qs[idx] = x;
     }
 
-    /* Keys any row of the block may see (identical in every thread). */
+    /* Keys any row of the block may see (identical in every thread), cut to
+     * this block's chunk when the key range is split. */
     int64_t jlo = Sb, jhi = 0;
     for (int rr = 0; rr < BM && r0 + rr < R; rr++) {
         int64_t lo, hi;
@@ -113,135 +393,301 @@ __global__ void __launch_bounds__(THREADS) fa_fwd_kernel(const fa_cuda_params p)
             jhi = max(jhi, hi);
         }
     }
-
-    float m[RPW], l[RPW], acc[RPW][DVL];
-    bool nan_row[RPW];
-#pragma unroll
-    for (int k = 0; k < RPW; k++) {
-        m[k] = -INFINITY;
-        l[k] = 0.0f;
-        nan_row[k] = false;
-#pragma unroll
-        for (int c = 0; c < DVL; c++) acc[k][c] = 0.0f;
+    if (sp.ns > 1) {
+        const int64_t cs = (int64_t)split * sp.chunk;
+        jlo = max(jlo, cs);
+        jhi = min(jhi, cs + sp.chunk);
     }
 
-    for (int64_t jt = jlo; jt < jhi; jt += BN) {
-        const int nj = (int)min((int64_t)BN, jhi - jt);
-        __syncthreads(); /* everyone is done with the previous tile (and Qs is written) */
-        for (int idx = tid; idx < BN * D; idx += THREADS) {
-            const int j = idx / D, d = idx % D;
-            Ks[j * DK + d] = j < nj ? to_f(kp[(jt + j) * p.k_sl + d]) : 0.0f;
+    RowState<RPW, DVL> st;
+#pragma unroll
+    for (int k = 0; k < RPW; k++) {
+        st.m[k] = -INFINITY;
+        st.l[k] = 0.0f;
+        st.nan_row[k] = false;
+#pragma unroll
+        for (int c = 0; c < DVL; c++) st.acc[k][c] = 0.0f;
+        const int64_t r = rw + k;
+        st.ipk[k] = 0;
+        st.mrow[k] = 0;
+        st.slope[k] = 0.0f;
+        if (r < R) {
+            const int64_t h = hk * G + r / L, i = r % L;
+            st.ipk[k] = i + delta;
+            st.mrow[k] = b * p.m_sb + h * p.m_sh + i * p.m_sl;
+            if (p.alibi) st.slope[k] = (float)p.alibi[b * p.alibi_sb + h * p.alibi_sh];
         }
-        for (int idx = tid; idx < BN * Dv; idx += THREADS) {
-            const int j = idx / Dv, d = idx % Dv;
-            Vs[idx] = j < nj ? to_f(vp[(jt + j) * p.v_sl + d]) : 0.0f;
-        }
-        __syncthreads();
+    }
 
-#pragma unroll
-        for (int k = 0; k < RPW; k++) {
-            const int rr = warp * RPW + k;
-            const int64_t r = r0 + rr;
-            if (r >= R) continue; /* uniform across the warp */
-            const int64_t h = hk * G + r / L, i = r % L, ip = i + delta;
-            int64_t lo, hi;
-            row_range(p, ip, Sb, &lo, &hi);
-            const int64_t j = jt + lane;
-            float s = -INFINITY;
-            if (lane < nj && j >= lo && j < hi) {
-                const float *qr = Qs + rr * D, *kr = Ks + lane * DK;
-                float dot = 0.0f;
-                for (int d = 0; d < D; d++) dot = fmaf(qr[d], kr[d], dot);
-                float x = dot * (float)p.scale;
-                if (p.softcap != 0.0) x = (float)p.softcap * tanhf(x / (float)p.softcap);
-                if (p.alibi) {
-                    const float slope = (float)p.alibi[b * p.alibi_sb + h * p.alibi_sh];
-                    x -= slope * (float)(ip > j ? ip - j : j - ip);
-                }
-                if (p.mask_kind != FA_MASK_NONE) {
-                    const int64_t mo = b * p.m_sb + h * p.m_sh + i * p.m_sl + j * p.m_ss;
-                    if (p.mask_kind == FA_MASK_BOOL) {
-                        if (!((const unsigned char *)p.mask)[mo]) x = -INFINITY;
-                    } else if (p.mask_kind == FA_MASK_F32) {
-                        x += ((const float *)p.mask)[mo];
-                    } else {
-                        x = (float)((double)x + ((const double *)p.mask)[mo]);
-                    }
-                }
-                s = x;
+    if (sp.vec) { /* uniform over the grid */
+        VecLoader<TKV, NV> kl, vl;
+        kl.init(tid, D);
+        vl.init(tid, Dv);
+        if (jlo < jhi) {
+            const int nj0 = (int)min((int64_t)BN, jhi - jlo);
+            kl.load(kp + jlo * p.k_sl, p.k_sl, nj0);
+            vl.load(vp + jlo * p.v_sl, p.v_sl, nj0);
+        }
+        for (int64_t jt = jlo; jt < jhi; jt += BN) {
+            const int nj = (int)min((int64_t)BN, jhi - jt);
+            __syncthreads(); /* everyone is done with the previous tile (and Qs is written) */
+            kl.store(Ks, DK);
+            vl.store(Vs, Dv);
+            const int64_t jn = jt + BN; /* prefetch the next tile while this one is computed */
+            if (jn < jhi) {
+                const int nn = (int)min((int64_t)BN, jhi - jn);
+                kl.load(kp + jn * p.k_sl, p.k_sl, nn);
+                vl.load(vp + jn * p.v_sl, p.v_sl, nn);
             }
-            if (__any_sync(FULL, s != s)) nan_row[k] = true;
-            const float mx = warp_max(s); /* fmaxf skips NaN; nan_row records it */
-            const float mnew = fmaxf(m[k], mx);
-            if (mnew == -INFINITY) continue; /* nothing visible yet (uniform) */
-            const float alpha = expf(m[k] - mnew); /* 0 when m[k] is -inf */
-            const float pj = (s == -INFINITY || s != s) ? 0.0f : expf(s - mnew);
-            l[k] = l[k] * alpha + warp_sum(pj);
-#pragma unroll
-            for (int c = 0; c < DVL; c++) acc[k][c] *= alpha;
-            for (int jj = 0; jj < nj; jj++) {
-                const float pv = __shfl_sync(FULL, pj, jj);
-                const float *vr = Vs + jj * Dv;
-#pragma unroll
-                for (int c = 0; c < DVL; c++) {
-                    const int d = lane + 32 * c;
-                    if (d < Dv) acc[k][c] = fmaf(pv, vr[d], acc[k][c]);
-                }
-            }
-            m[k] = mnew;
+            __syncthreads();
+            compute_tile<RPW, DVL>(p, st, qw, Ks, Vs, jt, nj, Sb, R, rw, lane, DP, DK, Dv);
+        }
+    } else {
+        for (int64_t jt = jlo; jt < jhi; jt += BN) {
+            const int nj = (int)min((int64_t)BN, jhi - jt);
+            __syncthreads(); /* everyone is done with the previous tile (and Qs is written) */
+            load_tile_scalar<TKV>(Ks, DK, kp + jt * p.k_sl, p.k_sl, nj, D, DP, tid);
+            load_tile_scalar<TKV>(Vs, Dv, vp + jt * p.v_sl, p.v_sl, nj, Dv, Dv, tid);
+            __syncthreads();
+            compute_tile<RPW, DVL>(p, st, qw, Ks, Vs, jt, nj, Sb, R, rw, lane, DP, DK, Dv);
         }
     }
 
     TQ *o = (TQ *)p.o;
 #pragma unroll
     for (int k = 0; k < RPW; k++) {
-        const int64_t r = r0 + warp * RPW + k;
+        const int64_t r = rw + k;
         if (r >= R) continue;
         const int64_t h = hk * G + r / L, i = r % L;
-        float inv, lse;
-        if (nan_row[k]) {
-            inv = NAN;
-            lse = NAN;
-        } else if (m[k] == -INFINITY || !(l[k] > 0.0f)) {
-            inv = 0.0f;
-            lse = -INFINITY;
-        } else {
-            inv = 1.0f / l[k];
-            lse = m[k] + logf(l[k]);
-        }
-        TQ *orow = o + b * p.o_sb + h * p.o_sh + i * p.o_sl;
+        const bool nan_row = st.nan_row[k];
+        const bool none = !nan_row && (st.m[k] == -INFINITY || !(st.l[k] > 0.0f));
+        const float inv = none ? 0.0f : 1.0f / st.l[k];
+        const float lse = nan_row ? NAN : none ? -INFINITY : st.m[k] + logf(st.l[k]);
+        if (sp.ns == 1) {
+            TQ *orow = o + b * p.o_sb + h * p.o_sh + i * p.o_sl;
 #pragma unroll
-        for (int c = 0; c < DVL; c++) {
-            const int d = lane + 32 * c;
-            if (d < Dv) orow[d] = from_f<TQ>(nan_row[k] ? NAN : acc[k][c] * inv);
+            for (int c = 0; c < DVL; c++) {
+                const int d = lane + 32 * c;
+                if (d < Dv) orow[d] = from_f<TQ>(nan_row ? NAN : none ? 0.0f : st.acc[k][c] * inv);
+            }
+            if (p.lse && lane == 0) p.lse[b * p.lse_sb + h * p.lse_sh + i * p.lse_sl] = lse;
+        } else {
+            /* every (split, row) entry is written, also when the chunk held no key */
+            const int64_t w = (int64_t)split * sp.nrows + (b * p.Hq + h) * L + i;
+            float *prow = sp.part_o + w * Dv;
+#pragma unroll
+            for (int c = 0; c < DVL; c++) {
+                const int d = lane + 32 * c;
+                if (d < Dv) prow[d] = nan_row ? NAN : none ? 0.0f : st.acc[k][c] * inv;
+            }
+            if (lane == 0) sp.part_lse[w] = lse;
         }
-        if (p.lse && lane == 0) p.lse[b * p.lse_sb + h * p.lse_sh + i * p.lse_sl] = lse;
     }
 }
 
-size_t smem_bytes(const fa_cuda_params *p)
+/* Merges the sp.ns partial results of each row: out = sum_s w_s o_s / sum_s
+ * w_s with w_s = exp(lse_s - M), M = max_s lse_s; lse = M + log(sum_s w_s).
+ * Parts with LSE -inf (no key) weigh 0; any NaN part makes the row NaN; a
+ * row no part saw a key for is zeros with LSE -inf.  One warp per row (row =
+ * (b * Hq + h) * L + i); no block barrier, so whole warps may return early. */
+template <typename TQ>
+__global__ void __launch_bounds__(THREADS) fa_merge_kernel(const fa_cuda_params p, const fa_split sp)
 {
-    return sizeof(float) * (size_t)(BM * p->D + BN * (p->D + 1) + BN * p->Dv);
+    const int lane = threadIdx.x & 31;
+    const int64_t row = (int64_t)blockIdx.x * NWARPS + (threadIdx.x >> 5);
+    if (row >= sp.nrows) return;
+    const int64_t i = row % p.L, bh = row / p.L, h = bh % p.Hq, b = bh / p.Hq;
+    const int Dv = (int)p.Dv, ns = sp.ns;
+    float M = -INFINITY;
+    bool nan = false;
+    for (int s = 0; s < ns; s++) {
+        const float x = sp.part_lse[s * sp.nrows + row];
+        if (x != x) nan = true;
+        else M = fmaxf(M, x);
+    }
+    const bool none = !nan && M == -INFINITY;
+    float sum = 0.0f;
+    if (!nan && !none)
+        for (int s = 0; s < ns; s++) sum += expf(sp.part_lse[s * sp.nrows + row] - M); /* -inf -> 0 */
+    TQ *orow = (TQ *)p.o + b * p.o_sb + h * p.o_sh + i * p.o_sl;
+    for (int d = lane; d < Dv; d += 32) {
+        float v = nan ? NAN : 0.0f;
+        if (!nan && !none) {
+            float a = 0.0f;
+            for (int s = 0; s < ns; s++) {
+                const float x = sp.part_lse[s * sp.nrows + row];
+                if (x != -INFINITY) a = fmaf(expf(x - M), sp.part_o[(s * sp.nrows + row) * Dv + d], a);
+            }
+            v = a / sum;
+        }
+        orow[d] = from_f<TQ>(v);
+    }
+    if (p.lse && lane == 0)
+        p.lse[b * p.lse_sb + h * p.lse_sh + i * p.lse_sl] = nan ? NAN : none ? -INFINITY : M + logf(sum);
 }
 
-template <typename TQ, typename TKV, int DVL>
+/* ---- host side ---------------------------------------------------------- */
+
+/* Per-device facts, looked up once: SM count and a memory pool for the
+ * split-KV workspace (stream-ordered allocations, so concurrent launches on
+ * different streams never share a buffer; up to 64 MiB stays cached in the
+ * pool between launches).  nsm 0 or pool NULL: never split. */
+struct DevState {
+    bool init;
+    int nsm;
+    cudaMemPool_t pool;
+};
+std::mutex g_dev_mu;
+DevState g_dev[MAX_DEVICES];
+
+void device_state(int *nsm, cudaMemPool_t *pool)
+{
+    *nsm = 0;
+    *pool = nullptr;
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return;
+    }
+    if (dev < 0 || dev >= MAX_DEVICES) return;
+    std::lock_guard<std::mutex> guard(g_dev_mu);
+    DevState &st = g_dev[dev];
+    if (!st.init) {
+        st.init = true;
+        int n = 0, pools = 0;
+        if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+            (void)cudaGetLastError();
+            n = 0;
+        }
+        if (cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, dev) != cudaSuccess) {
+            (void)cudaGetLastError();
+            pools = 0;
+        }
+        if (n > 0 && pools) {
+            cudaMemPoolProps props;
+            memset(&props, 0, sizeof props);
+            props.allocType = cudaMemAllocationTypePinned;
+            props.handleTypes = cudaMemHandleTypeNone;
+            props.location.type = cudaMemLocationTypeDevice;
+            props.location.id = dev;
+            cudaMemPool_t pl = nullptr;
+            if (cudaMemPoolCreate(&pl, &props) == cudaSuccess) {
+                uint64_t keep = 64ull << 20;
+                if (cudaMemPoolSetAttribute(pl, cudaMemPoolAttrReleaseThreshold, &keep) != cudaSuccess)
+                    (void)cudaGetLastError(); /* still usable, it just releases memory sooner */
+                st.pool = pl;
+            } else {
+                (void)cudaGetLastError();
+            }
+        }
+        st.nsm = n;
+    }
+    *nsm = st.nsm;
+    *pool = st.pool;
+}
+
+/* Number of key chunks for nblk blocks over S keys.  Split only when the
+ * blocks cannot fill the GPU (fewer than 2 per SM): then aim at about 4
+ * blocks per SM with at least MIN_SPLIT_KEYS keys per chunk.  The
+ * environment variable FASTATTN_CUDA_SPLITS=N forces N (a test hook, so that
+ * the split path runs on small shapes; 1 disables splitting). */
+int64_t choose_splits(int64_t nblk, int64_t S, int nsm)
+{
+    int64_t ns;
+    const char *env = getenv("FASTATTN_CUDA_SPLITS");
+    if (env && *env) {
+        ns = strtoll(env, nullptr, 10);
+    } else {
+        if (nsm <= 0 || nblk >= 2 * (int64_t)nsm) return 1;
+        ns = min((4 * (int64_t)nsm + nblk - 1) / nblk, S / MIN_SPLIT_KEYS);
+    }
+    return ns < 1 ? 1 : ns > MAX_SPLITS ? MAX_SPLITS : ns;
+}
+
+/* May the 16-byte loader read K and V?  Every row start must be 16-byte
+ * aligned (base pointer, and strides of dims that are not of size 1, in
+ * whole vectors) and a 32-key tile must fit in the NV vectors per thread. */
+template <typename T>
+bool vec_ok(const fa_cuda_params *p, int nv)
+{
+    const int64_t VE = 16 / (int64_t)sizeof(T);
+    auto ok = [&](const void *ptr, int64_t sb, int64_t sh, int64_t sl, int64_t cols) {
+        return ptr != nullptr && (uintptr_t)ptr % 16 == 0 && cols % VE == 0 && sl % VE == 0 &&
+               (p->B == 1 || sb % VE == 0) && (p->Hk == 1 || sh % VE == 0) &&
+               BN * (cols / VE) <= (int64_t)nv * THREADS;
+    };
+    return p->S > 0 && ok(p->k, p->k_sb, p->k_sh, p->k_sl, p->D) && ok(p->v, p->v_sb, p->v_sh, p->v_sl, p->Dv);
+}
+
+template <typename TQ, typename TKV, int RPW, int DVL>
 cudaError_t launch(const fa_cuda_params *p, cudaStream_t stream)
 {
-    const size_t smem = smem_bytes(p);
-    cudaError_t e = cudaFuncSetAttribute(fa_fwd_kernel<TQ, TKV, DVL>,
+    constexpr int BM = NWARPS * RPW;
+    const int64_t nrb = (p->Hq / p->Hk * p->L + BM - 1) / BM;
+    fa_split sp;
+    sp.ns = 1;
+    sp.vec = vec_ok<TKV>(p, nvec_for<TKV>(DVL)) ? 1 : 0;
+    sp.chunk = 0;
+    sp.nrows = p->B * p->Hq * p->L;
+    sp.part_o = nullptr;
+    sp.part_lse = nullptr;
+
+    int nsm;
+    cudaMemPool_t pool;
+    device_state(&nsm, &pool);
+    int64_t ns = (pool && p->S > BN) ? choose_splits(nrb * p->Hk * p->B, p->S, nsm) : 1;
+    if (ns > 1) {
+        const int64_t chunk = ((p->S + ns - 1) / ns + BN - 1) / BN * BN;
+        ns = (p->S + chunk - 1) / chunk;
+        if (ns > 1 && nrb * ns <= 2147483647LL && (sp.nrows + NWARPS - 1) / NWARPS <= 2147483647LL) {
+            void *ws = nullptr;
+            const size_t bytes = sizeof(float) * (size_t)ns * (size_t)sp.nrows * (size_t)(p->Dv + 1);
+            if (cudaMallocFromPoolAsync(&ws, bytes, pool, stream) == cudaSuccess) {
+                sp.ns = (int)ns;
+                sp.chunk = chunk;
+                sp.part_o = (float *)ws;
+                sp.part_lse = sp.part_o + ns * sp.nrows * p->Dv;
+            } else {
+                (void)cudaGetLastError(); /* no workspace: run unsplit */
+            }
+        }
+    }
+
+    const size_t smem = sizeof(float) * smem_floats(RPW, (int)p->D, (int)p->Dv);
+    cudaError_t e = cudaFuncSetAttribute(fa_fwd_kernel<TQ, TKV, RPW, DVL>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (e != cudaSuccess) return e;
-    const dim3 grid((unsigned)((p->Hq / p->Hk * p->L + BM - 1) / BM), (unsigned)p->Hk, (unsigned)p->B);
-    fa_fwd_kernel<TQ, TKV, DVL><<<grid, THREADS, smem, stream>>>(*p);
-    return cudaGetLastError();
+    if (e == cudaSuccess) {
+        const dim3 grid((unsigned)(nrb * sp.ns), (unsigned)p->Hk, (unsigned)p->B);
+        fa_fwd_kernel<TQ, TKV, RPW, DVL><<<grid, THREADS, smem, stream>>>(*p, sp);
+        e = cudaGetLastError();
+    }
+    if (sp.ns > 1) {
+        if (e == cudaSuccess) {
+            const unsigned nb = (unsigned)((sp.nrows + NWARPS - 1) / NWARPS);
+            fa_merge_kernel<TQ><<<nb, THREADS, 0, stream>>>(*p, sp);
+            e = cudaGetLastError();
+        }
+        const cudaError_t ef = cudaFreeAsync(sp.part_o, stream); /* stream-ordered: after the merge */
+        if (e == cudaSuccess) e = ef;
+    }
+    return e;
 }
 
-template <typename TQ, typename TKV>
+template <typename TQ, typename TKV, int RPW>
 cudaError_t launch_dv(const fa_cuda_params *p, cudaStream_t stream)
 {
-    if (p->Dv <= 64) return launch<TQ, TKV, 2>(p, stream);
-    if (p->Dv <= 128) return launch<TQ, TKV, 4>(p, stream);
-    return launch<TQ, TKV, 8>(p, stream);
+    if (p->Dv <= 64) return launch<TQ, TKV, RPW, 2>(p, stream);
+    if (p->Dv <= 128) return launch<TQ, TKV, RPW, 4>(p, stream);
+    return launch<TQ, TKV, RPW, 8>(p, stream);
+}
+
+/* One row per warp when a (batch, kv head) has at most NWARPS rows (decode,
+ * GQA decode): all warps then have a row instead of one warp having all. */
+template <typename TQ, typename TKV>
+cudaError_t launch_rows(const fa_cuda_params *p, cudaStream_t stream)
+{
+    if (p->Hq / p->Hk * p->L <= NWARPS) return launch_dv<TQ, TKV, 1>(p, stream);
+    return launch_dv<TQ, TKV, 4>(p, stream);
 }
 
 } // namespace
@@ -262,18 +708,18 @@ extern "C" int fa_cuda_attention(const fa_cuda_params *p, uintptr_t stream_handl
     if (p->B == 0 || p->Hq == 0 || p->L == 0) return FA_OK;
     if (!p->q || !p->o || (p->S > 0 && (!p->k || !p->v)))
         FA_FAIL("q and o (and k, v when S > 0) must be device pointers");
-    const int64_t blocks_x = (p->Hq / p->Hk * p->L + BM - 1) / BM;
+    const int64_t blocks_x = (p->Hq / p->Hk * p->L + 15) / 16; /* at most 16 rows per block */
     if (blocks_x > 2147483647LL || p->Hk > 65535 || p->B > 65535)
         FA_FAIL("grid too large: %lld row blocks, Hk=%lld, B=%lld (limits 2^31-1, 65535, 65535)",
                 (long long)blocks_x, (long long)p->Hk, (long long)p->B);
     cudaError_t e;
     const cudaStream_t st = (cudaStream_t)stream_handle;
     const int qt = p->q_dtype, kt = p->kv_dtype;
-    if (qt == FA_F32 && kt == FA_F32) e = launch_dv<float, float>(p, st);
-    else if (qt == FA_F16 && kt == FA_F16) e = launch_dv<__half, __half>(p, st);
-    else if (qt == FA_BF16 && kt == FA_BF16) e = launch_dv<__nv_bfloat16, __nv_bfloat16>(p, st);
-    else if (qt == FA_F32 && kt == FA_F16) e = launch_dv<float, __half>(p, st);
-    else if (qt == FA_F32 && kt == FA_BF16) e = launch_dv<float, __nv_bfloat16>(p, st);
+    if (qt == FA_F32 && kt == FA_F32) e = launch_rows<float, float>(p, st);
+    else if (qt == FA_F16 && kt == FA_F16) e = launch_rows<__half, __half>(p, st);
+    else if (qt == FA_BF16 && kt == FA_BF16) e = launch_rows<__nv_bfloat16, __nv_bfloat16>(p, st);
+    else if (qt == FA_F32 && kt == FA_F16) e = launch_rows<float, __half>(p, st);
+    else if (qt == FA_F32 && kt == FA_BF16) e = launch_rows<float, __nv_bfloat16>(p, st);
     else FA_FAIL("unsupported dtype combination q=%d kv=%d", qt, kt);
     if (e != cudaSuccess) {
         snprintf(err, errlen, "CUDA error: %s", cudaGetErrorString(e));
