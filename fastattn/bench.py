@@ -13,7 +13,10 @@ median per implementation is reported.
 All libraries get the same thread count (``--threads``, default: all cores).  The
 machine's fp32 GEMM rate (NumPy ``sgemm`` 2048³) and its read bandwidth are
 measured in the same run; prefill throughput is shown as a percentage of the GEMM
-rate and decode throughput as a percentage of the bandwidth.
+rate.  Decode throughput is shown as a percentage of a plain read of the case's own
+K and V arrays (``kv-read``: the same threads OR-reduce them with NumPy), timed in the
+same interleaved rounds, so that both meet the same pages and the same moment of a
+shared machine's memory traffic.
 
 FLOPs count the visible (query, key) pairs exactly: ``4 · D · pairs`` with
 ``pairs`` the number of key positions each query row may see, summed (causal is
@@ -588,6 +591,31 @@ class _blas_limit:
             self.ctx.__exit__(*exc)
 
 
+def kv_reader(inp: Inputs, threads: int):
+    """The decode yardstick: a callable in which ``threads`` Python threads each
+    OR-reduce a share of the case's own K and V bytes (NumPy releases the GIL;
+    an integer reduction, so any dtype's bits are read alike at full speed)."""
+    shares: list = [[] for _ in range(threads)]
+    for a in (inp.k, inp.v):
+        flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)  # the arrays are contiguous: no copy
+        words = flat[: flat.size // 8 * 8].view(np.uint64)
+        for i, part in enumerate(np.array_split(words, threads)):
+            shares[i].append(part)
+
+    def read(parts):
+        for p in parts:
+            np.bitwise_or.reduce(p)
+
+    def run():
+        ts = [threading.Thread(target=read, args=(sh,)) for sh in shares]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+    return run
+
+
 IMPLS = [FastAttn, Torch, OrtMHA, OrtAttention, NumpyRef]
 
 
@@ -767,6 +795,14 @@ def run_case(case: Case, impls: list, args, log) -> list:
         number = max(1, min(100000, int(args.min_time / max(first, 1e-7))))
         # a call slower than the whole budget is timed once: its first call is the sample
         runners.append((rec, fn, number, [first] if first > args.budget else []))
+    read_times: list = []
+    if case.kind == "decode" and runners:
+        reader = kv_reader(inp, args.threads)
+        t0 = time.perf_counter()
+        reader()
+        first = time.perf_counter() - t0
+        number = max(1, int(args.min_time / max(first, 1e-7)))
+        runners.append(({"impl": "kv-read"}, reader, number, read_times))
     for _ in range(args.repeat):
         for _rec, fn, number, times in runners:
             if times and sum(times) * number > args.budget:  # slow peer: fewer rounds
@@ -777,8 +813,15 @@ def run_case(case: Case, impls: list, args, log) -> list:
                 fn()
             times.append((time.perf_counter() - t0) / number)
     fa = None
+    read_gbps = None
+    if read_times:
+        kv_bytes = _kv_bytes(case, _np_dtype(case.kv_dtype or args.dtype))
+        read_gbps = kv_bytes / statistics.median(read_times) / 1e9
+        runners.pop()
     for rec, _fn, _number, times in runners:
         rec["seconds"] = statistics.median(times)
+        if read_gbps is not None:
+            rec["read_gbps"] = read_gbps
         rec["seconds_min"] = min(times)
         rec["rounds"] = len(times)
         rec["gflops"] = flops / rec["seconds"] / 1e9
@@ -820,11 +863,11 @@ def print_case(case: Case, records: list, machine: dict, out) -> None:
             continue
         if case.kind == "decode":
             rate = f"{r['gbps']:7.1f} GB/s"
-            peak = machine.get("bandwidth_gbps")
+            peak = r.get("read_gbps") or machine.get("bandwidth_gbps")
         else:
             rate = f"{r['gflops']:7.1f} GFLOP/s"
             peak = machine.get("gemm_gflops")
-        what = "bw" if case.kind == "decode" else "gemm"
+        what = ("read" if r.get("read_gbps") else "bw") if case.kind == "decode" else "gemm"
         pct = (
             f"{100 * (r['gbps'] or r['gflops']) / peak:5.0f}% of {what:4s}"
             if peak and case.kind != "small"
@@ -839,6 +882,10 @@ def print_case(case: Case, records: list, machine: dict, out) -> None:
             )
         note = f"  [{r['note']}]" if r["note"] else ""
         print(f"  {r['impl']:11s} {_fmt_time(r['seconds'])}  {rate}  {pct}{ratio}{note}", file=out)
+    read = next((r["read_gbps"] for r in records if r.get("read_gbps")), None)
+    if read:
+        what = "(the same K and V read by the same threads)"
+        print(f"  {'kv-read':11s} {'':11s}  {read:7.1f} GB/s  {what}", file=out)
 
 
 def causal_summary(records: list, out) -> None:
@@ -877,7 +924,9 @@ def markdown_table(records: list, machine: dict) -> str:
             continue
         if fa["kind"] == "decode":
             rate = f"{fa['gbps']:.1f} GB/s"
-            if machine.get("bandwidth_gbps"):
+            if fa.get("read_gbps"):
+                rate += f" ({100 * fa['gbps'] / fa['read_gbps']:.0f}% of read)"
+            elif machine.get("bandwidth_gbps"):
                 rate += f" ({100 * fa['gbps'] / machine['bandwidth_gbps']:.0f}% bw)"
         elif fa["kind"] == "small":
             rate = "-"
