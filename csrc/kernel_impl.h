@@ -304,7 +304,20 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
 #undef FA_CALL_QKR
         } else {
             const int64_t np = (nj + NR - 1) / NR;
-            for (int64_t c = 0; c < np * NR; c++) {
+            int64_t c = 0;
+#if defined(FA_HAVE_PACK8)
+            /* Groups of 8 keys of a float32 K: 8 x 8 transposes (NR is a multiple of 8). */
+            if (p->k_dtype == FA_F32)
+                for (; c + 8 <= nj; c += 8) {
+                    const float *ks = (const float *)(kbase + (jt + c) * p->k_sl * ksz);
+                    REAL *kp = w.K + (c / NR) * D * NR + (c % NR);
+                    int64_t d = 0;
+                    for (; d + 8 <= D; d += 8) fa_pack8x8(ks + d, p->k_sl, kp + d * NR, NR);
+                    for (; d < D; d++)
+                        for (int u = 0; u < 8; u++) kp[d * NR + u] = ks[u * p->k_sl + d];
+                }
+#endif
+            for (; c < np * NR; c++) {
                 REAL *kp = w.K + (c / NR) * D * NR + (c % NR);
                 if (c < nj) {
                     const char *ks = kbase + (jt + c) * p->k_sl * ksz;
