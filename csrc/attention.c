@@ -159,13 +159,24 @@ int fa_attention(const fa_params *p)
     const int64_t base = p->B * p->Hk * nqb;
     if (base == 0) return FA_OK;
 
+    /* Split-KV over the longest valid key range (a KV cache padded to max_len
+     * with short sequences would otherwise get mostly empty parts).  It depends
+     * on the shapes and lengths only, never on the thread count. */
+    int64_t Seff = p->S;
+    if (p->k_lens || p->cu_k) {
+        Seff = 0;
+        for (int64_t b = 0; b < p->B; b++) {
+            int64_t sb = fa_batch_info(p, b).Sb;
+            if (sb > Seff) Seff = sb;
+        }
+    }
     int64_t nsplit = 1, chunk = p->S > 0 ? p->S : 1;
-    if (base < FA_SPLIT_TASKS && p->S >= 2 * FA_SPLIT_MIN_KEYS) {
+    if (base < FA_SPLIT_TASKS && Seff >= 2 * FA_SPLIT_MIN_KEYS) {
         nsplit = (FA_SPLIT_TASKS + base - 1) / base;
-        if (nsplit > p->S / FA_SPLIT_MIN_KEYS) nsplit = p->S / FA_SPLIT_MIN_KEYS;
+        if (nsplit > Seff / FA_SPLIT_MIN_KEYS) nsplit = Seff / FA_SPLIT_MIN_KEYS;
         int64_t bn = kern->block_keys;
-        chunk = ((p->S + nsplit - 1) / nsplit + bn - 1) / bn * bn;
-        nsplit = (p->S + chunk - 1) / chunk;
+        chunk = ((Seff + nsplit - 1) / nsplit + bn - 1) / bn * bn;
+        nsplit = (Seff + chunk - 1) / chunk;
     }
     const int64_t ntask = base * nsplit;
     const size_t esz = p->q_dtype == FA_F64 ? 8 : 4;

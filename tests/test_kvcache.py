@@ -91,6 +91,26 @@ def test_decode_long_cache_uses_split_kv(isa, rng):
         assert_close(cache.attend(q), expected_step(q, kr[:, :, : t + 1], vr[:, :, : t + 1]), np.float32)
 
 
+def test_split_kv_follows_valid_lengths_not_max_len(isa, rng):
+    # A cache padded far past its sequences splits like one cut at the longest valid
+    # length: the same split points, so bit-identical results at every thread count.
+    B, Hq, Hk, D, S = 2, 8, 2, 64, 8192
+    seqlens = np.array([1500, 700], dtype=np.int32)
+    kc, vc = randn(rng, (B, Hk, S, D)), randn(rng, (B, Hk, S, D))
+    q = randn(rng, (B, Hq, 1, D))
+    n = int(seqlens.max())
+    cut = awk(q, kc[:, :, :n].copy(), vc[:, :, :n].copy(), seqlens, num_threads=1)
+    for nt in (1, 2, 3):
+        np.testing.assert_array_equal(awk(q, kc, vc, seqlens, num_threads=nt), cut)
+    for b in range(B):
+        m = seqlens[b]
+        assert_close(
+            cut[b : b + 1],
+            expected_step(q[b : b + 1], kc[b : b + 1, :, :m], vc[b : b + 1, :, :m]),
+            np.float32,
+        )
+
+
 def test_attend_options_match_reference(rng):
     B, Hq, Hk, D, n = 2, 4, 2, 8, 30
     cache = KVCache(B, Hk, 64, D, dtype=np.float32)
