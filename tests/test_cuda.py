@@ -506,6 +506,132 @@ def test_gpu_unaligned_device_views(monkeypatch):
 
 
 # ---------------------------------------------------------------------------
+# GPU only: the tensor-core prefill path (fa_mma_kernel).  It runs for q, k, v
+# all float16 or all bfloat16, D == Dv in {64, 128}, no mask / ALiBi / softcap,
+# 16-byte aligned rows and Hq / Hk * L >= 64; FASTATTN_CUDA_MMA=0 (read by
+# attention.cu at each launch) sends the same calls to the CUDA-core kernel.
+
+
+def _mma(monkeypatch, on):
+    if on:
+        monkeypatch.delenv("FASTATTN_CUDA_MMA", raising=False)
+    else:
+        monkeypatch.setenv("FASTATTN_CUDA_MMA", "0")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("L,S", [(64, 64), (65, 127), (128, 1031), (1000, 1000), (1031, 65), (127, 128)])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", [np.float16, BF16])
+def test_gpu_mma_prefill(monkeypatch, dtype, D, L, S, causal):
+    """Sizes that are and are not multiples of the 64-row / 64-key tiles, self and cross
+    attention, bottom-right causal with L < S and L > S (the first L - S queries see
+    nothing: zeros, LSE -inf), against the reference; the CUDA-core kernel
+    (FASTATTN_CUDA_MMA=0) agrees within the same tolerance."""
+    _gpu_or_skip()
+    _splits(monkeypatch, None)
+    _mma(monkeypatch, True)
+    rng = np.random.default_rng(L * 7 + S + D)
+    q, k, v = (
+        _rand(rng, (2, 2, L, D), dtype),
+        _rand(rng, (2, 2, S, D), dtype),
+        _rand(rng, (2, 2, S, D), dtype),
+    )
+    out, lse = fcuda.scaled_dot_product_attention(q, k, v, is_causal=causal, return_lse=True)
+    ref, rlse = reference.scaled_dot_product_attention(q, k, v, is_causal=causal, return_lse=True)
+    assert out.dtype == np.dtype(dtype) and lse.dtype == np.float32
+    _check(out, ref, dtype)
+    _check_lse(lse, rlse)
+    if causal and L > S:
+        assert np.all(out[:, :, : L - S] == 0) and np.all(lse[:, :, : L - S] == -np.inf)
+    _mma(monkeypatch, False)
+    out0, lse0 = fcuda.scaled_dot_product_attention(q, k, v, is_causal=causal, return_lse=True)
+    _check(out0, ref, dtype)
+    _check(out0, out.astype(np.float64), dtype)
+    _check_lse(lse0, lse)
+    if L * S >= 64 * 1000:
+        # The two kernels round differently (P is rounded to the input dtype before P.V on
+        # tensor cores): identical outputs over this many elements would mean that the
+        # tensor-core path did not run.
+        assert not np.array_equal(out, out0)
+
+
+@pytest.mark.parametrize("splits", [None, "3"])
+@pytest.mark.parametrize("dtype", [np.float16, BF16])
+def test_gpu_mma_variants(monkeypatch, dtype, splits):
+    """GQA 8/2 (rows of 4 query heads stacked per kv head), windows, key lengths (one
+    batch element without keys), scale, return_lse, NaN poisoning, split-KV over the
+    tensor-core kernel (forced with "3")."""
+    _gpu_or_skip()
+    _splits(monkeypatch, splits)
+    _mma(monkeypatch, True)
+    rng = np.random.default_rng(21)
+    B, Hq, Hk, L, S, D = 3, 8, 2, 100, 300, 64
+    q, k, v = (
+        _rand(rng, (B, Hq, L, D), dtype),
+        _rand(rng, (B, Hk, S, D), dtype),
+        _rand(rng, (B, Hk, S, D), dtype),
+    )
+    klens = np.array([300, 131, 0])
+    for kw in (
+        dict(),
+        dict(is_causal=True),
+        dict(window=(40, 0)),
+        dict(window=(70, 3), scale=0.2),
+        dict(window=(-1, 5)),
+        dict(key_lengths=klens, is_causal=True),
+        dict(key_lengths=klens, window=(30, 30)),
+    ):
+        out, lse = fcuda.scaled_dot_product_attention(q, k, v, enable_gqa=True, return_lse=True, **kw)
+        ref, rlse = reference.scaled_dot_product_attention(q, k, v, enable_gqa=True, return_lse=True, **kw)
+        _check(out, ref, dtype)
+        _check_lse(lse, rlse)
+        if "key_lengths" in kw:
+            assert np.all(out[2] == 0) and np.all(lse[2] == -np.inf)
+    # causal, L < S: query i sees keys j <= i + 200; key 250 of kv head 1, batch 0 is seen
+    # by queries i >= 50 of query heads 4..7 only
+    kn = k.copy()
+    kn[0, 1, 250, 5] = np.nan
+    out, lse = fcuda.scaled_dot_product_attention(q, kn, v, is_causal=True, enable_gqa=True, return_lse=True)
+    ref, rlse = reference.scaled_dot_product_attention(
+        q, kn, v, is_causal=True, enable_gqa=True, return_lse=True
+    )
+    assert np.all(np.isnan(out[0, 4:, 50:])) and np.all(np.isnan(lse[0, 4:, 50:]))
+    assert np.all(np.isfinite(out[0, 4:, :50])) and np.all(np.isfinite(out[0, :4]))
+    assert np.all(np.isfinite(out[1:]))
+    _check(out, ref, dtype)
+    _check_lse(lse, rlse)
+    # FASTATTN_CUDA_MMA=0: the CUDA-core kernel gives the same results within tolerance
+    kw = dict(is_causal=True, key_lengths=klens, enable_gqa=True, return_lse=True)
+    out1, lse1 = fcuda.scaled_dot_product_attention(q, k, v, **kw)
+    _mma(monkeypatch, False)
+    out0, lse0 = fcuda.scaled_dot_product_attention(q, k, v, **kw)
+    _check(out0, out1.astype(np.float64), dtype)
+    _check_lse(lse0, lse1)
+
+
+def test_gpu_mma_strided_and_unaligned_views(monkeypatch):
+    """Prefill on torch views: rows 16-byte aligned with a padded row stride (tensor
+    cores) and rows not 16-byte aligned (CUDA-core fallback)."""
+    _gpu_or_skip()
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    _splits(monkeypatch, None)
+    _mma(monkeypatch, True)
+    rng = np.random.default_rng(22)
+    big = [_rand(rng, (1, 2, 150, 72), np.float16) for _ in range(3)]
+    for off in (0, 1, 8):
+        q, k, v = (a[..., off : off + 64] for a in big)
+        ref = reference.scaled_dot_product_attention(q, k, v, is_causal=True)
+        tq, tk, tv = (torch.from_numpy(a).cuda()[..., off : off + 64] for a in big)
+        o = torch.empty((1, 2, 150, 64), dtype=torch.float16, device="cuda")
+        fcuda.scaled_dot_product_attention(tq, tk, tv, is_causal=True, out=o)
+        torch.cuda.synchronize()
+        _check(o.cpu().numpy(), ref, np.float16)
+
+
+# ---------------------------------------------------------------------------
 # Device-array inputs (__cuda_array_interface__): emulated with host memory
 
 
