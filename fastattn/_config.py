@@ -1,5 +1,8 @@
 """Run-time knobs.  Each ``FASTATTN_*`` environment variable is read here
-and nowhere else; ``show_config()`` reports every one of them."""
+and nowhere else, except the CUDA launcher's escape hatches and test hooks
+(``FASTATTN_CUDA_MMA``, ``FASTATTN_CUDA_DECODE``, ``FASTATTN_CUDA_SPLITS``),
+which csrc/cuda/attention.cu reads at each launch so that they can change
+between calls; ``show_config()`` reports every one of them."""
 
 from __future__ import annotations
 
@@ -10,6 +13,9 @@ import sys
 from . import _build_config, _kernels
 
 __all__ = ["get_num_threads", "set_num_threads", "show_config", "get_isa", "set_isa", "config"]
+
+# Read by the CUDA launcher itself at each call (see the module docstring); reported here.
+_CUDA_LAUNCH_KNOBS = ("FASTATTN_CUDA_MMA", "FASTATTN_CUDA_DECODE", "FASTATTN_CUDA_SPLITS")
 
 _ENV_THREADS = os.environ.get("FASTATTN_NUM_THREADS")
 _ENV_ISA = os.environ.get("FASTATTN_ISA")
@@ -122,6 +128,7 @@ def config() -> dict:
         "cuda_requested (FASTATTN_CUDA)": _build_config.CUDA_REQUESTED,
         "cuda_built": cuda_built,
         "cuda_available": cuda_available,
+        **{k: os.environ.get(k) for k in _CUDA_LAUNCH_KNOBS},
     }
 
 

@@ -132,6 +132,14 @@ def test_show_config_reports_the_build_options(capsys):
         assert key in printed
 
 
+def test_show_config_reports_the_cuda_launch_knobs(monkeypatch):
+    monkeypatch.setenv("FASTATTN_CUDA_MMA", "0")
+    monkeypatch.delenv("FASTATTN_CUDA_SPLITS", raising=False)
+    cfg = _config.config()
+    assert cfg["FASTATTN_CUDA_MMA"] == "0" and cfg["FASTATTN_CUDA_SPLITS"] is None
+    assert "FASTATTN_CUDA_DECODE" in cfg
+
+
 # A cache kept between runs: a cold mypy run reads all of numpy's stubs
 # (~30-60 s on 2 busy cores); a warm one takes a few seconds.
 MYPY_CACHE = os.path.join(tempfile.gettempdir(), "fastattn-mypy-cache")
