@@ -506,6 +506,173 @@ def test_gpu_unaligned_device_views(monkeypatch):
 
 
 # ---------------------------------------------------------------------------
+# GPU only: the decode kernel (fa_decode_kernel).  It runs when a (batch, kv
+# head) has G * L <= 4 rows and the K / V rows are 16-byte aligned with D and
+# Dv whole 16-byte vectors; FASTATTN_CUDA_DECODE=0 (read by attention.cu at
+# each launch) sends the same calls to fa_fwd_kernel.
+
+
+def _decode(monkeypatch, on):
+    if on:
+        monkeypatch.delenv("FASTATTN_CUDA_DECODE", raising=False)
+    else:
+        monkeypatch.setenv("FASTATTN_CUDA_DECODE", "0")
+
+
+def _decode_case(rng, B, Hq, Hk, L, S, D, Dv, dtype, q_dtype=None):
+    q = _rand(rng, (B, Hq, L, D), q_dtype or dtype)
+    return q, _rand(rng, (B, Hk, S, D), dtype), _rand(rng, (B, Hk, S, Dv), dtype)
+
+
+@pytest.mark.parametrize("L", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16])
+@pytest.mark.parametrize("S", [1, 31, 257, 8192, 20000])
+def test_gpu_decode(monkeypatch, S, dtype, L):
+    """MHA rows of L <= 4 queries (causal, bottom-right: query i sees keys j <= i + S - L),
+    key lengths with a 0 (zeros, LSE -inf) and a short one, against the reference; the
+    automatic split of long key ranges included."""
+    _gpu_or_skip()
+    _splits(monkeypatch, None)
+    _decode(monkeypatch, True)
+    rng = np.random.default_rng(S * 10 + L)
+    H = 4 if S < 8192 else 2  # keeps the float64 reference cheap
+    q, k, v = _decode_case(rng, 3, H, H, L, S, 128, 128, dtype)
+    klens = np.array([S, max(S // 3, min(L, S)), 0])
+    for kw in (dict(key_lengths=klens), dict(key_lengths=klens, is_causal=True)):
+        out, lse = fcuda.scaled_dot_product_attention(q, k, v, return_lse=True, **kw)
+        ref, rlse = reference.scaled_dot_product_attention(q, k, v, return_lse=True, **kw)
+        assert out.dtype == np.dtype(dtype) and lse.dtype == np.float32
+        _check(out, ref, dtype)
+        _check_lse(lse, rlse)
+        assert np.all(out[2] == 0) and np.all(lse[2] == -np.inf)
+
+
+@pytest.mark.parametrize("splits", [None, "1", "5"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16])
+@pytest.mark.parametrize("S", [257, 8192])
+def test_gpu_decode_gqa(monkeypatch, S, dtype, splits):
+    """GQA 32/8 decode: the 4 query heads of a kv head are the 4 rows of one block."""
+    _gpu_or_skip()
+    _splits(monkeypatch, splits)
+    _decode(monkeypatch, True)
+    rng = np.random.default_rng(S + 3)
+    q, k, v = _decode_case(rng, 2, 32, 8, 1, S, 128, 128, dtype)
+    kw = dict(enable_gqa=True, key_lengths=np.array([S, S // 2 + 1]), return_lse=True)
+    out, lse = fcuda.scaled_dot_product_attention(q, k, v, **kw)
+    ref, rlse = reference.scaled_dot_product_attention(q, k, v, **kw)
+    _check(out, ref, dtype)
+    _check_lse(lse, rlse)
+
+
+@pytest.mark.parametrize("splits", [None, "3", "64"])
+@pytest.mark.parametrize("Hq,Hk,L", [(4, 4, 3), (4, 2, 2), (2, 2, 1), (8, 2, 1)])
+def test_gpu_decode_variants(monkeypatch, Hq, Hk, L, splits):
+    """Causal with L < S, windows, ALiBi + softcap, a bool mask that blocks whole chunks
+    (and one query entirely), float32 / float64 masks, key lengths, scale and NaN
+    poisoning through the decode kernel, split ("3"; "64": chunks of 32 keys) or not."""
+    _gpu_or_skip()
+    _splits(monkeypatch, splits)
+    _decode(monkeypatch, True)
+    rng = np.random.default_rng(Hq * 100 + Hk * 10 + L)
+    B, S, D, Dv = 2, 300, 64, 32
+    q, k, v = _decode_case(rng, B, Hq, Hk, L, S, D, Dv, np.float32)
+    bmask = rng.random((L, S)) < 0.7
+    bmask[:, 32:192] = False  # whole chunks see nothing
+    if L > 1:
+        bmask[1] = False  # query 1 sees no key at all
+    fmask = _rand(rng, (B, 1, L, S)) * 3.0
+    for kw in (
+        dict(is_causal=True),
+        dict(attn_mask=bmask, is_causal=True),
+        dict(attn_mask=bmask, window=(40, 0)),
+        dict(window=(5, 0), alibi_slopes=rng.random(Hq), softcap=4.0),
+        dict(alibi_slopes=rng.random((B, Hq)), softcap=2.5, is_causal=True, scale=0.3),
+        dict(attn_mask=fmask, key_lengths=np.array([300, 33]), is_causal=True),
+        dict(attn_mask=fmask.astype(np.float64), window=(70, 3), scale=0.2),
+        dict(window=(-1, 0), key_lengths=np.array([0, 150])),
+    ):
+        out, lse = fcuda.scaled_dot_product_attention(q, k, v, enable_gqa=True, return_lse=True, **kw)
+        ref, rlse = reference.scaled_dot_product_attention(q, k, v, enable_gqa=True, return_lse=True, **kw)
+        _check(out, ref, np.float32)
+        _check_lse(lse, rlse)
+    if L > 1:
+        out, lse = fcuda.scaled_dot_product_attention(
+            q, k, v, attn_mask=bmask, enable_gqa=True, return_lse=True
+        )
+        assert np.all(out[:, :, 1] == 0) and np.all(lse[:, :, 1] == -np.inf)
+    # NaN in key 299 of kv head 1, batch 0: with causal only the last query (position
+    # 299) sees it, so only the rows of that query in the query heads of kv head 1 are NaN
+    kn = k.copy()
+    kn[0, 1, 299] = np.nan
+    out, lse = fcuda.scaled_dot_product_attention(q, kn, v, is_causal=True, enable_gqa=True, return_lse=True)
+    ref, rlse = reference.scaled_dot_product_attention(
+        q, kn, v, is_causal=True, enable_gqa=True, return_lse=True
+    )
+    G = Hq // Hk
+    assert np.all(np.isnan(out[0, G : 2 * G, L - 1])) and np.all(np.isnan(lse[0, G : 2 * G, L - 1]))
+    assert np.all(np.isfinite(out[0, G : 2 * G, : L - 1])) and np.all(np.isfinite(out[0, :G]))
+    assert np.all(np.isfinite(out[1]))
+    _check(out, ref, np.float32)
+    _check_lse(lse, rlse)
+
+
+@pytest.mark.parametrize("splits", [None, "4"])
+@pytest.mark.parametrize(
+    "q_dtype,dtype,D,Dv",
+    [
+        (np.float16, np.float16, 64, 128),
+        (BF16, BF16, 128, 64),
+        (np.float16, np.float16, 256, 256),
+        (np.float32, np.float32, 256, 256),
+        (np.float32, np.float32, 64, 256),
+        (np.float32, np.float32, 4, 8),
+        (np.float16, np.float16, 8, 8),
+        (BF16, BF16, 16, 40),
+        (np.float32, np.float16, 128, 128),
+        (np.float32, BF16, 64, 96),
+    ],
+)
+def test_gpu_decode_head_dims_and_dtypes(monkeypatch, q_dtype, dtype, D, Dv, splits):
+    """Lane layouts: 1 to 32 lanes per key row, two 16-byte vectors per lane (fp32 rows
+    of 256 columns), D != Dv both ways, and float32 queries with 16-bit keys / values."""
+    _gpu_or_skip()
+    _splits(monkeypatch, splits)
+    _decode(monkeypatch, True)
+    rng = np.random.default_rng(D * 7 + Dv)
+    for Hq, Hk, L, S in ((2, 2, 1, 700), (8, 2, 1, 333), (2, 2, 4, 90)):
+        q, k, v = _decode_case(rng, 2, Hq, Hk, L, S, D, Dv, dtype, q_dtype)
+        kw = dict(is_causal=True, enable_gqa=True, return_lse=True, key_lengths=np.array([S, S - 7]))
+        out, lse = fcuda.scaled_dot_product_attention(q, k, v, **kw)
+        ref, rlse = reference.scaled_dot_product_attention(q, k, v, **kw)
+        assert out.dtype == np.dtype(q_dtype) and out.shape == (2, Hq, L, Dv)
+        _check(out, ref, q_dtype)
+        _check_lse(lse, rlse)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16])
+def test_gpu_decode_env_off(monkeypatch, dtype):
+    """FASTATTN_CUDA_DECODE=0 runs fa_fwd_kernel instead: same results within tolerance."""
+    _gpu_or_skip()
+    _splits(monkeypatch, None)
+    rng = np.random.default_rng(31)
+    q, k, v = _decode_case(rng, 1, 32, 8, 1, 8192, 128, 128, dtype)
+    kw = dict(enable_gqa=True, return_lse=True, alibi_slopes=rng.random(32) * 0.01)
+    ref, rlse = reference.scaled_dot_product_attention(q, k, v, **kw)
+    _decode(monkeypatch, True)
+    out1, lse1 = fcuda.scaled_dot_product_attention(q, k, v, **kw)
+    _decode(monkeypatch, False)
+    out0, lse0 = fcuda.scaled_dot_product_attention(q, k, v, **kw)
+    for out, lse in ((out1, lse1), (out0, lse0)):
+        _check(out, ref, dtype)
+        _check_lse(lse, rlse)
+    _check(out0, out1.astype(np.float64), dtype)
+    if dtype == np.float32:
+        # The two kernels sum in different orders: identical float32 outputs over
+        # 32 x 128 values of 8192 keys would mean that the decode kernel did not run.
+        assert not np.array_equal(out0, out1)
+
+
+# ---------------------------------------------------------------------------
 # GPU only: the tensor-core prefill path (fa_mma_kernel).  It runs for q, k, v
 # all float16 or all bfloat16, D == Dv in {64, 128}, no mask / ALiBi / softcap,
 # 16-byte aligned rows and Hq / Hk * L >= 64; FASTATTN_CUDA_MMA=0 (read by
