@@ -134,6 +134,15 @@ __device__ __forceinline__ float warp_sum(float x)
     return __shfl_sync(FULL, x, 0);
 }
 
+/* x with the mask element at offset mo applied (mask_kind != FA_MASK_NONE):
+ * bool False -> -inf (True = may attend), float32 / float64 added. */
+__device__ __forceinline__ float add_mask(const fa_cuda_params &p, float x, int64_t mo)
+{
+    if (p.mask_kind == FA_MASK_BOOL) return ((const unsigned char *)p.mask)[mo] ? x : -INFINITY;
+    if (p.mask_kind == FA_MASK_F32) return x + ((const float *)p.mask)[mo];
+    return (float)((double)x + ((const double *)p.mask)[mo]);
+}
+
 /* Visible key range [lo, hi) of the query at bottom-right position ip
  * (mask.h fa_row_range). */
 __device__ __forceinline__ void row_range(const fa_cuda_params &p, int64_t ip, int64_t Sb,
@@ -301,16 +310,7 @@ __device__ __forceinline__ void compute_tile(const fa_cuda_params &p, RowState<R
             float x = dot[k] * (float)p.scale;
             if (p.softcap != 0.0) x = (float)p.softcap * tanhf(x / (float)p.softcap);
             if (p.alibi) x -= st.slope[k] * (float)(ip > j ? ip - j : j - ip);
-            if (p.mask_kind != FA_MASK_NONE) {
-                const int64_t mo = st.mrow[k] + j * p.m_ss;
-                if (p.mask_kind == FA_MASK_BOOL) {
-                    if (!((const unsigned char *)p.mask)[mo]) x = -INFINITY;
-                } else if (p.mask_kind == FA_MASK_F32) {
-                    x += ((const float *)p.mask)[mo];
-                } else {
-                    x = (float)((double)x + ((const double *)p.mask)[mo]);
-                }
-            }
+            if (p.mask_kind != FA_MASK_NONE) x = add_mask(p, x, st.mrow[k] + j * p.m_ss);
             s = x;
         }
         if (__any_sync(FULL, s != s)) st.nan_row[k] = true;
@@ -760,16 +760,7 @@ __global__ void __launch_bounds__(DEC_THREADS) fa_decode_kernel(const fa_cuda_pa
                         const int64_t ip = sm_ip[k];
                         x -= sm_slope[k] * (float)(ip > j ? ip - j : j - ip);
                     }
-                    if (p.mask_kind != FA_MASK_NONE) {
-                        const int64_t mo = sm_mrow[k] + j * p.m_ss;
-                        if (p.mask_kind == FA_MASK_BOOL) {
-                            if (!((const unsigned char *)p.mask)[mo]) x = -INFINITY;
-                        } else if (p.mask_kind == FA_MASK_F32) {
-                            x += ((const float *)p.mask)[mo];
-                        } else {
-                            x = (float)((double)x + ((const double *)p.mask)[mo]);
-                        }
-                    }
+                    if (p.mask_kind != FA_MASK_NONE) x = add_mask(p, x, sm_mrow[k] + j * p.m_ss);
                 }
                 if (x != x) {
                     nanf[k] = true;
@@ -1383,6 +1374,51 @@ int64_t choose_splits(int64_t nblk, int64_t S, int nsm)
     return ns < 1 ? 1 : ns > MAX_SPLITS ? MAX_SPLITS : ns;
 }
 
+/* Plans a split into ns requested key chunks: the chunk is rounded up to whole
+ * tiles of `tile` keys (ns shrinks to match) and the (ns, B*Hq*L, Dv + 1)
+ * float workspace is taken from the pool on the launch stream.  Without a
+ * pool, with ns <= 1, a grid that would overflow (grid_rows row blocks per
+ * chunk) or a failed allocation, sp->ns stays 1: the call runs unsplit. */
+void plan_split(const fa_cuda_params *p, int64_t ns, int64_t tile, int64_t grid_rows, cudaMemPool_t pool,
+                cudaStream_t stream, fa_split *sp)
+{
+    sp->ns = 1;
+    sp->chunk = 0;
+    sp->nrows = p->B * p->Hq * p->L;
+    sp->part_o = nullptr;
+    sp->part_lse = nullptr;
+    if (!pool || ns <= 1) return;
+    const int64_t chunk = ((p->S + ns - 1) / ns + tile - 1) / tile * tile;
+    ns = (p->S + chunk - 1) / chunk;
+    if (ns <= 1 || grid_rows * ns > 2147483647LL || (sp->nrows + NWARPS - 1) / NWARPS > 2147483647LL) return;
+    void *ws = nullptr;
+    const size_t bytes = sizeof(float) * (size_t)ns * (size_t)sp->nrows * (size_t)(p->Dv + 1);
+    if (cudaMallocFromPoolAsync(&ws, bytes, pool, stream) != cudaSuccess) {
+        (void)cudaGetLastError(); /* no workspace: run unsplit */
+        return;
+    }
+    sp->ns = (int)ns;
+    sp->chunk = chunk;
+    sp->part_o = (float *)ws;
+    sp->part_lse = sp->part_o + ns * sp->nrows * p->Dv;
+}
+
+/* After the launch of a planned split (e: its launch status): merges the
+ * chunks when it succeeded and frees the workspace, stream-ordered after the
+ * merge.  Returns the first error. */
+template <typename TQ>
+cudaError_t finish_split(const fa_cuda_params *p, const fa_split &sp, cudaError_t e, cudaStream_t stream)
+{
+    if (sp.ns <= 1) return e;
+    if (e == cudaSuccess) {
+        const unsigned nb = (unsigned)((sp.nrows + NWARPS - 1) / NWARPS);
+        fa_merge_kernel<TQ><<<nb, THREADS, 0, stream>>>(*p, sp);
+        e = cudaGetLastError();
+    }
+    const cudaError_t ef = cudaFreeAsync(sp.part_o, stream);
+    return e == cudaSuccess ? ef : e;
+}
+
 /* May the 16-byte loader read K and V?  Every row start must be 16-byte
  * aligned (base pointer, and strides of dims that are not of size 1, in
  * whole vectors) and a 32-key tile must fit in the NV vectors per thread. */
@@ -1403,34 +1439,13 @@ cudaError_t launch(const fa_cuda_params *p, cudaStream_t stream)
 {
     constexpr int BM = NWARPS * RPW;
     const int64_t nrb = (p->Hq / p->Hk * p->L + BM - 1) / BM;
-    fa_split sp;
-    sp.ns = 1;
-    sp.vec = vec_ok<TKV>(p, nvec_for<TKV>(DVL)) ? 1 : 0;
-    sp.chunk = 0;
-    sp.nrows = p->B * p->Hq * p->L;
-    sp.part_o = nullptr;
-    sp.part_lse = nullptr;
-
     int nsm;
     cudaMemPool_t pool;
     device_state(&nsm, &pool);
-    int64_t ns = (pool && p->S > BN) ? choose_splits(nrb * p->Hk * p->B, p->S, nsm) : 1;
-    if (ns > 1) {
-        const int64_t chunk = ((p->S + ns - 1) / ns + BN - 1) / BN * BN;
-        ns = (p->S + chunk - 1) / chunk;
-        if (ns > 1 && nrb * ns <= 2147483647LL && (sp.nrows + NWARPS - 1) / NWARPS <= 2147483647LL) {
-            void *ws = nullptr;
-            const size_t bytes = sizeof(float) * (size_t)ns * (size_t)sp.nrows * (size_t)(p->Dv + 1);
-            if (cudaMallocFromPoolAsync(&ws, bytes, pool, stream) == cudaSuccess) {
-                sp.ns = (int)ns;
-                sp.chunk = chunk;
-                sp.part_o = (float *)ws;
-                sp.part_lse = sp.part_o + ns * sp.nrows * p->Dv;
-            } else {
-                (void)cudaGetLastError(); /* no workspace: run unsplit */
-            }
-        }
-    }
+    fa_split sp;
+    plan_split(p, (pool && p->S > BN) ? choose_splits(nrb * p->Hk * p->B, p->S, nsm) : 1, BN, nrb, pool,
+               stream, &sp);
+    sp.vec = vec_ok<TKV>(p, nvec_for<TKV>(DVL)) ? 1 : 0;
 
     const size_t smem = sizeof(float) * smem_floats(RPW, (int)p->D, (int)p->Dv);
     cudaError_t e = cudaFuncSetAttribute(fa_fwd_kernel<TQ, TKV, RPW, DVL>,
@@ -1440,16 +1455,7 @@ cudaError_t launch(const fa_cuda_params *p, cudaStream_t stream)
         fa_fwd_kernel<TQ, TKV, RPW, DVL><<<grid, THREADS, smem, stream>>>(*p, sp);
         e = cudaGetLastError();
     }
-    if (sp.ns > 1) {
-        if (e == cudaSuccess) {
-            const unsigned nb = (unsigned)((sp.nrows + NWARPS - 1) / NWARPS);
-            fa_merge_kernel<TQ><<<nb, THREADS, 0, stream>>>(*p, sp);
-            e = cudaGetLastError();
-        }
-        const cudaError_t ef = cudaFreeAsync(sp.part_o, stream); /* stream-ordered: after the merge */
-        if (e == cudaSuccess) e = ef;
-    }
-    return e;
+    return finish_split<TQ>(p, sp, e, stream);
 }
 
 template <typename TQ, typename TKV, int RPW>
@@ -1521,14 +1527,6 @@ bool decode_applies(const fa_cuda_params *p)
 template <typename TQ, typename TKV, int RMAX, int NV>
 cudaError_t launch_decode(const fa_cuda_params *p, cudaStream_t stream)
 {
-    fa_split sp;
-    sp.ns = 1;
-    sp.vec = 1; /* unused by fa_decode_kernel */
-    sp.chunk = 0;
-    sp.nrows = p->B * p->Hq * p->L;
-    sp.part_o = nullptr;
-    sp.part_lse = nullptr;
-
     /* <= 4 warps * 4 rows * 256 columns * 4 bytes = 16 KiB: below the 48 KiB default */
     const size_t smem = sizeof(float) * (size_t)DEC_WARPS * RMAX * (size_t)p->Dv;
     int nsm, occ = 0;
@@ -1539,37 +1537,15 @@ cudaError_t launch_decode(const fa_cuda_params *p, cudaStream_t stream)
         (void)cudaGetLastError();
         occ = 0; /* unknown: no automatic split */
     }
-    int64_t ns = (pool && p->S > BN) ? choose_decode_splits(p->Hk * p->B, p->S, nsm, occ) : 1;
-    if (ns > 1) {
-        const int64_t chunk = ((p->S + ns - 1) / ns + BN - 1) / BN * BN; /* whole 32-key multiples */
-        ns = (p->S + chunk - 1) / chunk;
-        if (ns > 1 && (sp.nrows + NWARPS - 1) / NWARPS <= 2147483647LL) {
-            void *ws = nullptr;
-            const size_t bytes = sizeof(float) * (size_t)ns * (size_t)sp.nrows * (size_t)(p->Dv + 1);
-            if (cudaMallocFromPoolAsync(&ws, bytes, pool, stream) == cudaSuccess) {
-                sp.ns = (int)ns;
-                sp.chunk = chunk;
-                sp.part_o = (float *)ws;
-                sp.part_lse = sp.part_o + ns * sp.nrows * p->Dv;
-            } else {
-                (void)cudaGetLastError(); /* no workspace: run unsplit */
-            }
-        }
-    }
+    fa_split sp; /* chunks of whole 32-key multiples; the grid has one block per chunk */
+    plan_split(p, (pool && p->S > BN) ? choose_decode_splits(p->Hk * p->B, p->S, nsm, occ) : 1, BN, 1, pool,
+               stream, &sp);
+    sp.vec = 1; /* unused by fa_decode_kernel */
 
     const dim3 grid((unsigned)sp.ns, (unsigned)p->Hk, (unsigned)p->B);
     fa_decode_kernel<TQ, TKV, RMAX, NV><<<grid, DEC_THREADS, smem, stream>>>(*p, sp);
     cudaError_t e = cudaGetLastError();
-    if (sp.ns > 1) {
-        if (e == cudaSuccess) {
-            const unsigned nb = (unsigned)((sp.nrows + NWARPS - 1) / NWARPS);
-            fa_merge_kernel<TQ><<<nb, THREADS, 0, stream>>>(*p, sp);
-            e = cudaGetLastError();
-        }
-        const cudaError_t ef = cudaFreeAsync(sp.part_o, stream); /* stream-ordered: after the merge */
-        if (e == cudaSuccess) e = ef;
-    }
-    return e;
+    return finish_split<TQ>(p, sp, e, stream);
 }
 
 /* NV = 2 vectors per lane only when a row has more than 32 of them (fp32
@@ -1650,34 +1626,13 @@ template <typename T, int D>
 cudaError_t launch_mma(const fa_cuda_params *p, cudaStream_t stream)
 {
     const int64_t nrb = (p->Hq / p->Hk * p->L + MMA_BM - 1) / MMA_BM;
-    fa_split sp;
-    sp.ns = 1;
-    sp.vec = 1; /* unused by fa_mma_kernel */
-    sp.chunk = 0;
-    sp.nrows = p->B * p->Hq * p->L;
-    sp.part_o = nullptr;
-    sp.part_lse = nullptr;
-
     int nsm, major;
     cudaMemPool_t pool;
     device_state(&nsm, &pool, &major);
-    int64_t ns = (pool && p->S > MMA_BN) ? choose_splits(nrb * p->Hk * p->B, p->S, nsm) : 1;
-    if (ns > 1) {
-        const int64_t chunk = ((p->S + ns - 1) / ns + MMA_BN - 1) / MMA_BN * MMA_BN;
-        ns = (p->S + chunk - 1) / chunk;
-        if (ns > 1 && nrb * ns <= 2147483647LL && (sp.nrows + NWARPS - 1) / NWARPS <= 2147483647LL) {
-            void *ws = nullptr;
-            const size_t bytes = sizeof(float) * (size_t)ns * (size_t)sp.nrows * (size_t)(p->Dv + 1);
-            if (cudaMallocFromPoolAsync(&ws, bytes, pool, stream) == cudaSuccess) {
-                sp.ns = (int)ns;
-                sp.chunk = chunk;
-                sp.part_o = (float *)ws;
-                sp.part_lse = sp.part_o + ns * sp.nrows * p->Dv;
-            } else {
-                (void)cudaGetLastError(); /* no workspace: run unsplit */
-            }
-        }
-    }
+    fa_split sp;
+    plan_split(p, (pool && p->S > MMA_BN) ? choose_splits(nrb * p->Hk * p->B, p->S, nsm) : 1, MMA_BN, nrb,
+               pool, stream, &sp);
+    sp.vec = 1; /* unused by fa_mma_kernel */
 
     const size_t smem = mma_smem_bytes<D>();
     cudaError_t e = cudaFuncSetAttribute(fa_mma_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1687,16 +1642,7 @@ cudaError_t launch_mma(const fa_cuda_params *p, cudaStream_t stream)
         fa_mma_kernel<T, D><<<grid, THREADS, smem, stream>>>(*p, sp);
         e = cudaGetLastError();
     }
-    if (sp.ns > 1) {
-        if (e == cudaSuccess) {
-            const unsigned nb = (unsigned)((sp.nrows + NWARPS - 1) / NWARPS);
-            fa_merge_kernel<T><<<nb, THREADS, 0, stream>>>(*p, sp);
-            e = cudaGetLastError();
-        }
-        const cudaError_t ef = cudaFreeAsync(sp.part_o, stream); /* stream-ordered: after the merge */
-        if (e == cudaSuccess) e = ef;
-    }
-    return e;
+    return finish_split<T>(p, sp, e, stream);
 }
 
 template <typename T>
