@@ -569,20 +569,25 @@ class NumpyRef(Impl):
 
 
 class _blas_limit:
-    """threadpoolctl limit on BLAS threads, when threadpoolctl is installed."""
+    """threadpoolctl limit on BLAS threads, when threadpoolctl is installed.  The
+    controller (which scans the loaded libraries, ~3 ms; NumPy's BLAS is loaded
+    before the first limit) is made once, so that a limit costs ~0.05 ms and can
+    sit inside a timed call."""
 
-    _cache: dict = {}
+    _controller = None
 
     def __init__(self, n):
         self.n = n
         self.ctx = None
 
     def __enter__(self):
-        try:
-            from threadpoolctl import threadpool_limits
-        except ImportError:
-            return self
-        self.ctx = threadpool_limits(limits=self.n, user_api="blas")
+        if _blas_limit._controller is None:
+            try:
+                from threadpoolctl import ThreadpoolController
+            except ImportError:
+                return self
+            _blas_limit._controller = ThreadpoolController()
+        self.ctx = _blas_limit._controller.limit(limits=self.n, user_api="blas")
         self.ctx.__enter__()
         return self
 
@@ -609,32 +614,25 @@ def kv_reader(inp: Inputs, threads: int):
         if words.size > rows * 4096:
             shares[-1].append(words[rows * 4096 :].reshape(1, -1))
     ones = np.ones(4096, dtype=np.float32)
-    try:
-        from threadpoolctl import ThreadpoolController
-
-        controller = ThreadpoolController()
-    except ImportError:
-        controller = None
 
     def read(parts):
         for p in parts:
             p @ ones[: p.shape[1]]
 
     def run():
-        ts = [threading.Thread(target=read, args=(sh,)) for sh in shares]
-        if controller is None:
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join()
-            return
-        with controller.limit(limits=1, user_api="blas"):
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join()
+        with _blas_limit(1):
+            _in_threads(read, shares)
 
     return run
+
+
+def _in_threads(fn, parts) -> None:
+    """fn(part) for every part, each in its own thread; returns when all are done."""
+    ts = [threading.Thread(target=fn, args=(p,)) for p in parts]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
 
 
 IMPLS = [FastAttn, Torch, OrtMHA, OrtAttention, NumpyRef]
@@ -687,12 +685,8 @@ def measure_bandwidth(threads: int, nbytes: int = 1 << 30, repeat: int = 3) -> f
     best = math.inf
 
     def go(fn):
-        ts = [threading.Thread(target=fn, args=(p,)) for p in parts]
         t0 = time.perf_counter()
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+        _in_threads(fn, parts)
         return time.perf_counter() - t0
 
     with _blas_limit(1):
@@ -756,6 +750,11 @@ def check(fn, inp: Inputs, ref: np.ndarray) -> float:
     return float(np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30))
 
 
+def _calls_per_sample(first: float, args) -> int:
+    """Calls timed together per sample so that one sample lasts about args.min_time."""
+    return max(1, min(100000, int(args.min_time / max(first, 1e-7))))
+
+
 def run_case(case: Case, impls: list, args, log) -> list:
     """Check, then time every implementation of one case; returns records."""
     inp = make_inputs(case, args.dtype)
@@ -813,17 +812,15 @@ def run_case(case: Case, impls: list, args, log) -> list:
             rec.update(status="failed", note=f"{type(e).__name__}: {str(e).splitlines()[0][:100]}")
             continue
         rec["note"] = impl.note
-        number = max(1, min(100000, int(args.min_time / max(first, 1e-7))))
         # a call slower than the whole budget is timed once: its first call is the sample
-        runners.append((rec, fn, number, [first] if first > args.budget else []))
+        runners.append((rec, fn, _calls_per_sample(first, args), [first] if first > args.budget else []))
     read_times: list = []
     if case.kind == "decode" and runners:
         reader = kv_reader(inp, args.threads)
         t0 = time.perf_counter()
         reader()
         first = time.perf_counter() - t0
-        number = max(1, int(args.min_time / max(first, 1e-7)))
-        runners.append(({"impl": "kv-read"}, reader, number, read_times))
+        runners.append(({"impl": "kv-read"}, reader, _calls_per_sample(first, args), read_times))
     for _ in range(args.repeat):
         for _rec, fn, number, times in runners:
             if times and sum(times) * number > args.budget:  # slow peer: fewer rounds

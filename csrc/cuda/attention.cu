@@ -1361,17 +1361,21 @@ void device_state(int *nsm, cudaMemPool_t *pool, int *major = nullptr)
  * blocks per SM with at least MIN_SPLIT_KEYS keys per chunk.  The
  * environment variable FASTATTN_CUDA_SPLITS=N forces N (a test hook, so that
  * the split path runs on small shapes; 1 disables splitting). */
+int64_t clamp_splits(int64_t ns) { return ns < 1 ? 1 : ns > MAX_SPLITS ? MAX_SPLITS : ns; }
+
+/* FASTATTN_CUDA_SPLITS as a split count in [1, MAX_SPLITS], or 0 when unset
+ * (read at each launch). */
+int64_t forced_splits()
+{
+    const char *env = getenv("FASTATTN_CUDA_SPLITS");
+    return env && *env ? clamp_splits(strtoll(env, nullptr, 10)) : 0;
+}
+
 int64_t choose_splits(int64_t nblk, int64_t S, int nsm)
 {
-    int64_t ns;
-    const char *env = getenv("FASTATTN_CUDA_SPLITS");
-    if (env && *env) {
-        ns = strtoll(env, nullptr, 10);
-    } else {
-        if (nsm <= 0 || nblk >= 2 * (int64_t)nsm) return 1;
-        ns = min((4 * (int64_t)nsm + nblk - 1) / nblk, S / MIN_SPLIT_KEYS);
-    }
-    return ns < 1 ? 1 : ns > MAX_SPLITS ? MAX_SPLITS : ns;
+    if (const int64_t f = forced_splits()) return f;
+    if (nsm <= 0 || nblk >= 2 * (int64_t)nsm) return 1;
+    return clamp_splits(min((4 * (int64_t)nsm + nblk - 1) / nblk, S / MIN_SPLIT_KEYS));
 }
 
 /* Plans a split into ns requested key chunks: the chunk is rounded up to whole
@@ -1487,8 +1491,7 @@ bool env_is_zero(const char *name)
  * FASTATTN_CUDA_SPLITS=N forces N, as for the other kernels. */
 int64_t choose_decode_splits(int64_t nblk, int64_t S, int nsm, int occ)
 {
-    const char *env = getenv("FASTATTN_CUDA_SPLITS");
-    if (env && *env) return choose_splits(nblk, S, nsm);
+    if (const int64_t f = forced_splits()) return f;
     if (nsm <= 0 || occ <= 0 || nblk <= 0) return 1;
     const int64_t slots = (int64_t)occ * nsm;
     const int64_t cap = min(S / DEC_MIN_CHUNK, (int64_t)MAX_SPLITS);
