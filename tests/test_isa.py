@@ -41,6 +41,28 @@ def test_decode_split_kv(isa, rng):
     check_sdpa(q, k, v)
 
 
+# A single query row read in place takes 512-key tiles with whole-row V accumulators
+# (head dims of 4, 8, 12 or 16 vectors): probe tile-1, tile, tile+1 and several tiles.
+@pytest.mark.parametrize("S", [1, 511, 512, 513, 1300])
+@pytest.mark.parametrize("D,Dv", [(32, 32), (64, 64), (96, 96), (128, 128), (256, 128), (64, 80)])
+def test_single_row_long_tiles(isa, rng, S, D, Dv):
+    q, k, v = randn(rng, (1, 3, 1, D)), randn(rng, (1, 3, S, D)), randn(rng, (1, 3, S, Dv))
+    check_sdpa(q, k, v)
+
+
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+@pytest.mark.parametrize("opts", [{}, {"window": (700, 0), "is_causal": True}, {"softcap": 5.0},
+                                  {"alibi_slopes": [0.01, 0.02, 0.005]}, {"key_lengths": [1029, 3]}])
+def test_single_row_long_tiles_options(isa, rng, dt, opts):
+    from fastattn import reference as ref
+
+    dtype = np.dtype(np.float16) if dt == "float16" else np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
+    B = 2 if "key_lengths" in opts else 1
+    q = randn(rng, (B, 3, 1, 128))
+    k, v = (randn(rng, (B, 3, 1537, 128)).astype(dtype) for _ in range(2))
+    assert_close(sdpa(q, k, v, **opts), ref.scaled_dot_product_attention(q, k, v, **opts), np.float32)
+
+
 @pytest.mark.parametrize("dt", ["float16", "bfloat16"])
 def test_16bit_conversion(isa, rng, dt):
     from fastattn import reference as ref
