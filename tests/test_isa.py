@@ -41,8 +41,9 @@ def test_decode_split_kv(isa, rng):
     check_sdpa(q, k, v)
 
 
-# A single query row read in place takes 512-key tiles with whole-row V accumulators
-# (head dims of 4, 8, 12 or 16 vectors): probe tile-1, tile, tile+1 and several tiles.
+# Up to 4 stacked rows (GQA heads x query positions) read K and V in place with
+# 512-key tiles (one row: whole-row V accumulators for 4, 8, 12 or 16 vectors):
+# probe tile-1, tile, tile+1 and several tiles.
 @pytest.mark.parametrize("S", [1, 511, 512, 513, 1300])
 @pytest.mark.parametrize("D,Dv", [(32, 32), (64, 64), (96, 96), (128, 128), (256, 128), (64, 80)])
 def test_single_row_long_tiles(isa, rng, S, D, Dv):
@@ -50,17 +51,29 @@ def test_single_row_long_tiles(isa, rng, S, D, Dv):
     check_sdpa(q, k, v)
 
 
+@pytest.mark.parametrize("S", [2, 511, 513, 1300])
+@pytest.mark.parametrize("G,L", [(2, 1), (3, 1), (4, 1), (1, 3), (2, 2)])
+@pytest.mark.parametrize("Dv", [64, 72])
+def test_few_rows_long_tiles(isa, rng, S, G, L, Dv):
+    q, k, v = randn(rng, (1, 2 * G, L, 64)), randn(rng, (1, 2, S, 64)), randn(rng, (1, 2, S, Dv))
+    check_sdpa(q, k, v, is_causal=L > 1, enable_gqa=True)
+
+
 @pytest.mark.parametrize("dt", ["float16", "bfloat16"])
 @pytest.mark.parametrize("opts", [{}, {"window": (700, 0), "is_causal": True}, {"softcap": 5.0},
-                                  {"alibi_slopes": [0.01, 0.02, 0.005]}, {"key_lengths": [1029, 3]}])
+                                  {"alibi_slopes": "per-head"}, {"key_lengths": [1029, 3]}])
 def test_single_row_long_tiles_options(isa, rng, dt, opts):
     from fastattn import reference as ref
 
     dtype = np.dtype(np.float16) if dt == "float16" else np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
     B = 2 if "key_lengths" in opts else 1
-    q = randn(rng, (B, 3, 1, 128))
-    k, v = (randn(rng, (B, 3, 1537, 128)).astype(dtype) for _ in range(2))
-    assert_close(sdpa(q, k, v, **opts), ref.scaled_dot_product_attention(q, k, v, **opts), np.float32)
+    for G in (1, 4):
+        if opts.get("alibi_slopes") is not None:
+            opts = {"alibi_slopes": np.linspace(0.005, 0.02, 3 * G)}  # one row; four stacked GQA rows
+        q = randn(rng, (B, 3 * G, 1, 128))
+        k, v = (randn(rng, (B, 3, 1537, 128)).astype(dtype) for _ in range(2))
+        o = sdpa(q, k, v, enable_gqa=True, **opts)
+        assert_close(o, ref.scaled_dot_product_attention(q, k, v, enable_gqa=True, **opts), np.float32)
 
 
 @pytest.mark.parametrize("dt", ["float16", "bfloat16"])
