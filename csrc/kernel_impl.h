@@ -21,9 +21,12 @@
 #define FA_PF_KEYS 16 /* decode: prefetch distance in keys */
 /* Keys per tile for a single query row whose K and V are read in place (the
  * usual decode step): one long tile streams K, then V, then the next K, each
- * pass reading its rows in address order (measured on Zen 3, B1 H32 S8192
- * D128 float32, 2 threads: 26 -> 31 GB/s against 64-key tiles).  The S
- * scratch (BMR x BN) holds it as one row. */
+ * pass reading its rows in address order, the output row held in registers
+ * (interleaved A/B on Zen 3, B1 H32 S8192 D128 float32: +10% on 2 threads,
+ * +15% on 1, against 64-key tiles with V read in column blocks).  The S
+ * scratch (BMR x BN) holds it as one row.  Tried for 2-4 stacked GQA rows with
+ * P.V one key at a time and O in L1: +3% float32, 15-30% slower float16, so
+ * those keep 64-key tiles. */
 #define FA_ROW_TN 512
 
 /* Prefetch the n bytes at p (one row), one line per instruction. */
@@ -230,36 +233,6 @@ FA_INLINE void FA_NAME(pv_row1)(int nv, int vdt, const REAL *P, int64_t nj, cons
     for (int v = 0; v < nv; v++) vf_store(O + v * VW, acc[v]);
 }
 
-/* Few rows: O[r] += sum_j P[r][j] V[j] one key at a time, O (nr x Dvp, in L1)
- * loaded and stored per key, so that V is read row after row, in address
- * order; continues the tile's prefetch stream as pv_row1 does.  (Blocks of
- * columns over chunks of keys read V column-block-wise: measured 23 -> 32
- * GB/s for B1 H32/8 S8192 D128 float32 on Zen 3, 2 threads.) */
-FA_INLINE void FA_NAME(pv_seq)(int nr, int vdt, const REAL *P, int64_t ldp, int64_t nj, const void *V,
-                               int64_t ldv, REAL *O, int64_t Dvp, const fa_stream *st)
-{
-    for (int64_t j = 0; j < nj; j++) {
-        const int64_t t = j + FA_PF_KEYS;
-        if (t < nj) FA_PREFETCH_ROW(st->v + t * st->vld, st->vrow, 3);
-        else if (t < st->nk) FA_PREFETCH_ROW(st->k + t * st->kld, st->krow, 3);
-        vf pr[RD];
-        for (int r = 0; r < nr; r++) pr[r] = vf_set1(P[r * ldp + j]);
-        int64_t c = 0;
-        for (; c + 2 * VW <= Dvp; c += 2 * VW) {
-            vf v0 = FA_NAME(ld)(V, vdt, j * ldv + c), v1 = FA_NAME(ld)(V, vdt, j * ldv + c + VW);
-            for (int r = 0; r < nr; r++) {
-                REAL *o = O + r * Dvp + c;
-                vf_store(o, vf_fma(pr[r], v0, vf_load(o)));
-                vf_store(o + VW, vf_fma(pr[r], v1, vf_load(o + VW)));
-            }
-        }
-        if (c < Dvp) {
-            vf v0 = FA_NAME(ld)(V, vdt, j * ldv + c);
-            for (int r = 0; r < nr; r++) vf_store(O + r * Dvp + c, vf_fma(pr[r], v0, vf_load(O + r * Dvp + c)));
-        }
-    }
-}
-
 /* Few rows (decode): O[r] += sum_j P[r][j] V[j], column blocks of cb vectors,
  * keys in chunks of 32 so that a chunk of V stays in L1 across the blocks. */
 FA_INLINE void FA_NAME(pv_rows)(int nr, int vdt, const REAL *P, int64_t ldp, int64_t nj,
@@ -342,9 +315,9 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
     /* A single row read in place takes long tiles (FA_ROW_TN) with one prefetch
      * stream; TN is also the row stride of S. */
     const int64_t nvo = Dvp / VW;
-    const int stream = rowdot && kfuse && vfuse && RD * FA_ROW_TN <= BMR * BN;
-    const int row1 = stream && R == 1 && (nvo == 4 || nvo == 8 || nvo == 12 || nvo == 16);
-    const int64_t TN = stream ? FA_ROW_TN : BN;
+    const int row1 = R == 1 && rowdot && kfuse && vfuse && FA_ROW_TN <= BMR * BN &&
+                     (nvo == 4 || nvo == 8 || nvo == 12 || nvo == 16);
+    const int64_t TN = row1 ? FA_ROW_TN : BN;
     for (int64_t jt = jlo; jt < jhi; jt += TN) {
         const int64_t nj = fa_min64(TN, jhi - jt), njp = fa_rup(nj, VW);
         const fa_stream st = { kbase + jt * p->k_sl * ksz, vbase + jt * p->v_sl * vsz, p->k_sl * ksz,
@@ -372,7 +345,7 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
                 kdt = self_dt;
             }
 #define FA_CALL_QKR(n, dt) FA_NAME(qk_rows)((n) <= RD ? (n) : RD, dt, w.Qs, Dp, kr, ldk, nj, w.S, TN, \
-                                                    vpf, p->v_sl * vsz, Dv * vsz, stream ? &st : NULL)
+                                                    vpf, p->v_sl * vsz, Dv * vsz, row1 ? &st : NULL)
 #define FA_CALL_QKR_DT(n) \
             if (kdt == FA_F16) FA_CALL_QKR(n, FA_F16); else if (kdt == FA_BF16) FA_CALL_QKR(n, FA_BF16); \
             else FA_CALL_QKR(n, self_dt)
@@ -496,17 +469,6 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
                            case 12: FA_CALL_PV1R_DT(12); break; default: FA_CALL_PV1R_DT(16); break; }
 #undef FA_CALL_PV1R_DT
 #undef FA_CALL_PV1R
-            continue;
-        }
-        if (stream) {
-#define FA_CALL_PVS(n, dt) FA_NAME(pv_seq)(n, dt, w.S, TN, nj, st.v, ldv, w.O, Dvp, &st)
-#define FA_CALL_PVS_DT(n) \
-            if (p->v_dtype == FA_F16) FA_CALL_PVS(n, FA_F16); else if (p->v_dtype == FA_BF16) FA_CALL_PVS(n, FA_BF16); \
-            else FA_CALL_PVS(n, self_dt)
-            switch (R) { case 1: FA_CALL_PVS_DT(1); break; case 2: FA_CALL_PVS_DT(2); break;
-                         case 3: FA_CALL_PVS_DT(3); break; default: FA_CALL_PVS_DT(4); break; }
-#undef FA_CALL_PVS_DT
-#undef FA_CALL_PVS
             continue;
         }
         if (rowdot && vfuse) {
