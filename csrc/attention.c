@@ -22,6 +22,7 @@
 /* Split the keys when there are fewer tasks than this (shape-only rule). */
 #define FA_SPLIT_TASKS 16
 #define FA_SPLIT_MIN_KEYS 512
+#define FA_LONG_L 1024 /* query length from which tasks take block_rows rows */
 /* Calls with less work than this (multiply-adds) run on the calling thread:
  * starting a thread team costs more than it saves.  Tasks do not depend on
  * the thread count, so neither do the results. */
@@ -152,7 +153,10 @@ int fa_attention(const fa_params *p)
 {
     const fa_kernel *kern = fa_select_kernel(p);
     const int64_t G = p->Hq / p->Hk;
-    int64_t bmq = kern->block_rows / G;
+    /* Long sequences with D, Dv <= 128 take the kernel's larger row block. */
+    const int64_t rows = p->L >= FA_LONG_L && p->D <= 128 && p->Dv <= 128 ? kern->block_rows
+                                                                            : kern->block_rows_short;
+    int64_t bmq = rows / G;
     if (bmq < 1) bmq = 1;
     if (bmq > p->L) bmq = p->L > 0 ? p->L : 1;
     const int64_t nqb = (p->L + bmq - 1) / bmq;

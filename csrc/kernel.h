@@ -17,7 +17,8 @@ typedef struct fa_task {
 typedef struct fa_kernel {
     size_t (*scratch_bytes)(const fa_params *p);
     void (*run)(const fa_params *p, const fa_task *t, void *scratch);
-    int64_t block_rows;  /* max stacked rows (heads x positions) per task */
+    int64_t block_rows;  /* max stacked rows (heads x positions) per task; scratch fits it */
+    int64_t block_rows_short; /* rows per task for L < FA_LONG_L or D > 128 (attention.c) */
     int64_t block_keys;  /* keys per tile; split points are multiples of it */
 } fa_kernel;
 

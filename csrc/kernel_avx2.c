@@ -6,6 +6,11 @@
 #define NV 2
 #define NVO 2
 #define BN 64   /* keys per tile (measured on Zen 3: 64 x 96 beats 128 x 48) */
-#define BMR 96
+/* Rows per task: 192 for L >= 1024 with D, Dv <= 128 (K and V are re-read once
+ * per row block: interleaved A/B on Zen 3, 2 threads, B1 H8 L4096 D64 +13-20%,
+ * L1024 D64 and L2048 D128 +0-10% against 96), else 96 (L = 300, B4 L512 causal
+ * and D = 256 causal were 2-10% slower with 192). */
+#define BMR 192
+#define BMR_SHORT 96
 #define RD 4
 #include "kernel_impl.h"

@@ -558,7 +558,10 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
     }
 }
 
-const fa_kernel FA_NAME(fa_kernel) = { FA_NAME(scratch_bytes), FA_NAME(run), BMR, BN };
+#ifndef BMR_SHORT
+#define BMR_SHORT BMR
+#endif
+const fa_kernel FA_NAME(fa_kernel) = { FA_NAME(scratch_bytes), FA_NAME(run), BMR, BMR_SHORT, BN };
 
 /* Test hook: the vectorised exp2 of this ISA over n values. */
 void FA_CAT(fa_exp2, FA_ISA_SUFFIX)(const float *x, float *y, int64_t n)

@@ -12,7 +12,8 @@ from fastattn import _kernels
 
 sdpa = fastattn.scaled_dot_product_attention
 
-# Query tiles are 48/96 rows and key tiles 64/128 keys: probe 1, tile-1, tile, tile+1 and primes.
+# Query tiles are 32/96 rows (192 from L = 1024) and key tiles 64/128 keys: probe 1, tile-1,
+# tile, tile+1 and primes.
 LS = [(1, 1), (47, 63), (48, 64), (49, 65), (95, 127), (96, 128), (97, 129), (101, 257), (193, 131), (7, 300)]
 
 
@@ -21,6 +22,14 @@ LS = [(1, 1), (47, 63), (48, 64), (49, 65), (95, 127), (96, 128), (97, 129), (10
 def test_tile_boundaries(isa, rng, L, S, causal):
     q, k, v = randn(rng, (1, 2, L, 40)), randn(rng, (1, 2, S, 40)), randn(rng, (1, 2, S, 24))
     check_sdpa(q, k, v, is_causal=causal)
+
+
+# From L = 1024 (D, Dv <= 128) tasks take 192 rows on AVX2 (32 scalar, 96 AVX-512): 1025 =
+# 5 x 192 + 65 rows; with GQA 2 heads stack 96 positions per task.
+@pytest.mark.parametrize("L,G,causal", [(1024, 1, True), (1025, 1, False), (1031, 2, True)])
+def test_long_query_blocks(isa, rng, L, G, causal):
+    q, k, v = randn(rng, (1, 2 * G, L, 32)), randn(rng, (1, 2, L + 3, 32)), randn(rng, (1, 2, L + 3, 24))
+    check_sdpa(q, k, v, is_causal=causal, enable_gqa=True)
 
 
 @pytest.mark.parametrize("D", [1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 64, 80, 128, 256])
