@@ -251,6 +251,12 @@ FA_INLINE void FA_NAME(pv_rows)(int nr, int vdt, const REAL *P, int64_t ldp, int
     }
 }
 
+/* CALL(n, dt) with the storage dtype dt (float16, bfloat16 or this kernel's own)
+ * a compile-time constant, so that ld() widens without a branch per load. */
+#define FA_DT_CASES(dt, self, CALL, n) \
+    do { if ((dt) == FA_F16) CALL(n, FA_F16); else if ((dt) == FA_BF16) CALL(n, FA_BF16); \
+         else CALL(n, self); } while (0)
+
 #define FA_MR_CASES(n, CALL) \
     switch (n) { \
     case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; \
@@ -346,9 +352,7 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
             }
 #define FA_CALL_QKR(n, dt) FA_NAME(qk_rows)((n) <= RD ? (n) : RD, dt, w.Qs, Dp, kr, ldk, nj, w.S, TN, \
                                                     vpf, p->v_sl * vsz, Dv * vsz, row1 ? &st : NULL)
-#define FA_CALL_QKR_DT(n) \
-            if (kdt == FA_F16) FA_CALL_QKR(n, FA_F16); else if (kdt == FA_BF16) FA_CALL_QKR(n, FA_BF16); \
-            else FA_CALL_QKR(n, self_dt)
+#define FA_CALL_QKR_DT(n) FA_DT_CASES(kdt, self_dt, FA_CALL_QKR, n)
             switch (R) { case 1: FA_CALL_QKR_DT(1); break; case 2: FA_CALL_QKR_DT(2); break;
                          case 3: FA_CALL_QKR_DT(3); break; default: FA_CALL_QKR_DT(4); break; }
 #undef FA_CALL_QKR_DT
@@ -462,9 +466,7 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
         int64_t ldv = p->v_sl;
         if (row1) {
 #define FA_CALL_PV1R(n, dt) FA_NAME(pv_row1)(n, dt, w.S, nj, st.v, ldv, w.O, &st)
-#define FA_CALL_PV1R_DT(n) \
-            if (p->v_dtype == FA_F16) FA_CALL_PV1R(n, FA_F16); else if (p->v_dtype == FA_BF16) FA_CALL_PV1R(n, FA_BF16); \
-            else FA_CALL_PV1R(n, self_dt)
+#define FA_CALL_PV1R_DT(n) FA_DT_CASES(p->v_dtype, self_dt, FA_CALL_PV1R, n)
             switch (nvo) { case 4: FA_CALL_PV1R_DT(4); break; case 8: FA_CALL_PV1R_DT(8); break;
                            case 12: FA_CALL_PV1R_DT(12); break; default: FA_CALL_PV1R_DT(16); break; }
 #undef FA_CALL_PV1R_DT
@@ -474,9 +476,7 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
         if (rowdot && vfuse) {
             const void *vr = vbase + jt * p->v_sl * vsz;
 #define FA_CALL_PVR(n, dt) FA_NAME(pv_rows)((n) <= RD ? (n) : RD, dt, w.S, BN, nj, vr, ldv, w.O, Dvp)
-#define FA_CALL_PVR_DT(n) \
-            if (p->v_dtype == FA_F16) FA_CALL_PVR(n, FA_F16); else if (p->v_dtype == FA_BF16) FA_CALL_PVR(n, FA_BF16); \
-            else FA_CALL_PVR(n, self_dt)
+#define FA_CALL_PVR_DT(n) FA_DT_CASES(p->v_dtype, self_dt, FA_CALL_PVR, n)
             switch (R) { case 1: FA_CALL_PVR_DT(1); break; case 2: FA_CALL_PVR_DT(2); break;
                          case 3: FA_CALL_PVR_DT(3); break; default: FA_CALL_PVR_DT(4); break; }
 #undef FA_CALL_PVR_DT
