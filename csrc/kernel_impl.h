@@ -326,6 +326,7 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
     const int64_t TN = row1 ? FA_ROW_TN : BN;
     for (int64_t jt = jlo; jt < jhi; jt += TN) {
         const int64_t nj = fa_min64(TN, jhi - jt), njp = fa_rup(nj, VW);
+        /* This tile's first K and V rows (st.k, st.v), for every path below. */
         const fa_stream st = { kbase + jt * p->k_sl * ksz, vbase + jt * p->v_sl * vsz, p->k_sl * ksz,
                                p->v_sl * vsz, D * ksz, Dv * vsz, nj, jhi - jt };
         if (p->bmask) {
@@ -336,8 +337,8 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
         }
         /* ---- scores ---- */
         if (rowdot) {
-            const void *kr = kbase + jt * p->k_sl * ksz;
-            const char *vpf = vfuse ? vbase + jt * p->v_sl * vsz : NULL;
+            const void *kr = st.k;
+            const char *vpf = vfuse ? st.v : NULL;
             int64_t ldk = p->k_sl;
             int kdt = p->k_dtype;
             if (!kfuse) {
@@ -462,7 +463,7 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
             w.l[r] += vf_hsum(sum);
         }
         /* ---- P.V ---- */
-        const REAL *V = (const REAL *)(vbase + jt * p->v_sl * vsz);
+        const REAL *V = (const REAL *)st.v;
         int64_t ldv = p->v_sl;
         if (row1) {
 #define FA_CALL_PV1R(n, dt) FA_NAME(pv_row1)(n, dt, w.S, nj, st.v, ldv, w.O, &st)
@@ -474,8 +475,7 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
             continue;
         }
         if (rowdot && vfuse) {
-            const void *vr = vbase + jt * p->v_sl * vsz;
-#define FA_CALL_PVR(n, dt) FA_NAME(pv_rows)((n) <= RD ? (n) : RD, dt, w.S, BN, nj, vr, ldv, w.O, Dvp)
+#define FA_CALL_PVR(n, dt) FA_NAME(pv_rows)((n) <= RD ? (n) : RD, dt, w.S, BN, nj, st.v, ldv, w.O, Dvp)
 #define FA_CALL_PVR_DT(n) FA_DT_CASES(p->v_dtype, self_dt, FA_CALL_PVR, n)
             switch (R) { case 1: FA_CALL_PVR_DT(1); break; case 2: FA_CALL_PVR_DT(2); break;
                          case 3: FA_CALL_PVR_DT(3); break; default: FA_CALL_PVR_DT(4); break; }
