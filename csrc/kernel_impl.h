@@ -266,6 +266,15 @@ FA_INLINE void FA_NAME(pv_rows)(int nr, int vdt, const REAL *P, int64_t ldp, int
     case 10: CALL(10 <= MR ? 10 : MR); break; case 11: CALL(11 <= MR ? 11 : MR); break; \
     default: CALL(MR); break; }
 
+/* dst[0:Dv] = o[0:Dv] * inv, or zeros for a row past the valid length;
+ * branch-free inside so that it vectorises (one multiply per vector). */
+static inline void FA_NAME(write_row)(REAL *dst, const REAL *o, double inv, int valid, int64_t Dv)
+{
+    if (!valid) { memset(dst, 0, (size_t)Dv * sizeof(REAL)); return; }
+    const REAL s = (REAL)inv;
+    for (int64_t c = 0; c < Dv; c++) dst[c] = o[c] * s;
+}
+
 /* Row r of a task is query head hk*G + r/ni at position i0 + r%ni. */
 static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
 {
@@ -310,8 +319,13 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
         const char *src = (const char *)p->q +
             (b * p->q_sb + h * p->q_sh + (bi.qoff + i) * p->q_sl) * (int64_t)fa_dtype_size(p->q_dtype);
         REAL *qd = w.Qs + r * Dp;
-        fa_cvt_row(qd, src, p->q_dtype, D);
-        for (int64_t d = 0; d < D; d++) qd[d] *= qscale;
+        if (p->q_dtype == self_dt) { /* one pass: scaled while copied */
+            const REAL *qs = (const REAL *)src;
+            for (int64_t d = 0; d < D; d++) qd[d] = qs[d] * qscale;
+        } else {
+            fa_cvt_row(qd, src, p->q_dtype, D);
+            for (int64_t d = 0; d < D; d++) qd[d] *= qscale;
+        }
         for (int64_t d = D; d < Dp; d++) qd[d] = 0;
         w.m[r] = -INFINITY;
         w.l[r] = 0;
@@ -536,19 +550,18 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
                 mm = M;
             }
         }
-        double lse = (mm == -INFINITY || ll == 0.0) ? -INFINITY : (mm + log2(ll)) * FA_LN2;
+        double lse = 0.0; /* the log2 only where an LSE is returned (small calls: ~6% of the time) */
+        if (t->part_o || p->lse)
+            lse = ll != ll ? NAN : (mm == -INFINITY || ll == 0.0) ? -INFINITY : (mm + log2(ll)) * FA_LN2;
         double inv = ll != ll ? NAN : (valid && mm != -INFINITY && ll > 0.0) ? f / ll : 0.0;
-        if (ll != ll) lse = NAN;
         const REAL *o = w.O + ra * Dvp;
         if (t->part_o) {
-            REAL *po = (REAL *)t->part_o + r * Dv;
-            for (int64_t c = 0; c < Dv; c++) po[c] = valid ? (REAL)(o[c] * inv) : 0;
+            FA_NAME(write_row)((REAL *)t->part_o + r * Dv, o, inv, valid, Dv);
             ((REAL *)t->part_lse)[r] = (REAL)lse;
         } else {
             int64_t oo = b * p->o_sb + h * p->o_sh + (bi.qoff + i) * p->o_sl;
             if (p->o_dtype == self_dt) {
-                REAL *od = (REAL *)p->o + oo;
-                for (int64_t c = 0; c < Dv; c++) od[c] = valid ? (REAL)(o[c] * inv) : 0;
+                FA_NAME(write_row)((REAL *)p->o + oo, o, inv, valid, Dv);
             } else {
                 for (int64_t c = 0; c < Dv; c++) fa_store_elem(p->o, p->o_dtype, oo + c, valid ? o[c] * inv : 0.0);
             }
