@@ -33,6 +33,7 @@ DECODE = {
     "B1 H32 S8192 D128 decode": (1, 32, 32, 1, 8192, 128, False, None, None),
     "B1 H32/8 S8192 D128 decode": (1, 32, 8, 1, 8192, 128, False, None, None),
     "B8 H32/8 S2048 D128 decode": (8, 32, 8, 1, 2048, 128, False, None, None),
+    "B1 H64/8 S8192 D128 decode": (1, 64, 8, 1, 8192, 128, False, None, None),
     "B1 H32 S8192 D128 decode f16kv": (1, 32, 32, 1, 8192, 128, False, None, "float16"),
     "B1 H32 S8192 D128 decode bf16kv": (1, 32, 32, 1, 8192, 128, False, None, "bfloat16"),
     "B1 H32/8 S8192 D128 decode f16kv": (1, 32, 8, 1, 8192, 128, False, None, "float16"),

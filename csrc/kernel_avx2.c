@@ -12,5 +12,5 @@
  * and D = 256 causal were 2-10% slower with 192). */
 #define BMR 192
 #define BMR_SHORT 96
-#define RD 4
+#define RD 8   /* at most this many rows take the decode path (GQA groups up to 8) */
 #include "kernel_impl.h"

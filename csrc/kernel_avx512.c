@@ -7,5 +7,5 @@
 #define NVO 2  /* zmm vectors of Dv per P.V block                  */
 #define BN 128 /* keys per tile                                    */
 #define BMR 96 /* stacked query rows per task                      */
-#define RD 4   /* at most this many rows take the decode path      */
+#define RD 8   /* at most this many rows take the decode path      */
 #include "kernel_impl.h"

@@ -142,7 +142,9 @@ FA_INLINE void FA_NAME(qk_rows)(int nr, int kdt, const REAL *Q, int64_t Dp, cons
 {
     const int kb = nr == 1 ? 4 : nr == 2 ? 2 : 1; /* nr * kb * 2 <= 8 chains */
     const int64_t kbytes = (int64_t)fa_dtype_size(kdt), krow = Dp * kbytes;
-    const int64_t Dp2 = Dp / (2 * VW) * (2 * VW); /* the two-accumulator part of d */
+    /* The two-accumulator part of d; 5-8 rows keep one accumulator per row
+     * (already nr chains; two would spill them). */
+    const int64_t Dp2 = nr > 4 ? 0 : Dp / (2 * VW) * (2 * VW);
     int64_t j = 0;
     for (; j + kb <= nj; j += kb) {
         /* Software prefetch (decode streams from DRAM): the K rows FA_PF_KEYS
@@ -176,13 +178,14 @@ FA_INLINE void FA_NAME(qk_rows)(int nr, int kdt, const REAL *Q, int64_t Dp, cons
                 }
             }
         }
-        if (Dp2 < Dp) /* one vector of d left */
+        for (int64_t d = Dp2; d < Dp; d += VW) /* the d past the pairs (all of it for 5-8 rows) */
             for (int u = 0; u < kb; u++) {
-                vf kv = FA_NAME(ld)(kr + u * ldk * kbytes, kdt, Dp2);
-                for (int r = 0; r < nr; r++) acc0[r][u] = vf_fma(vf_load(Q + r * Dp + Dp2), kv, acc0[r][u]);
+                vf kv = FA_NAME(ld)(kr + u * ldk * kbytes, kdt, d);
+                for (int r = 0; r < nr; r++) acc0[r][u] = vf_fma(vf_load(Q + r * Dp + d), kv, acc0[r][u]);
             }
         for (int r = 0; r < nr; r++)
-            for (int u = 0; u < kb; u++) S[r * lds + j + u] = vf_hsum(vf_add(acc0[r][u], acc1[r][u]));
+            for (int u = 0; u < kb; u++)
+                S[r * lds + j + u] = vf_hsum(Dp2 ? vf_add(acc0[r][u], acc1[r][u]) : acc0[r][u]);
     }
     for (; j < nj; j++) {
         vf acc[RD];
@@ -238,7 +241,7 @@ FA_INLINE void FA_NAME(pv_row1)(int nv, int vdt, const REAL *P, int64_t nj, cons
 FA_INLINE void FA_NAME(pv_rows)(int nr, int vdt, const REAL *P, int64_t ldp, int64_t nj,
                                 const void *V, int64_t ldv, REAL *O, int64_t Dvp)
 {
-    const int cb = nr == 1 ? 8 : nr == 2 ? 4 : 2;
+    const int cb = nr == 1 ? 8 : nr == 2 ? 4 : nr <= 4 ? 2 : 1; /* nr x cb <= 8 accumulators */
     const int64_t vsz = (int64_t)fa_dtype_size(vdt);
     for (int64_t j0 = 0; j0 < nj; j0 += 32) {
         const int64_t nc = fa_min64(32, nj - j0);
@@ -256,6 +259,13 @@ FA_INLINE void FA_NAME(pv_rows)(int nr, int vdt, const REAL *P, int64_t ldp, int
 #define FA_DT_CASES(dt, self, CALL, n) \
     do { if ((dt) == FA_F16) CALL(n, FA_F16); else if ((dt) == FA_BF16) CALL(n, FA_BF16); \
          else CALL(n, self); } while (0)
+
+/* CALL(n) for the decode row counts n = 1..RD (RD is 4 or 8), n a constant. */
+#define FA_RD_CASES(n, CALL) \
+    switch (n) { \
+    case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
+    case 5: CALL(5 <= RD ? 5 : RD); break; case 6: CALL(6 <= RD ? 6 : RD); break; \
+    case 7: CALL(7 <= RD ? 7 : RD); break; default: CALL(RD); break; }
 
 #define FA_MR_CASES(n, CALL) \
     switch (n) { \
@@ -368,8 +378,7 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
 #define FA_CALL_QKR(n, dt) FA_NAME(qk_rows)((n) <= RD ? (n) : RD, dt, w.Qs, Dp, kr, ldk, nj, w.S, TN, \
                                                     vpf, p->v_sl * vsz, Dv * vsz, row1 ? &st : NULL)
 #define FA_CALL_QKR_DT(n) FA_DT_CASES(kdt, self_dt, FA_CALL_QKR, n)
-            switch (R) { case 1: FA_CALL_QKR_DT(1); break; case 2: FA_CALL_QKR_DT(2); break;
-                         case 3: FA_CALL_QKR_DT(3); break; default: FA_CALL_QKR_DT(4); break; }
+            FA_RD_CASES(R, FA_CALL_QKR_DT)
 #undef FA_CALL_QKR_DT
 #undef FA_CALL_QKR
         } else {
@@ -491,8 +500,7 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
         if (rowdot && vfuse) {
 #define FA_CALL_PVR(n, dt) FA_NAME(pv_rows)((n) <= RD ? (n) : RD, dt, w.S, BN, nj, st.v, ldv, w.O, Dvp)
 #define FA_CALL_PVR_DT(n) FA_DT_CASES(p->v_dtype, self_dt, FA_CALL_PVR, n)
-            switch (R) { case 1: FA_CALL_PVR_DT(1); break; case 2: FA_CALL_PVR_DT(2); break;
-                         case 3: FA_CALL_PVR_DT(3); break; default: FA_CALL_PVR_DT(4); break; }
+            FA_RD_CASES(R, FA_CALL_PVR_DT)
 #undef FA_CALL_PVR_DT
 #undef FA_CALL_PVR
             continue;
@@ -508,8 +516,7 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
         }
         if (rowdot) {
 #define FA_CALL_PVC(n) FA_NAME(pv_rows)((n) <= RD ? (n) : RD, self_dt, w.S, BN, nj, V, ldv, w.O, Dvp)
-            switch (R) { case 1: FA_CALL_PVC(1); break; case 2: FA_CALL_PVC(2); break;
-                         case 3: FA_CALL_PVC(3); break; default: FA_CALL_PVC(4); break; }
+            FA_RD_CASES(R, FA_CALL_PVC)
 #undef FA_CALL_PVC
         } else {
             /* Column blocks outer: a block of V (nj x NVO*VW) stays in L1 across the row blocks. */

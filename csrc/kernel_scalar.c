@@ -7,5 +7,5 @@
 #define NVO 4
 #define BN 64
 #define BMR 32
-#define RD 4
+#define RD 8   /* at most this many rows take the decode path (GQA groups up to 8) */
 #include "kernel_impl.h"

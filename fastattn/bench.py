@@ -91,6 +91,7 @@ CASES = [
     Case("B1 H32 S8192 D128 decode", 1, 32, 32, 1, 8192, 128, kind="decode"),
     Case("B1 H32/8 S8192 D128 decode", 1, 32, 8, 1, 8192, 128, kind="decode"),
     Case("B8 H32/8 S2048 D128 decode", 8, 32, 8, 1, 2048, 128, kind="decode"),
+    Case("B1 H64/8 S8192 D128 decode", 1, 64, 8, 1, 8192, 128, kind="decode"),  # GQA groups of 8
     Case("B1 H32 S8192 D128 decode f16kv", 1, 32, 32, 1, 8192, 128, kv_dtype="float16", kind="decode"),
     Case("B1 H32 S8192 D128 decode bf16kv", 1, 32, 32, 1, 8192, 128, kv_dtype="bfloat16", kind="decode"),
     Case("B1 H32/8 S8192 D128 decode f16kv", 1, 32, 8, 1, 8192, 128, kv_dtype="float16", kind="decode"),

@@ -68,6 +68,16 @@ def test_few_rows_long_tiles(isa, rng, S, G, L, Dv):
     check_sdpa(q, k, v, is_causal=L > 1, enable_gqa=True)
 
 
+@pytest.mark.parametrize("S", [1, 63, 65, 700])
+@pytest.mark.parametrize("G,L", [(5, 1), (6, 1), (7, 1), (8, 1), (4, 2), (3, 2), (1, 8)])
+@pytest.mark.parametrize("D,Dv", [(64, 64), (72, 40), (20, 24)])
+def test_decode_5_to_8_rows(isa, rng, S, G, L, D, Dv):
+    """5-8 stacked rows per key/value head (GQA groups up to 8, or a few query
+    positions) take the decode path with one accumulator per row."""
+    q, k, v = randn(rng, (2, 2 * G, L, D)), randn(rng, (2, 2, S, D)), randn(rng, (2, 2, S, Dv))
+    check_sdpa(q, k, v, is_causal=L > 1, enable_gqa=True)
+
+
 @pytest.mark.parametrize("dt", ["float16", "bfloat16"])
 @pytest.mark.parametrize("opt", ["none", "window", "softcap", "alibi", "key_lengths"])
 def test_single_row_long_tiles_options(isa, rng, dt, opt):
@@ -75,7 +85,7 @@ def test_single_row_long_tiles_options(isa, rng, dt, opt):
 
     dtype = np.dtype(np.float16) if dt == "float16" else np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
     B = 2 if opt == "key_lengths" else 1
-    for G in (1, 4):  # one row; four stacked GQA rows
+    for G in (1, 4, 8):  # one row; four and eight stacked GQA rows
         opts = {
             "none": {},
             "window": {"window": (700, 0), "is_causal": True},
