@@ -28,6 +28,7 @@
  * P.V one key at a time and O in L1: +3% float32, 15-30% slower float16, so
  * those keep 64-key tiles. */
 #define FA_ROW_TN 512
+#define FA_VPANEL_ROWS 64 /* prefill-path tasks with at most this many rows pack V (see run) */
 
 /* Prefetch the n bytes at p (one row), one line per instruction. */
 #define FA_PREFETCH_ROW(p, n, hint) do { \
@@ -505,36 +506,74 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
 #undef FA_CALL_PVR
             continue;
         }
-        if (!vdirect) {
-            for (int64_t jj = 0; jj < nj; jj++) {
-                REAL *vd = w.V + jj * Dvp;
-                fa_cvt_row(vd, vbase + (jt + jj) * p->v_sl * vsz, p->v_dtype, Dv);
-                for (int64_t c = Dv; c < Dvp; c++) vd[c] = 0;
-            }
-            V = w.V;
-            ldv = Dvp;
-        }
         if (rowdot) {
+            if (!vdirect) {
+                for (int64_t jj = 0; jj < nj; jj++) {
+                    REAL *vd = w.V + jj * Dvp;
+                    fa_cvt_row(vd, vbase + (jt + jj) * p->v_sl * vsz, p->v_dtype, Dv);
+                    for (int64_t c = Dv; c < Dvp; c++) vd[c] = 0;
+                }
+                V = w.V;
+                ldv = Dvp;
+            }
 #define FA_CALL_PVC(n) FA_NAME(pv_rows)((n) <= RD ? (n) : RD, self_dt, w.S, BN, nj, V, ldv, w.O, Dvp)
             FA_RD_CASES(R, FA_CALL_PVC)
 #undef FA_CALL_PVC
-        } else {
-            /* Column blocks outer: a block of V (nj x NVO*VW) stays in L1 across the row blocks. */
-            int64_t c0 = 0;
-            for (; c0 + NVO * VW <= Dvp; c0 += NVO * VW)
-                for (int64_t r0 = 0; r0 < R; r0 += MR) {
-                    int mr = (int)fa_min64(MR, R - r0);
-#define FA_CALL_PV(n) FA_NAME(pv_ukernel)(n, NVO, w.S + r0 * BN, BN, nj, V + c0, ldv, w.O + r0 * Dvp + c0, Dvp)
-                    FA_MR_CASES(mr, FA_CALL_PV)
+            continue;
+        }
+        /* P.V reads V in column blocks of PW = NVO*VW values.  Read in place, the
+         * rows of a block lie one row stride apart; with few rows per task (GQA
+         * decode with large groups) they come from DRAM that way, and with long
+         * rows (Dv > 128) a power-of-two stride maps a block to a few L1 sets that
+         * evict each other (the D = 256 profile: ~38% of samples on V loads).
+         * Then V is first copied row by row into column panels (the panel of
+         * columns [c0, c0 + wd) holds nj rows of wd values at w.V + c0 * BN,
+         * wd = PW, or VW after the full panels), converted on the way.
+         * Measured (Zen 3, standalone builds in one process): B1 H16/1 S32768
+         * decode +15-20%, H128/8 +10%, D = 256 prefill +9-14% on one thread,
+         * D = 160 +4-7%; with many rows and Dv <= 128 it was mixed (-6..+8%), so
+         * those keep reading V in place. */
+        const int64_t PW = NVO * VW;
+        const int vpanel = !vdirect || R <= FA_VPANEL_ROWS || Dvp > 128;
+        const int64_t Dfull = Dvp / PW * PW;
+        if (vpanel) {
+            for (int64_t jj = 0; jj < nj; jj++) {
+                const char *vs = vbase + (jt + jj) * p->v_sl * vsz;
+                const REAL *src = (const REAL *)vs;
+                if (!vdirect) {
+                    fa_cvt_row(w.tmp, vs, p->v_dtype, Dv);
+                    for (int64_t c = Dv; c < Dvp; c++) w.tmp[c] = 0;
+                    src = w.tmp;
+                }
+                int64_t c = 0;
+                for (; c < Dfull; c += VW) {
+                    const int64_t c0 = c - c % PW;
+                    vf_store(w.V + c0 * BN + jj * PW + (c - c0), vf_load(src + c));
+                }
+                for (; c < Dvp; c += VW) vf_store(w.V + c * BN + jj * VW, vf_load(src + c));
+            }
+        }
+        /* Column blocks outer: a block of V (nj x wd) stays in L1 across the row blocks. */
+        int64_t c0 = 0;
+        for (; c0 < Dfull; c0 += PW) {
+            const REAL *Vb = vpanel ? w.V + c0 * BN : V + c0;
+            const int64_t ldb = vpanel ? PW : ldv;
+            for (int64_t r0 = 0; r0 < R; r0 += MR) {
+                int mr = (int)fa_min64(MR, R - r0);
+#define FA_CALL_PV(n) FA_NAME(pv_ukernel)(n, NVO, w.S + r0 * BN, BN, nj, Vb, ldb, w.O + r0 * Dvp + c0, Dvp)
+                FA_MR_CASES(mr, FA_CALL_PV)
 #undef FA_CALL_PV
-                }
-            for (; c0 < Dvp; c0 += VW)
-                for (int64_t r0 = 0; r0 < R; r0 += MR) {
-                    int mr = (int)fa_min64(MR, R - r0);
-#define FA_CALL_PV1(n) FA_NAME(pv_ukernel)(n, 1, w.S + r0 * BN, BN, nj, V + c0, ldv, w.O + r0 * Dvp + c0, Dvp)
-                    FA_MR_CASES(mr, FA_CALL_PV1)
+            }
+        }
+        for (; c0 < Dvp; c0 += VW) {
+            const REAL *Vb = vpanel ? w.V + c0 * BN : V + c0;
+            const int64_t ldb = vpanel ? VW : ldv;
+            for (int64_t r0 = 0; r0 < R; r0 += MR) {
+                int mr = (int)fa_min64(MR, R - r0);
+#define FA_CALL_PV1(n) FA_NAME(pv_ukernel)(n, 1, w.S + r0 * BN, BN, nj, Vb, ldb, w.O + r0 * Dvp + c0, Dvp)
+                FA_MR_CASES(mr, FA_CALL_PV1)
 #undef FA_CALL_PV1
-                }
+            }
         }
     }
 

@@ -78,6 +78,17 @@ def test_decode_5_to_8_rows(isa, rng, S, G, L, D, Dv):
     check_sdpa(q, k, v, is_causal=L > 1, enable_gqa=True)
 
 
+@pytest.mark.parametrize("G,L", [(9, 1), (16, 1), (32, 2), (4, 16), (1, 65), (13, 5)])
+@pytest.mark.parametrize("Dv", [24, 40, 136, 256])
+@pytest.mark.parametrize("dt", ["float32", "float16"])
+def test_v_column_panels(isa, rng, G, L, Dv, dt):
+    """Prefill-path tasks with few rows (large GQA groups, short chunks) or Dv > 128
+    copy V into column panels first; full and tail panels, converted dtypes."""
+    q = randn(rng, (1, 2 * G, L, 48))
+    k, v = randn(rng, (1, 2, 300, 48)).astype(dt), randn(rng, (1, 2, 300, Dv)).astype(dt)
+    check_sdpa(q, k, v, is_causal=L > 1, enable_gqa=True)
+
+
 @pytest.mark.parametrize("dt", ["float16", "bfloat16"])
 @pytest.mark.parametrize("opt", ["none", "window", "softcap", "alibi", "key_lengths"])
 def test_single_row_long_tiles_options(isa, rng, dt, opt):
