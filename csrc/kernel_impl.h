@@ -277,6 +277,18 @@ FA_INLINE void FA_NAME(pv_rows)(int nr, int vdt, const REAL *P, int64_t ldp, int
     case 10: CALL(10 <= MR ? 10 : MR); break; case 11: CALL(11 <= MR ? 11 : MR); break; \
     default: CALL(MR); break; }
 
+/* nj rows of n values of dtype dt (row r at src + r * srow bytes) converted
+ * to REAL rows of ld values at dst, zero-padded from n to ld. */
+static void FA_NAME(cvt_rows)(REAL *dst, int64_t ld, const char *src, int64_t srow, int dt, int64_t n,
+                              int64_t nj)
+{
+    for (int64_t r = 0; r < nj; r++) {
+        REAL *d = dst + r * ld;
+        fa_cvt_row(d, src + r * srow, dt, n);
+        for (int64_t c = n; c < ld; c++) d[c] = 0;
+    }
+}
+
 /* dst[0:Dv] = o[0:Dv] * inv, or zeros for a row past the valid length;
  * branch-free inside so that it vectorises (one multiply per vector). */
 static inline void FA_NAME(write_row)(REAL *dst, const REAL *o, double inv, int valid, int64_t Dv)
@@ -367,11 +379,7 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
             int64_t ldk = p->k_sl;
             int kdt = p->k_dtype;
             if (!kfuse) {
-                for (int64_t jj = 0; jj < nj; jj++) {
-                    REAL *kd = w.K + jj * Dp;
-                    fa_cvt_row(kd, kbase + (jt + jj) * p->k_sl * ksz, p->k_dtype, D);
-                    for (int64_t d = D; d < Dp; d++) kd[d] = 0;
-                }
+                FA_NAME(cvt_rows)(w.K, Dp, st.k, st.kld, p->k_dtype, D, nj);
                 kr = w.K;
                 ldk = Dp;
                 kdt = self_dt;
@@ -508,11 +516,7 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
         }
         if (rowdot) {
             if (!vdirect) {
-                for (int64_t jj = 0; jj < nj; jj++) {
-                    REAL *vd = w.V + jj * Dvp;
-                    fa_cvt_row(vd, vbase + (jt + jj) * p->v_sl * vsz, p->v_dtype, Dv);
-                    for (int64_t c = Dv; c < Dvp; c++) vd[c] = 0;
-                }
+                FA_NAME(cvt_rows)(w.V, Dvp, st.v, st.vld, p->v_dtype, Dv, nj);
                 V = w.V;
                 ldv = Dvp;
             }
