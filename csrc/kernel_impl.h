@@ -540,23 +540,17 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
         const int64_t PW = NVO * VW;
         const int vpanel = !vdirect || R <= FA_VPANEL_ROWS || Dvp > 128;
         const int64_t Dfull = Dvp / PW * PW;
-        if (vpanel) {
+        if (vpanel)
             for (int64_t jj = 0; jj < nj; jj++) {
-                const char *vs = vbase + (jt + jj) * p->v_sl * vsz;
-                const REAL *src = (const REAL *)vs;
+                const REAL *src = (const REAL *)(st.v + jj * st.vld);
                 if (!vdirect) {
-                    fa_cvt_row(w.tmp, vs, p->v_dtype, Dv);
-                    for (int64_t c = Dv; c < Dvp; c++) w.tmp[c] = 0;
+                    FA_NAME(cvt_rows)(w.tmp, Dvp, st.v + jj * st.vld, 0, p->v_dtype, Dv, 1);
                     src = w.tmp;
                 }
-                int64_t c = 0;
-                for (; c < Dfull; c += VW) {
-                    const int64_t c0 = c - c % PW;
-                    vf_store(w.V + c0 * BN + jj * PW + (c - c0), vf_load(src + c));
-                }
-                for (; c < Dvp; c += VW) vf_store(w.V + c * BN + jj * VW, vf_load(src + c));
+                for (int64_t c0 = 0; c0 < Dfull; c0 += PW)
+                    for (int64_t c = 0; c < PW; c += VW) vf_store(w.V + c0 * BN + jj * PW + c, vf_load(src + c0 + c));
+                for (int64_t c0 = Dfull; c0 < Dvp; c0 += VW) vf_store(w.V + c0 * BN + jj * VW, vf_load(src + c0));
             }
-        }
         /* Column blocks outer: a block of V (nj x wd) stays in L1 across the row blocks. */
         int64_t c0 = 0;
         for (; c0 < Dfull; c0 += PW) {

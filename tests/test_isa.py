@@ -50,8 +50,8 @@ def test_decode_split_kv(isa, rng):
     check_sdpa(q, k, v)
 
 
-# Up to 4 stacked rows (GQA heads x query positions) read K and V in place with
-# 512-key tiles (one row: whole-row V accumulators for 4, 8, 12 or 16 vectors):
+# Up to 8 stacked rows (GQA heads x query positions) read K and V in place; a single
+# row takes 512-key tiles (whole-row V accumulators for 4, 8, 12 or 16 vectors):
 # probe tile-1, tile, tile+1 and several tiles.
 @pytest.mark.parametrize("S", [1, 511, 512, 513, 1300])
 @pytest.mark.parametrize("D,Dv", [(32, 32), (64, 64), (96, 96), (128, 128), (256, 128), (64, 80)])
