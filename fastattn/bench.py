@@ -16,7 +16,12 @@ measured in the same run; prefill throughput is shown as a percentage of the GEM
 rate.  Decode throughput is shown as a percentage of a plain read of the case's own
 K and V arrays (``kv-read``: the same threads read them with NumPy GEMVs), timed in the
 same interleaved rounds, so that both meet the same pages and the same moment of a
-shared machine's memory traffic.
+shared machine's memory traffic, and of the machine's read bandwidth timed in those
+same rounds (``bw``: the same threads read one 1 GiB array, 256 MiB with
+``--quick``, as ``measure_bandwidth`` does).  Both yardsticks are medians, like every
+time reported; the best-of-six bandwidth measured before and after the cases is
+printed too, but on a shared machine it is an optimistic outlier, not a rate to
+compare a median with.
 
 FLOPs count the visible (query, key) pairs exactly: ``4 · D · pairs`` with
 ``pairs`` the number of key positions each query row may see, summed (causal is
@@ -676,12 +681,32 @@ def numpy_attention(q, k, v, add=None):
     return np.matmul(s.reshape(B, Hk, g * L, -1), v).reshape(B, Hq, L, -1)
 
 
+def _read_parts(threads: int, nbytes: int) -> list:
+    """A float32 array of ``nbytes`` as ``threads`` row blocks of 4096 values."""
+    a = np.ones(nbytes // 4, dtype=np.float32)
+    return np.array_split(a.reshape(-1, 4096), threads)
+
+
+def mem_reader(threads: int, nbytes: int):
+    """The machine-bandwidth yardstick of decode cases, timed in their interleaved
+    rounds: a callable in which ``threads`` Python threads each read a share of one
+    ``nbytes`` float32 array with a single-threaded GEMV against ones (the faster of
+    the two reads ``measure_bandwidth`` tries, on every run here)."""
+    parts = _read_parts(threads, nbytes)
+    ones = np.ones(4096, dtype=np.float32)
+
+    def run():
+        with _blas_limit(1):
+            _in_threads(lambda p: p @ ones, parts)
+
+    return run
+
+
 def measure_bandwidth(threads: int, nbytes: int = 1 << 30, repeat: int = 3) -> float:
     """Read bandwidth (GB/s): ``threads`` Python threads each reduce a part of a
     ``nbytes`` float32 array (NumPy releases the GIL), best of a sum and a GEMV
     against a cached vector."""
-    a = np.ones(nbytes // 4, dtype=np.float32)
-    parts = np.array_split(a.reshape(-1, 4096), threads)
+    parts = _read_parts(threads, nbytes)
     ones = np.ones(4096, dtype=np.float32)
     best = math.inf
 
@@ -816,12 +841,18 @@ def run_case(case: Case, impls: list, args, log) -> list:
         # a call slower than the whole budget is timed once: its first call is the sample
         runners.append((rec, fn, _calls_per_sample(first, args), [first] if first > args.budget else []))
     read_times: list = []
+    mem_times: list = []
     if case.kind == "decode" and runners:
         reader = kv_reader(inp, args.threads)
         t0 = time.perf_counter()
         reader()
         first = time.perf_counter() - t0
         runners.append(({"impl": "kv-read"}, reader, _calls_per_sample(first, args), read_times))
+        mem = mem_reader(args.threads, args.bw_bytes)
+        t0 = time.perf_counter()
+        mem()
+        first = time.perf_counter() - t0
+        runners.append(({"impl": "mem-read"}, mem, _calls_per_sample(first, args), mem_times))
     for _ in range(args.repeat):
         for _rec, fn, number, times in runners:
             if times and sum(times) * number > args.budget:  # slow peer: fewer rounds
@@ -832,15 +863,17 @@ def run_case(case: Case, impls: list, args, log) -> list:
                 fn()
             times.append((time.perf_counter() - t0) / number)
     fa = None
-    read_gbps = None
+    read_gbps = mem_gbps = None
     if read_times:
         kv_bytes = _kv_bytes(case, _np_dtype(case.kv_dtype or args.dtype))
         read_gbps = kv_bytes / statistics.median(read_times) / 1e9
-        runners.pop()
+        mem_gbps = args.bw_bytes / statistics.median(mem_times) / 1e9
+        del runners[-2:]
     for rec, _fn, _number, times in runners:
         rec["seconds"] = statistics.median(times)
         if read_gbps is not None:
             rec["read_gbps"] = read_gbps
+            rec["mem_gbps"] = mem_gbps
         rec["seconds_min"] = min(times)
         rec["rounds"] = len(times)
         rec["gflops"] = flops / rec["seconds"] / 1e9
@@ -892,6 +925,8 @@ def print_case(case: Case, records: list, machine: dict, out) -> None:
             if peak and case.kind != "small"
             else " " * 16
         )
+        if r.get("mem_gbps"):
+            pct += f" {100 * r['gbps'] / r['mem_gbps']:4.0f}% of bw"
         ratio = ""
         if r["impl"] != "fastattn" and r["ratio"] is not None:
             ratio = (
@@ -901,10 +936,12 @@ def print_case(case: Case, records: list, machine: dict, out) -> None:
             )
         note = f"  [{r['note']}]" if r["note"] else ""
         print(f"  {r['impl']:11s} {_fmt_time(r['seconds'])}  {rate}  {pct}{ratio}{note}", file=out)
-    read = next((r["read_gbps"] for r in records if r.get("read_gbps")), None)
+    read = next((r for r in records if r.get("read_gbps")), None)
     if read:
         what = "(the same K and V read by the same threads: NumPy GEMVs)"
-        print(f"  {'kv-read':11s} {'':11s}  {read:7.1f} GB/s  {what}", file=out)
+        print(f"  {'kv-read':11s} {'':11s}  {read['read_gbps']:7.1f} GB/s  {what}", file=out)
+        what = "(one large array read by the same threads in the same rounds: the machine's bandwidth)"
+        print(f"  {'bw':11s} {'':11s}  {read['mem_gbps']:7.1f} GB/s  {what}", file=out)
 
 
 def causal_summary(records: list, out) -> None:
@@ -945,9 +982,7 @@ def markdown_table(records: list, machine: dict) -> str:
             rate = f"{fa['gbps']:.1f} GB/s"
             if fa.get("read_gbps"):
                 rate += f" ({100 * fa['gbps'] / fa['read_gbps']:.0f}% of kv-read"
-                if machine.get("bandwidth_gbps"):
-                    rate += f", {100 * fa['gbps'] / machine['bandwidth_gbps']:.0f}% of bw"
-                rate += ")"
+                rate += f", {100 * fa['gbps'] / fa['mem_gbps']:.0f}% of bw)"
             elif machine.get("bandwidth_gbps"):
                 rate += f" ({100 * fa['gbps'] / machine['bandwidth_gbps']:.0f}% bw)"
         elif fa["kind"] == "small":
@@ -1014,6 +1049,7 @@ def parse_args(argv):
         p.error("--repeat must be >= 1")
     args.min_time = 0.02 if args.quick else 0.05
     args.pause = 0.1 if args.quick else 0.25
+    args.bw_bytes = (256 << 20) if args.quick else (1 << 30)  # the bandwidth yardstick's array
     args.budget = 3.0 if args.quick else 10.0  # seconds of timed calls per implementation and case
     return args
 
@@ -1052,9 +1088,10 @@ def main(argv=None) -> int:
     gemm = bw = None
     if not args.no_machine:
         gemm = measure_gemm(args.threads)
-        bw = measure_bandwidth(args.threads, nbytes=(256 << 20) if args.quick else (1 << 30))
+        bw = measure_bandwidth(args.threads, nbytes=args.bw_bytes)
         print(
-            f"machine: fp32 GEMM (numpy sgemm 2048^3) {gemm:.1f} GFLOP/s, read bandwidth {bw:.1f} GB/s",
+            f"machine: fp32 GEMM (numpy sgemm 2048^3) {gemm:.1f} GFLOP/s, read bandwidth {bw:.1f} GB/s"
+            " (best of 6; decode cases compare with the median of their own rounds)",
             file=out,
         )
     machine = machine_info(args.threads, gemm, bw)
@@ -1070,7 +1107,7 @@ def main(argv=None) -> int:
     causal_summary(records, out)
     if not args.no_machine:  # measured again: on a busy machine one measurement may be low
         gemm2 = measure_gemm(args.threads)
-        bw2 = measure_bandwidth(args.threads, nbytes=(256 << 20) if args.quick else (1 << 30))
+        bw2 = measure_bandwidth(args.threads, nbytes=args.bw_bytes)
         print(
             f"\nmachine again at the end: fp32 GEMM {gemm2:.1f} GFLOP/s, read bandwidth {bw2:.1f} GB/s "
             "(the JSON keeps the higher of the two)",

@@ -72,4 +72,16 @@ def test_decode_case_reports_kv_read(tmp_path):
     )
     assert rc == 0
     (rec,) = json.loads(out.read_text())["records"]
-    assert rec["read_gbps"] > 0 and rec["gbps"] > 0
+    assert rec["read_gbps"] > 0 and rec["gbps"] > 0 and rec["mem_gbps"] > 0
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_bandwidth_yardstick_reads_the_whole_array(threads):
+    # the decode cases' bw: every thread gets a share, the shares cover all nbytes once
+    nbytes = (1 << 20) + 3 * 4096 * 4
+    parts = bench._read_parts(threads, nbytes)
+    assert len(parts) == threads and all(p.shape[1] == 4096 for p in parts)
+    assert sum(p.nbytes for p in parts) == nbytes
+    base = parts[0].base if parts[0].base is not None else parts[0]
+    assert all(np.shares_memory(p, base) for p in parts)
+    bench.mem_reader(threads, nbytes)()
