@@ -25,8 +25,9 @@
  * (interleaved A/B on Zen 3, B1 H32 S8192 D128 float32: +10% on 2 threads,
  * +15% on 1, against 64-key tiles with V read in column blocks).  The S
  * scratch (BMR x BN) holds it as one row.  Tried for 2-4 stacked GQA rows with
- * P.V one key at a time and O in L1: +3% float32, 15-30% slower float16, so
- * those keep 64-key tiles. */
+ * P.V one key at a time and O in L1: +3% float32, 15-30% slower float16; with
+ * P.V one row at a time over the tile (V from DRAM once, then from L2): -0..-5%;
+ * 16-256-key tiles: no better.  So those keep 64-key tiles. */
 #define FA_ROW_TN 512
 #define FA_VPANEL_ROWS 64 /* prefill-path tasks with at most this many rows pack V (see run) */
 
@@ -378,8 +379,9 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
     }
     memset(w.O, 0, (size_t)(R * Dvp) * sizeof(REAL));
 
-    /* A single row read in place takes long tiles (FA_ROW_TN) with one prefetch
-     * stream; TN is also the row stride of S. */
+    /* A single row read in place takes long tiles (FA_ROW_TN), with one prefetch
+     * stream when K and V are 16-bit (float32 rows need none, see qk_rows); TN is
+     * also the row stride of S. */
     const int64_t nvo = Dvp / VW;
     const int row1 = R == 1 && rowdot && kfuse && vfuse && FA_ROW_TN <= BMR * BN &&
                      (nvo == 4 || nvo == 8 || nvo == 12 || nvo == 16);
