@@ -65,6 +65,8 @@ def scale_value(scale, D):
 def threads_value(num_threads, default):
     if num_threads is None:
         return default()
+    if type(num_threads) is int and 1 <= num_threads <= 2**31 - 1:  # the fast path (no ABC check)
+        return num_threads
     if isinstance(num_threads, (bool, np.bool_)) or not isinstance(num_threads, numbers.Integral):
         raise TypeError(f"num_threads must be an int or None, got {type(num_threads).__name__}")
     if not 1 <= num_threads <= 2**31 - 1:
