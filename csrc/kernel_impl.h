@@ -141,7 +141,7 @@ FA_INLINE vf FA_NAME(ld)(const void *base, int dt, int64_t idx)
  * Load order: a float32 K is read key after key, each row in address order
  * (the hardware prefetchers then keep up without software prefetch: a C loop
  * reading K that way ran at 97% of a plain sum over the same arrays, with the
- * kb rows interleaved by d at 75-85%; fastattn B1 H32 S8192 D128 decode +7-14%
+ * kb rows interleaved by d at 75-85%; fastattn B1 H32 S8192 D128 decode +7-15%
  * on 2 threads, Zen 3).  16-bit rows (half as long, widened on load) keep the
  * d-major order and the software prefetch, which measured no worse there. */
 FA_INLINE void FA_NAME(qk_rows)(int nr, int kdt, const REAL *Q, int64_t Dp, const void *K, int64_t ldk,
@@ -252,9 +252,10 @@ FA_INLINE void FA_NAME(pv_row1)(int nv, int vdt, const REAL *P, int64_t nj, cons
     for (int v = 0; v < nv; v++) acc[v] = vf_load(O + v * VW);
     for (int64_t j = 0; j < nj; j++) {
         const int64_t t = j + FA_PF_KEYS;
-        if (vdt != FA_F16 && vdt != FA_BF16) {
-        } else if (t < nj) FA_PREFETCH_ROW(st->v + t * st->vld, st->vrow, 3);
-        else if (t < st->nk) FA_PREFETCH_ROW(st->k + t * st->kld, st->krow, 3);
+        if (vdt == FA_F16 || vdt == FA_BF16) {
+            if (t < nj) FA_PREFETCH_ROW(st->v + t * st->vld, st->vrow, 3);
+            else if (t < st->nk) FA_PREFETCH_ROW(st->k + t * st->kld, st->krow, 3);
+        }
         vf pj = vf_set1(P[j]);
         for (int v = 0; v < nv; v++) acc[v] = vf_fma(pj, FA_NAME(ld)(V, vdt, j * ldv + v * VW), acc[v]);
     }
