@@ -79,5 +79,6 @@ static inline void fa_store_elem(void *base, int dt, int64_t idx, double x)
 }
 
 static inline size_t fa_dtype_size(int dt) { return dt == FA_F64 ? 8 : dt == FA_F32 ? 4 : 2; }
+static inline int fa_dtype_16(int dt) { return dt == FA_F16 || dt == FA_BF16; } /* 16-bit storage */
 
 #endif

@@ -149,7 +149,7 @@ FA_INLINE void FA_NAME(qk_rows)(int nr, int kdt, const REAL *Q, int64_t Dp, cons
                                 int64_t vpf_row, const fa_stream *st)
 {
     const int kb = nr == 1 ? 4 : nr == 2 ? 2 : 1; /* nr * kb * 2 <= 8 chains */
-    const int half = kdt == FA_F16 || kdt == FA_BF16; /* 16-bit storage (see above) */
+    const int half = fa_dtype_16(kdt); /* see above */
     const int64_t kbytes = (int64_t)fa_dtype_size(kdt), krow = Dp * kbytes;
     /* The two-accumulator part of d; 5-8 rows keep one accumulator per row
      * (already nr chains; two would spill them). */
@@ -252,7 +252,7 @@ FA_INLINE void FA_NAME(pv_row1)(int nv, int vdt, const REAL *P, int64_t nj, cons
     for (int v = 0; v < nv; v++) acc[v] = vf_load(O + v * VW);
     for (int64_t j = 0; j < nj; j++) {
         const int64_t t = j + FA_PF_KEYS;
-        if (vdt == FA_F16 || vdt == FA_BF16) {
+        if (fa_dtype_16(vdt)) {
             if (t < nj) FA_PREFETCH_ROW(st->v + t * st->vld, st->vrow, 3);
             else if (t < st->nk) FA_PREFETCH_ROW(st->k + t * st->kld, st->krow, 3);
         }
@@ -346,8 +346,8 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
     const int vdirect = p->v_dtype == self_dt && Dv % VW == 0;
     /* The decode path widens 16-bit K/V rows as it loads them. */
     const int wide16 = sizeof(REAL) == 4;
-    const int kfuse = D % VW == 0 && (kdirect || (wide16 && (p->k_dtype == FA_F16 || p->k_dtype == FA_BF16)));
-    const int vfuse = Dv % VW == 0 && (vdirect || (wide16 && (p->v_dtype == FA_F16 || p->v_dtype == FA_BF16)));
+    const int kfuse = D % VW == 0 && (kdirect || (wide16 && fa_dtype_16(p->k_dtype)));
+    const int vfuse = Dv % VW == 0 && (vdirect || (wide16 && fa_dtype_16(p->v_dtype)));
 
     /* Key range any row may see, and the range every row sees. */
     int64_t jlo = 0, jhi = 0, flo = 0, fhi = 0;

@@ -619,6 +619,12 @@ def kv_reader(inp: Inputs, threads: int):
                 shares[i].append(words[part[0] * 4096 : (part[-1] + 1) * 4096].reshape(-1, 4096))
         if words.size > rows * 4096:
             shares[-1].append(words[rows * 4096 :].reshape(1, -1))
+    return _gemv_reader(shares)
+
+
+def _gemv_reader(shares: list):
+    """A callable in which thread i reads the 2-D float32 arrays of ``shares[i]``
+    (at most 4096 columns) with single-threaded BLAS GEMVs against ones."""
     ones = np.ones(4096, dtype=np.float32)
 
     def read(parts):
@@ -692,14 +698,7 @@ def mem_reader(threads: int, nbytes: int):
     rounds: a callable in which ``threads`` Python threads each read a share of one
     ``nbytes`` float32 array with a single-threaded GEMV against ones (the faster of
     the two reads ``measure_bandwidth`` tries, on every run here)."""
-    parts = _read_parts(threads, nbytes)
-    ones = np.ones(4096, dtype=np.float32)
-
-    def run():
-        with _blas_limit(1):
-            _in_threads(lambda p: p @ ones, parts)
-
-    return run
+    return _gemv_reader([[p] for p in _read_parts(threads, nbytes)])
 
 
 def measure_bandwidth(threads: int, nbytes: int = 1 << 30, repeat: int = 3) -> float:
