@@ -9,3 +9,4 @@
 #define BMR 96 /* stacked query rows per task                      */
 #define RD 8   /* at most this many rows take the decode path      */
 #include "kernel_impl.h"
+#include "backward_impl.h"

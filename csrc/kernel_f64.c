@@ -9,3 +9,4 @@
 #define BMR 32
 #define RD 8   /* at most this many rows take the decode path (GQA groups up to 8) */
 #include "kernel_impl.h"
+#include "backward_impl.h"

@@ -4,6 +4,7 @@ __version__ = "0.1.0"
 
 from . import reference, sparse  # noqa: E402
 from ._config import get_isa, get_num_threads, set_isa, set_num_threads, show_config  # noqa: E402
+from .backward import scaled_dot_product_attention_backward  # noqa: E402
 from .functional import scaled_dot_product_attention, varlen_attention  # noqa: E402
 from .jax_compat import dot_product_attention  # noqa: E402
 from .kvcache import KVCache, attention_with_kvcache  # noqa: E402
@@ -13,6 +14,7 @@ from .modules import MultiHeadAttention  # noqa: E402
 __all__ = [
     "__version__",
     "scaled_dot_product_attention",
+    "scaled_dot_product_attention_backward",
     "varlen_attention",
     "dot_product_attention",
     "merge_attention_states",

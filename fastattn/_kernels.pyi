@@ -54,3 +54,28 @@ def isa_set(isa: str) -> bool:
 def cpu_features() -> dict[str, bool]: ...
 def openmp_enabled() -> bool: ...
 def omp_max_threads() -> int: ...
+def attention_backward(
+    dout: np.ndarray,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    out: np.ndarray,
+    lse: np.ndarray,
+    dq: np.ndarray,
+    dk: np.ndarray,
+    dv: np.ndarray,
+    mask: np.ndarray | None,
+    mask_kind: int,
+    scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi: npt.NDArray[np.float64] | None,
+    sinks: npt.NDArray[np.float64] | None,
+    dsinks: npt.NDArray[np.float64] | None,
+    q_lens: npt.NDArray[np.int64] | None,
+    k_lens: npt.NDArray[np.int64] | None,
+    num_threads: int,
+) -> None:
+    """Run the fused backward kernel on 4-D views in the compute dtype; every argument is trusted."""

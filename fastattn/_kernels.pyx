@@ -198,3 +198,102 @@ def openmp_enabled():
 
 def omp_max_threads():
     return fa_omp_max_threads()
+
+
+cdef extern from "backward.h":
+    ctypedef struct fa_bwd_params:
+        fa_params f
+        const void *dout
+        int64_t do_sb, do_sh, do_sl
+        void *dq
+        int64_t dq_sb, dq_sh, dq_sl
+        void *dk
+        int64_t dk_sb, dk_sh, dk_sl
+        void *dv
+        int64_t dv_sb, dv_sh, dv_sl
+        double *dsinks
+
+    int fa_attention_backward(const fa_bwd_params *p) nogil
+
+
+def attention_backward(cnp.ndarray dout, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
+                       cnp.ndarray lse, cnp.ndarray dq, cnp.ndarray dk, cnp.ndarray dv,
+                       object mask, int mask_kind, double scale, bint causal,
+                       int64_t window_left, int64_t window_right, double softcap,
+                       object alibi, object sinks, object dsinks, object q_lens, object k_lens,
+                       int num_threads):
+    """Run the fused backward kernel (fastattn.backward checks every argument).
+
+    All arrays are 4-D (B, H, L, X) views in the compute dtype (lse: (B, Hq, L))."""
+    cdef fa_bwd_params bp
+    cdef int64_t s[3]
+    cdef int rc
+    cdef int code = DTYPE_CODES[q.dtype]
+    bp.f.q_dtype = bp.f.k_dtype = bp.f.v_dtype = bp.f.o_dtype = code
+    bp.f.B = q.shape[0]
+    bp.f.Hq = q.shape[1]
+    bp.f.L = q.shape[2]
+    bp.f.D = q.shape[3]
+    bp.f.Hk = k.shape[1]
+    bp.f.S = k.shape[2]
+    bp.f.Dv = v.shape[3]
+    bp.f.q = _ptr(q)
+    _strides3(q, s)
+    bp.f.q_sb, bp.f.q_sh, bp.f.q_sl = s[0], s[1], s[2]
+    bp.f.k = _ptr(k)
+    _strides3(k, s)
+    bp.f.k_sb, bp.f.k_sh, bp.f.k_sl = s[0], s[1], s[2]
+    bp.f.v = _ptr(v)
+    _strides3(v, s)
+    bp.f.v_sb, bp.f.v_sh, bp.f.v_sl = s[0], s[1], s[2]
+    bp.f.o = <void *>_ptr(out)
+    _strides3(out, s)
+    bp.f.o_sb, bp.f.o_sh, bp.f.o_sl = s[0], s[1], s[2]
+    bp.f.lse = <void *>_ptr(lse)
+    _strides3(lse, s)
+    bp.f.lse_sb, bp.f.lse_sh, bp.f.lse_sl = s[0], s[1], s[2]
+    bp.f.mask_kind = mask_kind
+    bp.f.mask = _ptr(mask)
+    bp.f.m_sb = bp.f.m_sh = bp.f.m_sl = bp.f.m_ss = 0
+    if mask is not None:
+        _strides3(mask, s)
+        bp.f.m_sb, bp.f.m_sh, bp.f.m_sl = s[0], s[1], s[2]
+        bp.f.m_ss = cnp.PyArray_STRIDE(<cnp.ndarray>mask, 3) // cnp.PyArray_ITEMSIZE(<cnp.ndarray>mask)
+    bp.f.scale = scale
+    bp.f.causal = causal
+    bp.f.window_left = window_left
+    bp.f.window_right = window_right
+    bp.f.softcap = softcap
+    bp.f.alibi = <const double *>_ptr(alibi)
+    bp.f.alibi_sb = bp.f.alibi_sh = 0
+    if alibi is not None:
+        bp.f.alibi_sb = cnp.PyArray_STRIDE(<cnp.ndarray>alibi, 0) // 8
+        bp.f.alibi_sh = cnp.PyArray_STRIDE(<cnp.ndarray>alibi, 1) // 8
+    bp.f.sinks = <const double *>_ptr(sinks)
+    bp.dsinks = <double *>_ptr(dsinks)
+    bp.f.q_lens = <const int64_t *>_ptr(q_lens)
+    bp.f.k_lens = <const int64_t *>_ptr(k_lens)
+    bp.f.cu_q = NULL
+    bp.f.cu_k = NULL
+    bp.f.bmask = NULL
+    bp.f.bm_sb = bp.f.bm_sh = bp.f.bm_si = bp.f.bm_sj = 0
+    bp.f.bm_q = bp.f.bm_k = 1
+    bp.f.num_threads = num_threads
+    bp.dout = _ptr(dout)
+    _strides3(dout, s)
+    bp.do_sb, bp.do_sh, bp.do_sl = s[0], s[1], s[2]
+    bp.dq = <void *>_ptr(dq)
+    _strides3(dq, s)
+    bp.dq_sb, bp.dq_sh, bp.dq_sl = s[0], s[1], s[2]
+    bp.dk = <void *>_ptr(dk)
+    _strides3(dk, s)
+    bp.dk_sb, bp.dk_sh, bp.dk_sl = s[0], s[1], s[2]
+    bp.dv = <void *>_ptr(dv)
+    _strides3(dv, s)
+    bp.dv_sb, bp.dv_sh, bp.dv_sl = s[0], s[1], s[2]
+    with nogil:
+        rc = fa_attention_backward(&bp)
+    if rc == 1:
+        raise MemoryError("fastattn: could not allocate backward scratch memory")
+    if rc != 0:
+        raise RuntimeError(f"fastattn: backward kernel failed with status {rc}")

@@ -96,6 +96,31 @@ def _lengths(x, name, lead, limit):
     return np.ascontiguousarray(a, dtype=np.int64).reshape(-1)
 
 
+def _mask_value(attn_mask, shape, cdt):
+    """(mask, kind): attn_mask as a read-only broadcast view of ``shape``
+    (bool, float32 or float64; other floats converted to cdt) and its kernel
+    code; (None, MASK_NONE) when there is none."""
+    if attn_mask is None:
+        return None, _kernels.MASK_NONE
+    m = as_array(attn_mask, "attn_mask")
+    if m.dtype == np.bool_:
+        pass
+    elif m.dtype.kind == "f" or (m.dtype.name == "bfloat16"):
+        if m.dtype not in (F32, F64):
+            m = m.astype(cdt)
+    else:
+        raise TypeError(f"attn_mask must be bool or floating, got dtype {m.dtype}")
+    if not m.dtype.isnative:
+        m = m.astype(m.dtype.newbyteorder("="))
+    try:
+        mask = np.broadcast_to(m, shape)
+    except ValueError:
+        raise ValueError(f"attn_mask of shape {m.shape} does not broadcast to {shape}") from None
+    if not mask.flags.aligned:
+        mask = np.broadcast_to(m.copy(), shape)
+    return mask, _MASK_KINDS[mask.dtype]
+
+
 def _check_shapes(q, k, v, layout, enable_gqa):
     """Shape checks shared with fastattn.cuda (uses only ``.ndim`` and ``.shape``).
 
@@ -343,28 +368,7 @@ def scaled_dot_product_attention(
     cdt = _compute_dtype(q)
     B = math.prod(lead)
 
-    mask, mask_kind = None, _kernels.MASK_NONE
-    if attn_mask is not None:
-        m = as_array(attn_mask, "attn_mask")
-        if m.dtype == np.bool_:
-            pass
-        elif m.dtype.kind == "f" or (m.dtype.name == "bfloat16"):
-            if m.dtype not in (F32, F64):
-                m = m.astype(cdt)
-        else:
-            raise TypeError(f"attn_mask must be bool or floating, got dtype {m.dtype}")
-        if not m.dtype.isnative:
-            m = m.astype(m.dtype.newbyteorder("="))
-        try:
-            mask = np.broadcast_to(m, lead + (Hq, L, S))
-        except ValueError:
-            raise ValueError(
-                f"attn_mask of shape {m.shape} does not broadcast to {lead + (Hq, L, S)}"
-            ) from None
-        if not mask.flags.aligned:
-            mask = np.broadcast_to(m.copy(), lead + (Hq, L, S))
-        mask_kind = _MASK_KINDS[mask.dtype]
-
+    mask, mask_kind = _mask_value(attn_mask, lead + (Hq, L, S), cdt)
     alibi = None if alibi_slopes is None else _per_head(alibi_slopes, "alibi_slopes", lead, Hq, True)
     sk = None if sinks is None else _per_head(sinks, "sinks", (1,), Hq, False)[0].copy()
     k_lens = None if key_lengths is None else _lengths(key_lengths, "key_lengths", lead, S)

@@ -168,3 +168,104 @@ def varlen_attention(
         o[qs:qe] = ob
         lse[:, qs:qe] = lb
     return (o, lse) if return_lse else o
+
+
+def scaled_dot_product_attention_backward(
+    grad_out,
+    query,
+    key,
+    value,
+    out=None,
+    lse=None,
+    attn_mask=None,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    *,
+    layout="bhsd",
+    window=None,
+    alibi_slopes=None,
+    softcap=None,
+    sinks=None,
+    key_lengths=None,
+    query_lengths=None,
+    num_threads=None,
+):
+    """Gradients of :func:`scaled_dot_product_attention` by the explicit float64
+    formula, everything materialised (``out`` and ``lse`` are ignored: the
+    probabilities are recomputed here from scratch):
+
+    P = softmax(s) over the keys and the sink column; O = P V; D_i = sum(dO_i O_i);
+    dV = P^T dO; dP = dO V^T; dS = P (dP - D) (times 1 - tanh^2 under softcap);
+    dQ = dS K scale; dK = dS^T Q scale; d sink = -sum_i P_sink,i D_i.
+    GQA sums each group's dK and dV.  Returns float64 arrays."""
+    q, k, v, go = _f64(query), _f64(key), _f64(value), _f64(grad_out)
+    if layout == "bshd":
+        q, k, v, go = (np.swapaxes(a, -2, -3) for a in (q, k, v, go))
+    two_d = q.ndim == 2
+    if two_d:
+        q, k, v, go = q[None], k[None], v[None], go[None]
+    Hq, L, D = q.shape[-3:]
+    Hk, S = k.shape[-3], k.shape[-2]
+    g = Hq // Hk
+    ke, ve = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)
+    lead = q.shape[:-3]
+    if scale is None:
+        scale = 1.0 / np.sqrt(D)
+
+    s = np.einsum("...ld,...sd->...ls", q, ke) * scale
+    dcap = np.ones_like(s)
+    if softcap is not None:
+        t = np.tanh(s / softcap)
+        s, dcap = softcap * t, 1.0 - t * t
+    Lb = np.asarray(np.full(lead, L) if query_lengths is None else query_lengths)[..., None, None, None]
+    Sb = np.asarray(np.full(lead, S) if key_lengths is None else key_lengths)[..., None, None, None]
+    i = np.arange(L)[:, None]
+    j = np.arange(S)[None, :]
+    ipos = i + (Sb - Lb)
+    if alibi_slopes is not None:
+        s = s - np.asarray(alibi_slopes, dtype=np.float64)[..., None, None] * np.abs(ipos - j)
+    if attn_mask is not None:
+        m = np.asarray(attn_mask)
+        s = np.where(m, s, -np.inf) if m.dtype == bool else s + m.astype(np.float64)
+    allowed = (j < Sb) & (i < Lb)
+    if is_causal:
+        allowed = allowed & (j <= ipos)
+    if window is not None:
+        if window[0] >= 0:
+            allowed = allowed & (j >= ipos - window[0])
+        if window[1] >= 0:
+            allowed = allowed & (j <= ipos + window[1])
+    s = np.where(allowed, s, -np.inf)
+    if sinks is not None:
+        col = np.broadcast_to(np.asarray(sinks, dtype=np.float64)[:, None, None], s.shape[:-1] + (1,))
+        s = np.concatenate([s, col], axis=-1)
+    mx = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
+    e = np.exp(s - np.where(np.isfinite(mx), mx, 0.0))
+    den = np.sum(e, axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(den > 0, e / den, 0.0)
+    p_sink = None
+    if sinks is not None:
+        p, p_sink = p[..., :-1], p[..., -1]
+    dead = ~np.any(allowed, axis=-1)  # rows with no key: output 0, so no gradient
+    p = np.where(dead[..., None], 0.0, p)
+    o = p @ ve
+    delta = np.sum(go * o, axis=-1)  # (..., Hq, L)
+    dv = np.swapaxes(p, -1, -2) @ go
+    dp = go @ np.swapaxes(ve, -1, -2)
+    ds = p * (dp - delta[..., None]) * dcap
+    dq = ds @ ke * scale
+    dk = np.swapaxes(ds, -1, -2) @ q * scale
+    # GQA: query head h used kv head h // g; sum each group's contributions.
+    dk = dk.reshape(lead + (Hk, g, S, D)).sum(axis=-3)
+    dv = dv.reshape(lead + (Hk, g, S, v.shape[-1])).sum(axis=-3)
+    res = [dq, dk, dv]
+    if layout == "bshd":
+        res = [np.swapaxes(a, -2, -3) for a in res]
+    if two_d:
+        res = [a[0] for a in res]
+    if sinks is not None:
+        dsinks = -np.sum(np.where(dead, 0.0, p_sink) * delta, axis=tuple(range(len(lead))) + (-1,))
+        res.append(dsinks)
+    return tuple(res)

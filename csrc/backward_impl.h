@@ -1,0 +1,300 @@
+/* backward_impl.h: the fused backward kernel, written once in the vector
+ * vocabulary of simd.h and included at the end of each kernel_<isa>.c, whose
+ * FA_SUFFIX, REAL and VW it shares.  Tile constants (the unit may override):
+ * FB_MR x FB_NV (register block: rows x vectors), FB_BQ (query rows per tile)
+ * and FB_BK (keys per tile, a multiple of FB_NV * VW).
+ *
+ * One task = a range of keys of one (batch, kv head).  For each tile of FB_BK
+ * keys it packs K and V once, then visits every tile of FB_BQ query rows of
+ * the head's query heads that can see those keys (the forward's masked-tile
+ * skipping): it recomputes S = Q.K^T, P = exp2(S scale log2e - LSE log2e),
+ * dP = dO.V^T and dS = P (dP - D), accumulates dV += P^T.dO and dK += dS^T.Q
+ * in the tile's scratch (GQA heads sum there, in a fixed order) and dQ +=
+ * dS.K into the task's dQ rows.  Scratch is bounded by the tiles. */
+#include <math.h>
+#include <string.h>
+#include "simd.h"
+#include "mask.h"
+#include "backward.h"
+
+/* Register blocks as the forward's (16 zmm / 8 ymm / 1 value per vector). */
+#ifndef FB_MR
+#if VW == 16
+#define FB_MR 12
+#define FB_NV 2
+#elif VW == 8
+#define FB_MR 6
+#define FB_NV 2
+#else
+#define FB_MR 4
+#define FB_NV 4
+#endif
+#endif
+#ifndef FB_BQ
+#define FB_BQ (VW > 1 ? 96 : 32)
+#endif
+#ifndef FB_BK
+#define FB_BK 64
+#endif
+
+#define FB_CAT_(a, b) a##b
+#define FB_CAT(a, b) FB_CAT_(a, b)
+#define FB_NAME(x) FB_CAT(x, FA_SUFFIX)
+#define FB_LOG2E 1.4426950408889634
+#define FB_ALIGN 64
+
+static inline int64_t FB_NAME(fb_rup)(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+static inline size_t FB_NAME(fb_al)(size_t n) { return (n + FB_ALIGN - 1) / FB_ALIGN * FB_ALIGN; }
+
+typedef struct FB_NAME(fb_ws) {
+    REAL *Kt;  /* D x BK    K^T of the key tile (zero past the tile's keys)   */
+    REAL *Vt;  /* Dv x BK   V^T                                               */
+    REAL *Kr;  /* BK x Dp   K rows, zero-padded                               */
+    REAL *dK;  /* BK x Dp   dK accumulator of the key tile (unscaled)         */
+    REAL *dV;  /* BK x Dvp  dV accumulator                                    */
+    REAL *Q;   /* BQ x Dp   query rows of the query tile, zero-padded         */
+    REAL *dO;  /* BQ x Dvp  dO rows                                           */
+    REAL *S;   /* BQ x BK   scores, then P                                    */
+    REAL *dP;  /* BQ x BK   dP, then dS                                       */
+    REAL *Dr;  /* BQ x BK   softcap derivative                                */
+    REAL *l2, *di; /* BQ    LSE * log2e and D_i of the tile's rows            */
+} FB_NAME(fb_ws);
+
+static size_t FB_NAME(fb_scratch_bytes)(const fa_params *p)
+{
+    const int64_t Dp = FB_NAME(fb_rup)(p->D, VW), Dvp = FB_NAME(fb_rup)(p->Dv, VW);
+    const size_t e = sizeof(REAL);
+    return FB_NAME(fb_al)(Dp * FB_BK * e) + FB_NAME(fb_al)(Dvp * FB_BK * e) + 2 * FB_NAME(fb_al)(FB_BK * Dp * e) +
+           FB_NAME(fb_al)(FB_BK * Dvp * e) + FB_NAME(fb_al)(FB_BQ * Dp * e) + FB_NAME(fb_al)(FB_BQ * Dvp * e) +
+           3 * FB_NAME(fb_al)(FB_BQ * FB_BK * e) + 2 * FB_NAME(fb_al)(FB_BQ * e) + FB_ALIGN;
+}
+
+static void FB_NAME(fb_carve)(const fa_params *p, void *scratch, FB_NAME(fb_ws) *w)
+{
+    const int64_t Dp = FB_NAME(fb_rup)(p->D, VW), Dvp = FB_NAME(fb_rup)(p->Dv, VW);
+    const size_t e = sizeof(REAL);
+    char *c = (char *)(((uintptr_t)scratch + FB_ALIGN - 1) / FB_ALIGN * FB_ALIGN);
+#define FB_TAKE(ptr, n) do { ptr = (REAL *)c; c += FB_NAME(fb_al)((size_t)(n) * e); } while (0)
+    FB_TAKE(w->Kt, Dp * FB_BK);
+    FB_TAKE(w->Vt, Dvp * FB_BK);
+    FB_TAKE(w->Kr, FB_BK * Dp);
+    FB_TAKE(w->dK, FB_BK * Dp);
+    FB_TAKE(w->dV, FB_BK * Dvp);
+    FB_TAKE(w->Q, FB_BQ * Dp);
+    FB_TAKE(w->dO, FB_BQ * Dvp);
+    FB_TAKE(w->S, FB_BQ * FB_BK);
+    FB_TAKE(w->dP, FB_BQ * FB_BK);
+    FB_TAKE(w->Dr, FB_BQ * FB_BK);
+    FB_TAKE(w->l2, FB_BQ);
+    FB_TAKE(w->di, FB_BQ);
+#undef FB_TAKE
+}
+
+/* C[i][0:nv*VW] (+)= sum_k A[i*ai + k*ak] * B[k*ldb + 0:nv*VW] for i < mr
+ * (register blocked; A is read by element, so it may be a transposed view). */
+FA_INLINE void FB_NAME(fb_ukr)(const int mr, const int nv, int64_t K, const REAL *A, int64_t ai, int64_t ak,
+                               const REAL *B, int64_t ldb, REAL *C, int64_t ldc, int load)
+{
+    vf acc[FB_MR][FB_NV];
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < nv; v++) acc[i][v] = load ? vf_load(C + i * ldc + v * VW) : vf_zero();
+    for (int64_t k = 0; k < K; k++) {
+        vf bv[FB_NV];
+        for (int v = 0; v < nv; v++) bv[v] = vf_load(B + k * ldb + v * VW);
+        const REAL *ak_ = A + k * ak;
+        for (int i = 0; i < mr; i++) {
+            vf a = vf_set1(ak_[i * ai]);
+            for (int v = 0; v < nv; v++) acc[i][v] = vf_fma(a, bv[v], acc[i][v]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < nv; v++) vf_store(C + i * ldc + v * VW, acc[i][v]);
+}
+
+#define FB_MR_CASES(n, CALL) \
+    switch (n) { \
+    case 1: CALL(1); break; case 2: CALL(2 <= FB_MR ? 2 : FB_MR); break; \
+    case 3: CALL(3 <= FB_MR ? 3 : FB_MR); break; case 4: CALL(4 <= FB_MR ? 4 : FB_MR); break; \
+    case 5: CALL(5 <= FB_MR ? 5 : FB_MR); break; case 6: CALL(6 <= FB_MR ? 6 : FB_MR); break; \
+    case 7: CALL(7 <= FB_MR ? 7 : FB_MR); break; case 8: CALL(8 <= FB_MR ? 8 : FB_MR); break; \
+    case 9: CALL(9 <= FB_MR ? 9 : FB_MR); break; case 10: CALL(10 <= FB_MR ? 10 : FB_MR); break; \
+    case 11: CALL(11 <= FB_MR ? 11 : FB_MR); break; default: CALL(FB_MR); break; }
+
+/* C (M x N, ldc) (+)= A (M x K, element (i, k) at A[i*ai + k*ak]) . B (K x N, ldb);
+ * N is a multiple of VW.  Column blocks outer, so that a block of B stays in
+ * L1 across the row blocks. */
+static void FB_NAME(fb_gemm)(int64_t M, int64_t N, int64_t K, const REAL *A, int64_t ai, int64_t ak,
+                             const REAL *B, int64_t ldb, REAL *C, int64_t ldc, int load)
+{
+    int64_t c0 = 0;
+    for (; c0 + FB_NV * VW <= N; c0 += FB_NV * VW)
+        for (int64_t r0 = 0; r0 < M; r0 += FB_MR) {
+            const int64_t mr = M - r0 < FB_MR ? M - r0 : FB_MR;
+#define FB_CALL(n) FB_NAME(fb_ukr)(n, FB_NV, K, A + r0 * ai, ai, ak, B + c0, ldb, C + r0 * ldc + c0, ldc, load)
+            FB_MR_CASES(mr, FB_CALL)
+#undef FB_CALL
+        }
+    for (int64_t u = 0, nt = (N - c0) / VW; u < nt; u++, c0 += VW)
+        for (int64_t r0 = 0; r0 < M; r0 += FB_MR) {
+            const int64_t mr = M - r0 < FB_MR ? M - r0 : FB_MR;
+#define FB_CALL(n) FB_NAME(fb_ukr)(n, 1, K, A + r0 * ai, ai, ak, B + c0, ldb, C + r0 * ldc + c0, ldc, load)
+            FB_MR_CASES(mr, FB_CALL)
+#undef FB_CALL
+        }
+}
+
+static void FB_NAME(fb_run)(const fa_bwd_params *bp, const fa_bwd_task *t, void *scratch)
+{
+    const fa_params *p = &bp->f;
+    const int64_t G = p->Hq / p->Hk, D = p->D, Dv = p->Dv, b = t->b, hk = t->hk;
+    const int64_t Dp = FB_NAME(fb_rup)(D, VW), Dvp = FB_NAME(fb_rup)(Dv, VW);
+    FB_NAME(fb_ws) w;
+    FB_NAME(fb_carve)(p, scratch, &w);
+    const fa_batch bi = fa_batch_info(p, b);
+    const int64_t delta = bi.Sb - bi.Lb;
+    const int use_log2 = p->softcap == 0.0;
+    const int elem_always = p->mask_kind != FA_MASK_NONE || p->alibi || !use_log2;
+    const REAL c1 = (REAL)(elem_always ? 1.0 : p->scale * FB_LOG2E);
+    const REAL *K = (const REAL *)p->k + b * p->k_sb + hk * p->k_sh;
+    const REAL *V = (const REAL *)p->v + b * p->v_sb + hk * p->v_sh;
+    REAL *dk = (REAL *)bp->dk + b * bp->dk_sb + hk * bp->dk_sh;
+    REAL *dv = (REAL *)bp->dv + b * bp->dv_sb + hk * bp->dv_sh;
+    const REAL *delta_all = (const REAL *)t->delta, *lse2_all = (const REAL *)t->lse2;
+    const int64_t jend = fa_min64(t->j1, bi.Sb);
+    const size_t mesz = p->mask_kind == FA_MASK_BOOL ? 1 : p->mask_kind == FA_MASK_F32 ? 4 : 8;
+
+    for (int64_t jt = t->j0; jt < jend; jt += FB_BK) {
+        const int64_t nk = fa_min64(FB_BK, jend - jt);
+        /* ---- the key tile: K^T, V^T and K rows, zero past nk ---- */
+        for (int64_t jj = 0; jj < FB_BK; jj++) {
+            const REAL *kr = K + (jt + jj) * p->k_sl, *vr = V + (jt + jj) * p->v_sl;
+            REAL *kd = w.Kr + jj * Dp;
+            if (jj < nk) {
+                for (int64_t d = 0; d < D; d++) { w.Kt[d * FB_BK + jj] = kr[d]; kd[d] = kr[d]; }
+                for (int64_t d = 0; d < Dv; d++) w.Vt[d * FB_BK + jj] = vr[d];
+            } else {
+                for (int64_t d = 0; d < D; d++) { w.Kt[d * FB_BK + jj] = 0; kd[d] = 0; }
+                for (int64_t d = 0; d < Dv; d++) w.Vt[d * FB_BK + jj] = 0;
+            }
+            for (int64_t d = D; d < Dp; d++) kd[d] = 0;
+        }
+        memset(w.dK, 0, (size_t)(FB_BK * Dp) * sizeof(REAL));
+        memset(w.dV, 0, (size_t)(FB_BK * Dvp) * sizeof(REAL));
+
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t h = hk * G + g;
+            const REAL *Q = (const REAL *)p->q + b * p->q_sb + h * p->q_sh;
+            const REAL *dO = (const REAL *)bp->dout + b * bp->do_sb + h * bp->do_sh;
+            const int64_t rowbase = (b * p->Hq + h) * p->L;
+            REAL *dq = (REAL *)t->dq_part + rowbase * Dp;
+            for (int64_t i0 = 0; i0 < bi.Lb; i0 += FB_BQ) {
+                const int64_t nq = fa_min64(FB_BQ, bi.Lb - i0);
+                /* Visible ranges grow with the row: the first row has the
+                 * smallest lo, the last the largest hi (mask.h). */
+                int64_t lo0, hi0, lo1, hi1;
+                fa_row_range(p, i0 + delta, bi.Sb, &lo0, &hi0);
+                fa_row_range(p, i0 + nq - 1 + delta, bi.Sb, &lo1, &hi1);
+                if (hi1 <= jt || lo0 >= jt + nk) continue; /* no row sees a key of the tile */
+                const int full = lo1 <= jt && hi0 >= jt + nk && nk == FB_BK;
+
+                for (int64_t r = 0; r < nq; r++) {
+                    const REAL *qs = Q + (i0 + r) * p->q_sl, *os = dO + (i0 + r) * bp->do_sl;
+                    REAL *qd = w.Q + r * Dp, *od = w.dO + r * Dvp;
+                    for (int64_t d = 0; d < D; d++) qd[d] = qs[d];
+                    for (int64_t d = D; d < Dp; d++) qd[d] = 0;
+                    for (int64_t d = 0; d < Dv; d++) od[d] = os[d];
+                    for (int64_t d = Dv; d < Dvp; d++) od[d] = 0;
+                    w.l2[r] = lse2_all[rowbase + i0 + r];
+                    w.di[r] = delta_all[rowbase + i0 + r];
+                }
+                /* ---- S = Q.K^T and dP = dO.V^T ---- */
+                FB_NAME(fb_gemm)(nq, FB_BK, D, w.Q, Dp, 1, w.Kt, FB_BK, w.S, FB_BK, 0);
+                FB_NAME(fb_gemm)(nq, FB_BK, Dv, w.dO, Dvp, 1, w.Vt, FB_BK, w.dP, FB_BK, 0);
+
+                /* ---- the forward's transforms, only where the tile needs them:
+                 * S becomes the log2-domain logit (-inf where not seen) ---- */
+                for (int64_t r = 0; r < nq && elem_always; r++) {
+                    REAL *s = w.S + r * FB_BK;
+                    const int64_t i = i0 + r, ip = i + delta;
+                    int64_t lo, hi;
+                    fa_row_range(p, ip, bi.Sb, &lo, &hi);
+                    const char *mrow = p->mask ? (const char *)p->mask +
+                        (b * p->m_sb + h * p->m_sh + i * p->m_sl) * (int64_t)mesz : NULL;
+                    const double slope = p->alibi ? p->alibi[b * p->alibi_sb + h * p->alibi_sh] * FB_LOG2E : 0.0;
+                    REAL *dr = w.Dr + r * FB_BK;
+                    for (int64_t jj = 0; jj < FB_BK; jj++) {
+                        const int64_t j = jt + jj;
+                        if (jj >= nk || j < lo || j >= hi) { s[jj] = -INFINITY; dr[jj] = 0; continue; }
+                        double x = (double)s[jj] * p->scale, der = 1.0;
+                        if (!use_log2) {
+                            /* as the forward: the identity for tiny x/c (see kernel_impl.h) */
+                            double y = x / p->softcap;
+                            if (fabs(y) >= 1e-6) {
+                                double th = tanh(y);
+                                x = p->softcap * th;
+                                der = 1.0 - th * th;
+                            }
+                        }
+                        x *= FB_LOG2E;
+                        if (p->alibi) x -= slope * (double)(ip > j ? ip - j : j - ip);
+                        if (mrow) {
+                            int64_t mo = j * p->m_ss;
+                            if (p->mask_kind == FA_MASK_BOOL) { if (!((const uint8_t *)mrow)[mo]) x = -INFINITY; }
+                            else if (p->mask_kind == FA_MASK_F32) x += ((const float *)mrow)[mo] * FB_LOG2E;
+                            else x += ((const double *)mrow)[mo] * FB_LOG2E;
+                        }
+                        s[jj] = (REAL)x;
+                        dr[jj] = (REAL)der;
+                    }
+                }
+                /* ---- P = exp2(S c1 - LSE log2e), dS = P (dP - D) [x softcap'] ---- */
+                const vf c1v = vf_set1(c1);
+                for (int64_t r = 0; r < nq; r++) {
+                    REAL *s = w.S + r * FB_BK, *dp = w.dP + r * FB_BK;
+                    const vf l2v = vf_set1(w.l2[r]), dv_ = vf_set1(w.di[r]);
+                    if (use_log2) {
+                        for (int64_t jj = 0; jj < FB_BK; jj += VW) {
+                            vf pv = vf_exp2_neg(vf_sub(vf_mul(vf_load(s + jj), c1v), l2v));
+                            vf_store(s + jj, pv);
+                            vf_store(dp + jj, vf_mul(pv, vf_sub(vf_load(dp + jj), dv_)));
+                        }
+                    } else {
+                        const REAL *dr = w.Dr + r * FB_BK;
+                        for (int64_t jj = 0; jj < FB_BK; jj += VW) {
+                            vf pv = vf_exp2_neg(vf_sub(vf_load(s + jj), l2v));
+                            vf_store(s + jj, pv);
+                            vf_store(dp + jj, vf_mul(vf_mul(pv, vf_sub(vf_load(dp + jj), dv_)), vf_load(dr + jj)));
+                        }
+                    }
+                    if (elem_always || full) continue;
+                    /* only the causal diagonal / window edge / tile tail to clear */
+                    int64_t lo, hi;
+                    fa_row_range(p, i0 + r + delta, bi.Sb, &lo, &hi);
+                    const int64_t a0 = fa_min64(fa_max64(lo - jt, 0), nk);
+                    const int64_t a1 = fa_max64(fa_min64(hi - jt, nk), a0);
+                    for (int64_t jj = 0; jj < a0; jj++) s[jj] = dp[jj] = 0;
+                    for (int64_t jj = a1; jj < FB_BK; jj++) s[jj] = dp[jj] = 0;
+                }
+                /* ---- dV += P^T.dO, dK += dS^T.Q, dQ += dS.K ---- */
+                FB_NAME(fb_gemm)(nk, Dvp, nq, w.S, 1, FB_BK, w.dO, Dvp, w.dV, Dvp, 1);
+                FB_NAME(fb_gemm)(nk, Dp, nq, w.dP, 1, FB_BK, w.Q, Dp, w.dK, Dp, 1);
+                FB_NAME(fb_gemm)(nq, Dp, nk, w.dP, FB_BK, 1, w.Kr, Dp, dq + i0 * Dp, Dp, 1);
+            }
+        }
+        /* ---- the key tile's dK (times scale) and dV ---- */
+        const REAL sc = (REAL)p->scale;
+        for (int64_t jj = 0; jj < nk; jj++) {
+            REAL *kd = dk + (jt + jj) * bp->dk_sl, *vd = dv + (jt + jj) * bp->dv_sl;
+            const REAL *ks = w.dK + jj * Dp, *vs = w.dV + jj * Dvp;
+            for (int64_t d = 0; d < D; d++) kd[d] = ks[d] * sc;
+            for (int64_t d = 0; d < Dv; d++) vd[d] = vs[d];
+        }
+    }
+    /* Keys past the valid length get no gradient. */
+    for (int64_t j = fa_max64(t->j0, bi.Sb); j < t->j1; j++) {
+        memset(dk + j * bp->dk_sl, 0, (size_t)D * sizeof(REAL));
+        memset(dv + j * bp->dv_sl, 0, (size_t)Dv * sizeof(REAL));
+    }
+}
+
+const fa_bwd_kernel FB_NAME(fa_bwd_kernel) = { FB_NAME(fb_scratch_bytes), FB_NAME(fb_run), FB_BK, VW };
