@@ -46,6 +46,19 @@ if IS_X86:
         ),
     ]
 
+# The attention family beyond dot-product (fastattn._family): the same
+# one-ISA-per-unit rule, linked into its own extension.
+FAMILY_UNITS = [("csrc/additive_scalar.c", []), ("csrc/additive_f64.c", [])]
+if IS_X86:
+    FAMILY_UNITS += [
+        ("csrc/additive_avx2.c", ["-mavx2", "-mfma", "-mf16c"]),
+        (
+            "csrc/additive_avx512.c",
+            ["-mavx2", "-mfma", "-mf16c"] if EMULATE_AVX512 else ["-mavx512f", "-mavx2", "-mfma", "-mf16c"],
+        ),
+    ]
+EXT_UNITS = {"fastattn._kernels": ISA_UNITS, "fastattn._family": FAMILY_UNITS}
+
 
 def _compiler_accepts(flag):
     """True when the C compiler builds and links a small OpenMP program with flag."""
@@ -82,9 +95,9 @@ class BuildExt(build_ext):
     """Compiles each ISA unit with its own flags and links the objects in."""
 
     def build_extension(self, ext):
-        if ext.name == "fastattn._kernels":
+        if ext.name in EXT_UNITS:
             objects = []
-            for src, flags in ISA_UNITS:
+            for src, flags in EXT_UNITS[ext.name]:
                 objects += self.compiler.compile(
                     [src],
                     output_dir=self.build_temp,
@@ -107,7 +120,16 @@ extensions = [
         extra_compile_args=BASE_FLAGS + omp,
         extra_link_args=omp,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-    )
+    ),
+    Extension(
+        "fastattn._family",
+        sources=["fastattn/_family.pyx", "csrc/family.c"],
+        include_dirs=["csrc", np.get_include()],
+        depends=[os.path.join("csrc", f) for f in os.listdir(os.path.join(HERE, "csrc")) if f.endswith(".h")],
+        extra_compile_args=BASE_FLAGS + omp,
+        extra_link_args=omp,
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    ),
 ]
 
 ext_modules = cythonize(extensions, compiler_directives={"language_level": 3})

@@ -20,6 +20,7 @@ import numpy as np
 
 from ._checks import BFLOAT16, F32, F64, STORAGE_DTYPES, as_array, int_value, scale_value, threads_value
 from .functional import _per_head, _softcap, _window, scaled_dot_product_attention
+from .positions import _CacheRotary
 
 __all__ = ["KVCache", "attention_with_kvcache"]
 
@@ -135,7 +136,19 @@ class KVCache:
     (the kernel releases the GIL and only reads the cache).
     """
 
-    def __init__(self, batch, num_kv_heads, max_len, head_dim, *, dtype=np.float16, value_dim=None):
+    def __init__(
+        self,
+        batch,
+        num_kv_heads,
+        max_len,
+        head_dim,
+        *,
+        dtype=np.float16,
+        value_dim=None,
+        rotary_cos=None,
+        rotary_sin=None,
+        rotary_interleaved=False,
+    ):
         B = int_value(batch, "batch", 1)
         Hk = int_value(num_kv_heads, "num_kv_heads", 1)
         S = int_value(max_len, "max_len", 1)
@@ -145,6 +158,10 @@ class KVCache:
         self._k = np.zeros((B, Hk, S, D), dtype=dt)
         self._v = np.zeros((B, Hk, S, Dv), dtype=dt)
         self._len = np.zeros(B, dtype=np.int64)
+        # Rotary (RoPE): keys rotated at their positions as they are appended, queries as they attend.
+        self._rot = None
+        if rotary_cos is not None or rotary_sin is not None:
+            self._rot = _CacheRotary(rotary_cos, rotary_sin, rotary_interleaved, D, dt)
 
     # ----------------------------------------------------------- properties
     @property
@@ -235,25 +252,38 @@ class KVCache:
                 f"appending {T} tokens to sequence {b} (length {int(self._len[b])}) exceeds "
                 f"max_len={self.max_len}"
             )
+        rows = np.arange(self.batch, dtype=np.int64) if idx is None else idx
+        rot = self._rot
+        if rot is not None:  # keys rotated at positions lengths[b] + t while written (C)
+            kpos = rot.positions(self._len[rows], T)
+            rot.check(kpos, "the appended tokens' positions")
         # Convert before the first write so that a failing conversion changes nothing.
         with np.errstate(over="ignore"):
-            kc = k if k.dtype == dt else k.astype(dt)
+            kc = k if (rot is not None or k.dtype == dt) else k.astype(dt)
             vc = v if v.dtype == dt else v.astype(dt)
-        rows = np.arange(self.batch, dtype=np.int64) if idx is None else idx
         if T and rows.size:
+            if rot is not None:
+                if idx is None:
+                    rot.append(k, self._k, kpos)
+                else:
+                    for r, b in enumerate(rows.tolist()):
+                        rot.append(k[r : r + 1], self._k[b : b + 1], kpos[r : r + 1])
             start = self._len[rows]
             if np.all(start == start[0]):
                 s0 = int(start[0])
                 kv = _rows(self._k, idx)
                 if kv is not None:
-                    kv[:, :, s0 : s0 + T] = kc
+                    if rot is None:
+                        kv[:, :, s0 : s0 + T] = kc
                     _rows(self._v, idx)[:, :, s0 : s0 + T] = vc
                 else:
-                    self._k[rows, :, s0 : s0 + T] = kc
+                    if rot is None:
+                        self._k[rows, :, s0 : s0 + T] = kc
                     self._v[rows, :, s0 : s0 + T] = vc
             else:
                 for r, (b, s) in enumerate(zip(rows.tolist(), start.tolist())):
-                    self._k[b, :, s : s + T] = kc[r]
+                    if rot is None:
+                        self._k[b, :, s : s + T] = kc[r]
                     self._v[b, :, s : s + T] = vc[r]
             self._len[rows] += T
         return self._len[rows].copy()
@@ -315,6 +345,8 @@ class KVCache:
             al = as_array(alibi_slopes, "alibi_slopes")
             if al.ndim == 2 and al.shape[0] != n:
                 raise ValueError(f"alibi_slopes must have shape ({Hq},) or ({n}, {Hq}), got {al.shape}")
+        if self._rot is not None:  # the queries are the last Lq cached positions
+            qa = self._rot.rotate_q(qa, self._rot.positions(lens - Lq, Lq))
         opts = dict(
             is_causal=True,
             enable_gqa=True,
@@ -366,6 +398,9 @@ def attention_with_kvcache(
     return_lse=False,
     num_threads=None,
     layout="bhsd",
+    rotary_cos=None,
+    rotary_sin=None,
+    rotary_interleaved=False,
 ):
     """Attention over caller-owned caches, optionally appending new keys/values first
     (the semantics of flash-attn's ``flash_attn_with_kvcache``).
@@ -388,6 +423,15 @@ def attention_with_kvcache(
     float64 (k_cache and v_cache alike); q float32 or the cache dtype.
     Returns the output in q's dtype and layout (and the LSE ``(B, Hq, Lq)``
     with ``return_lse``).
+
+    Rotary embeddings (flash-attn's): ``rotary_cos``/``rotary_sin``
+    ``(positions, rotary_dim / 2)`` (:func:`fastattn.rotary_cos_sin`), with
+    k_new/v_new only.  The new keys are rotated at positions
+    ``cache_seqlens[b] + t`` in the C pass that writes them into the cache;
+    q is rotated at ``cache_seqlens[b] + i`` when causal or windowed, else at
+    ``cache_seqlens[b]`` for every query (flash-attn's rule).  NeoX
+    rotate-half by default, GPT-J pairs with ``rotary_interleaved=True``.
+    q and k_new are not modified.
     """
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
@@ -481,18 +525,35 @@ def attention_with_kvcache(
             "(or pass is_causal=False)"
         )
     _check_options(window, alibi_slopes, softcap, scale, num_threads, B, Hq, D)
+    rot = None
+    if rotary_cos is not None or rotary_sin is not None:
+        rot = _CacheRotary(rotary_cos, rotary_sin, rotary_interleaved, D, cdt)
+        if k_new is None:
+            raise ValueError("rotary_cos/rotary_sin need k_new and v_new (the keys to rotate)")
+        kpos = rot.positions(seq, T)
+        local = window is not None and tuple(window) != (-1, -1)
+        qpos = rot.positions(seq, Lq) if (is_causal or local) else np.broadcast_to(seq[:, None], (B, Lq))
+        rot.check(kpos, "the new keys' positions (cache_seqlens + t)")
+        rot.check(qpos, "the queries' positions")
     if T and B:
         with np.errstate(over="ignore"):
-            kw = kn if kn.dtype == cdt else kn.astype(cdt)
+            kw = kn if (rot is not None or kn.dtype == cdt) else kn.astype(cdt)
             vw = vn if vn.dtype == cdt else vn.astype(cdt)
+        if rot is not None:  # rotate and write in one C pass over the new tokens
+            rot.append(kw, kc, kpos, num_threads)
         if np.all(seq == seq[0]):
             s0 = int(seq[0])
-            kc[:, :, s0 : s0 + T] = kw
+            if rot is None:
+                kc[:, :, s0 : s0 + T] = kw
             vc[:, :, s0 : s0 + T] = vw
         else:
             for b, s0 in enumerate(seq.tolist()):
-                kc[b, :, s0 : s0 + T] = kw[b]
+                if rot is None:
+                    kc[b, :, s0 : s0 + T] = kw[b]
                 vc[b, :, s0 : s0 + T] = vw[b]
+    if rot is not None:
+        qr = rot.rotate_q(qh, qpos, num_threads)
+        qa = qr if layout == "bhsd" else np.swapaxes(qr, 1, 2)
     return scaled_dot_product_attention(
         qa,
         k_cache,

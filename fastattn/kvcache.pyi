@@ -19,6 +19,9 @@ class KVCache:
         *,
         dtype: npt.DTypeLike = ...,
         value_dim: int | None = None,
+        rotary_cos: npt.ArrayLike | None = None,
+        rotary_sin: npt.ArrayLike | None = None,
+        rotary_interleaved: bool = False,
     ) -> None: ...
     @property
     def batch(self) -> int: ...
@@ -88,6 +91,9 @@ def attention_with_kvcache(
     return_lse: Literal[False] = False,
     num_threads: int | None = None,
     layout: Literal["bhsd", "bshd"] = "bhsd",
+    rotary_cos: npt.ArrayLike | None = None,
+    rotary_sin: npt.ArrayLike | None = None,
+    rotary_interleaved: bool = False,
 ) -> np.ndarray: ...
 @overload
 def attention_with_kvcache(
@@ -106,4 +112,7 @@ def attention_with_kvcache(
     return_lse: Literal[True],
     num_threads: int | None = None,
     layout: Literal["bhsd", "bshd"] = "bhsd",
+    rotary_cos: npt.ArrayLike | None = None,
+    rotary_sin: npt.ArrayLike | None = None,
+    rotary_interleaved: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]: ...

@@ -10,7 +10,16 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["scaled_dot_product_attention", "varlen_attention"]
+__all__ = [
+    "scaled_dot_product_attention",
+    "varlen_attention",
+    "additive_attention",
+    "lsh_attention",
+    "sinusoidal_positions",
+    "rotary_cos_sin",
+    "apply_rotary",
+    "attention_weights",
+]
 
 
 def _f64(x):
@@ -269,3 +278,160 @@ def scaled_dot_product_attention_backward(
         dsinks = -np.sum(np.where(dead, 0.0, p_sink) * delta, axis=tuple(range(len(lead))) + (-1,))
         res.append(dsinks)
     return tuple(res)
+
+
+def _softmax_rows(s):
+    """Row softmax of float64 scores with -inf exclusions: (weights, lse); dead rows give 0, -inf."""
+    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m_safe)
+    den = np.sum(e, axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(den > 0, e / den, 0.0)
+        lse = np.where(den[..., 0] > 0, m_safe[..., 0] + np.log(den[..., 0]), -np.inf)
+    return p, lse
+
+
+def additive_attention(
+    query, key, value, w_query, w_key, v, *, bias=None, attn_mask=None, return_weights=False, num_threads=None
+):
+    """Bahdanau attention the textbook way: the (..., L, S, A) tanh tensor, then v."""
+    q, k, val = _f64(query), _f64(key), _f64(value)
+    pq = q @ _f64(w_query).T  # (..., L, A)
+    if bias is not None:
+        pq = pq + _f64(bias)
+    pk = k @ _f64(w_key).T  # (..., S, A)
+    e = np.tanh(pq[..., :, None, :] + pk[..., None, :, :]) @ _f64(v)  # (..., L, S)
+    if attn_mask is not None:
+        m = np.asarray(attn_mask)
+        e = np.where(m, e, -np.inf) if m.dtype == bool else e + m.astype(np.float64)
+    p, _ = _softmax_rows(e)
+    o = p @ val
+    return (o, p) if return_weights else o
+
+
+def lsh_rotations(seed, n_hashes, head_dim, n_buckets):
+    """The rotations a seed stands for (the documented recipe of fastattn.lsh_attention)."""
+    return np.random.default_rng(seed).standard_normal((n_hashes, head_dim, n_buckets // 2))
+
+
+def lsh_attention(
+    qk,
+    value,
+    *,
+    n_buckets,
+    n_hashes=1,
+    chunk_size=64,
+    causal=False,
+    scale=None,
+    seed=None,
+    rotations=None,
+    return_lse=False,
+    num_threads=None,
+):
+    """Reformer LSH attention, one chunk at a time, each rule written out."""
+    x, val = _f64(qk), _f64(value)
+    lead, (L, D) = x.shape[:-2], x.shape[-2:]
+    R = _f64(rotations) if rotations is not None else lsh_rotations(seed, n_hashes, D, n_buckets)
+    sc = 1.0 / np.sqrt(D) if scale is None else float(scale)
+    xb = x.reshape((-1, L, D))
+    vb = val.reshape((-1, L, val.shape[-1]))
+    out = np.zeros(vb.shape)
+    lse_all = np.zeros(xb.shape[:2])
+    nc = L // chunk_size
+    for b in range(xb.shape[0]):
+        xs = xb[b]
+        norms = np.linalg.norm(xs, axis=-1, keepdims=True)
+        khat = np.where(norms > 0, xs / np.where(norms > 0, norms, 1.0), 0.0)
+        outs, lses = [], []
+        for r in range(R.shape[0]):
+            proj = xs @ R[r]
+            bucket = np.argmax(np.concatenate([proj, -proj], axis=-1), axis=-1)
+            order = np.lexsort((np.arange(L), bucket))  # by bucket, then position
+            o_r, l_r = np.zeros((L, vb.shape[-1])), np.zeros(L)
+            for c in range(nc):
+                qi = order[c * chunk_size : (c + 1) * chunk_size]
+                chunks = [c] if nc == 1 else [(c - 1) % nc, c]
+                kj = np.concatenate([order[cc * chunk_size : (cc + 1) * chunk_size] for cc in chunks])
+                s = (xs[qi] @ khat[kj].T) * sc
+                s = np.where(qi[:, None] == kj[None, :], -1e5, s)  # self only when nothing else
+                if causal:
+                    s = np.where(kj[None, :] > qi[:, None], -np.inf, s)
+                p, lse = _softmax_rows(s)
+                o_r[qi] = p @ vb[b][kj]
+                l_r[qi] = lse
+            outs.append(o_r)
+            lses.append(l_r)
+        lses = np.stack(lses)  # (rounds, L)
+        tot = np.logaddexp.reduce(lses, axis=0)
+        w = np.exp(lses - tot)
+        out[b] = np.einsum("rl,rld->ld", w, np.stack(outs))
+        lse_all[b] = tot
+    o = out.reshape(lead + (L, vb.shape[-1]))
+    return (o, lse_all.reshape(lead + (L,))) if return_lse else o
+
+
+def sinusoidal_positions(length, dim, base=10000.0):
+    pe = np.zeros((length, dim))
+    for p in range(length):
+        for c in range(dim):
+            i2 = c - (c % 2)  # 2i
+            a = p / base ** (i2 / dim)
+            pe[p, c] = np.sin(a) if c % 2 == 0 else np.cos(a)
+    return pe
+
+
+def rotary_cos_sin(length, rotary_dim, base=10000.0):
+    theta = base ** (-np.arange(0, rotary_dim, 2) / rotary_dim)
+    ang = np.arange(length)[:, None] * theta[None, :]
+    return np.cos(ang), np.sin(ang)
+
+
+def apply_rotary(x, cos, sin, *, positions=None, interleaved=False, layout="bhsd"):
+    """Rotation written with explicit feature pairs: pair (i, i + h) (NeoX) or (2i, 2i+1) (GPT-J)."""
+    x = _f64(x)
+    cos, sin = _f64(cos), _f64(sin)
+    xh = np.swapaxes(x, -2, -3) if layout == "bshd" else (x[None] if x.ndim == 2 else x)
+    L, h = xh.shape[-2], cos.shape[1]
+    pos = np.arange(L) if positions is None else np.asarray(positions)
+    pos = np.broadcast_to(pos, xh.shape[:-3] + (L,))[..., None, :]  # (..., 1, L): shared by heads
+    c, s = cos[pos], sin[pos]  # (..., 1, L, h)
+    out = xh.copy()
+    a_idx = np.arange(0, 2 * h, 2) if interleaved else np.arange(h)
+    b_idx = a_idx + 1 if interleaved else a_idx + h
+    xa, xb = xh[..., a_idx], xh[..., b_idx]
+    out[..., a_idx] = xa * c - xb * s
+    out[..., b_idx] = xb * c + xa * s
+    if layout == "bshd":
+        return np.swapaxes(out, -2, -3)
+    return out[0] if x.ndim == 2 else out
+
+
+def attention_weights(
+    query,
+    key,
+    attn_mask=None,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    *,
+    rows=None,
+    layout="bhsd",
+    **options,
+):
+    """The weights as the output of attention over the identity: softmax(scores) @ I = softmax(scores)."""
+    k = _f64(key)
+    S = k.shape[-3] if layout == "bshd" else k.shape[-2]
+    eye = np.eye(S)
+    if layout == "bshd":  # value (..., S, Hk, S): value[..., s, h, :] = e_s
+        v = np.broadcast_to(eye[:, None, :], k.shape[:-1] + (S,))
+    else:
+        v = np.broadcast_to(eye, k.shape[:-1] + (S,))
+    w = scaled_dot_product_attention(
+        query, k, v, attn_mask, 0.0, is_causal, scale, enable_gqa, layout=layout, **options
+    )
+    if layout == "bshd":
+        w = np.swapaxes(w, -2, -3)
+    elif w.ndim == 2:
+        w = w[None]
+    return w if rows is None else w[..., np.asarray(rows), :]
