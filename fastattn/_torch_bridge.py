@@ -1,0 +1,63 @@
+"""Zero-copy views between CPU torch tensors and NumPy arrays, bfloat16 included.
+
+torch is never imported here: a tensor is recognised through ``sys.modules``
+(if torch was not imported, nothing can be a tensor).  NumPy has no bfloat16,
+so a bfloat16 tensor is viewed as int16 and that view reinterpreted as
+``ml_dtypes.bfloat16`` (same bits, same memory); the way back reverses it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+__all__ = ["is_tensor", "to_numpy", "from_numpy"]
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def is_tensor(x: Any) -> bool:
+    """True when x is a torch.Tensor (without importing torch)."""
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def to_numpy(t: Any, name: str, *, writable: bool = False) -> np.ndarray:
+    """A NumPy view of a CPU tensor's memory (no copy, strides kept).
+
+    Refuses tensors on other devices and, while autograd is recording,
+    tensors that require grad: fastattn has no backward, so a result that
+    silently dropped the graph would give wrong gradients."""
+    torch = _torch()
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU tensor, got device {t.device}")
+    if t.requires_grad:
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{name} requires grad: fastattn computes no gradients; run under torch.no_grad() "
+                "or torch.inference_mode()"
+            )
+        t = t.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes  # only when a bfloat16 tensor is actually seen
+
+        a = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    else:
+        a = t.numpy()
+    if writable and not a.flags.writeable:
+        raise ValueError(f"{name} must be writable")
+    return a
+
+
+def from_numpy(a: np.ndarray) -> Any:
+    """A tensor sharing a's memory (bfloat16 arrays become bfloat16 tensors)."""
+    torch = _torch()
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)

@@ -1,0 +1,434 @@
+"""fastattn.flash_compat against flash-attn's documented semantics.
+
+The oracle below writes flash-attn 2's rules out in float64 NumPy, independent
+of fastattn's option handling: bottom-right causal and window masks, ALiBi
+``-slope * |i + Sk - Sq - j|``, softcap ``c * tanh(s / c)``, GQA by head groups,
+rows with no key give zeros.  The functions are also checked against the
+functional API they map onto."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import assert_close, randn
+
+import fastattn
+from fastattn import flash_compat as fc
+
+
+def _oracle(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alibi=None, scale=None, valid=None):
+    """q (B, Lq, H, D), k/v (B, S, Hk, D): out (B, Lq, H, Dv) and lse (B, H, Lq), float64.
+
+    valid: optional (B, S) bool of the keys that exist; positions are bottom-right on
+    the number of valid keys ending at the last valid one (flash-attn's KV cache rule)."""
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    B, Lq, H, D = q.shape
+    S, Hk = k.shape[1], k.shape[2]
+    G = H // Hk
+    scale = 1 / np.sqrt(D) if scale is None else scale
+    out = np.zeros((B, Lq, H, v.shape[3]))
+    lse = np.full((B, H, Lq), -np.inf)
+    for b in range(B):
+        ok = np.ones(S, bool) if valid is None else valid[b]
+        end = int(np.nonzero(ok)[0].max()) + 1 if ok.any() else 0
+        for h in range(H):
+            s = q[b, :, h] @ k[b, :, h // G].T * scale
+            if softcap:
+                s = softcap * np.tanh(s / softcap)
+            i = np.arange(Lq)[:, None] + end - Lq  # bottom-right position of each query
+            j = np.arange(S)[None, :]
+            if alibi is not None:
+                sl = alibi[h] if alibi.ndim == 1 else alibi[b, h]
+                s = s - sl * np.abs(i - j)
+            keep = np.broadcast_to(ok[None, :], s.shape).copy()
+            if causal:
+                keep &= j <= i
+            if window[0] >= 0:
+                keep &= j >= i - window[0]
+            if window[1] >= 0:
+                keep &= j <= i + window[1]
+            s = np.where(keep, s, -np.inf)
+            m = s.max(1, keepdims=True)
+            live = np.isfinite(m[:, 0])
+            p = np.where(keep, np.exp(s - np.where(np.isfinite(m), m, 0)), 0)
+            den = p.sum(1)
+            out[b, live, h] = (p[live] / den[live, None]) @ v[b, :, h // G]
+            lse[b, h, live] = np.log(den[live]) + m[live, 0]
+    return out, lse
+
+
+CASES = [
+    dict(),
+    dict(causal=True),
+    dict(causal=True, Lq=5, S=23),
+    dict(causal=True, Lq=23, S=9),  # the first 14 rows see no key: zeros
+    dict(window=(4, 2)),
+    dict(window=(3, -1), causal=True, Lq=7, S=30),
+    dict(softcap=2.0),
+    dict(alibi="h", causal=True),
+    dict(alibi="bh", window=(-1, 5)),
+    dict(gqa=True, causal=True, scale=0.3, softcap=5.0),
+]
+
+
+def _inputs(rng, case, dtype=np.float32):
+    B, H, D = 2, 4, 16
+    Lq, S = case.get("Lq", 19), case.get("S", 19)
+    Hk = 2 if case.get("gqa") else H
+    q, k, v = (
+        randn(rng, (B, Lq, H, D), dtype),
+        randn(rng, (B, S, Hk, D), dtype),
+        randn(rng, (B, S, Hk, D), dtype),
+    )
+    kw = {}
+    for n in ("causal", "window", "softcap"):
+        if n in case:
+            kw[n] = case[n]
+    if "scale" in case:
+        kw["scale"] = case["scale"]
+    if case.get("alibi") == "h":
+        kw["alibi"] = rng.random(H) * 0.5
+    elif case.get("alibi") == "bh":
+        kw["alibi"] = rng.random((B, H)) * 0.5
+    return q, k, v, kw
+
+
+def _flash_kw(kw):
+    fk = {}
+    if "causal" in kw:
+        fk["causal"] = kw["causal"]
+    if "window" in kw:
+        fk["window_size"] = kw["window"]
+    if "softcap" in kw:
+        fk["softcap"] = kw["softcap"]
+    if "alibi" in kw:
+        fk["alibi_slopes"] = kw["alibi"]
+    if "scale" in kw:
+        fk["softmax_scale"] = kw["scale"]
+    return fk
+
+
+IDS = [",".join(f"{a}={b}" for a, b in c.items()) or "plain" for c in CASES]
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_flash_attn_func_matches_flash_semantics(rng, case):
+    q, k, v, kw = _inputs(rng, case)
+    copies = [a.copy() for a in (q, k, v)]
+    out, lse, probs = fc.flash_attn_func(q, k, v, return_attn_probs=True, **_flash_kw(kw))
+    eo, el = _oracle(q, k, v, **kw)
+    assert out.shape == q.shape and out.dtype == np.float32
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == np.float32
+    assert probs.shape == (0,)
+    assert_close(out, eo, np.float32)
+    assert_close(lse, el, np.float32, what="lse")
+    for a, c in zip((q, k, v), copies):
+        np.testing.assert_array_equal(a, c)
+    # The same as the functional API it maps onto, bit for bit.
+    same = fastattn.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        is_causal=kw.get("causal", False),
+        scale=kw.get("scale"),
+        enable_gqa=True,
+        layout="bshd",
+        window=None if kw.get("window", (-1, -1)) == (-1, -1) else kw["window"],
+        softcap=kw.get("softcap"),
+        alibi_slopes=kw.get("alibi"),
+    )
+    np.testing.assert_array_equal(fc.flash_attn_func(q, k, v, **_flash_kw(kw)), same)
+
+
+def test_defaults_are_flash_attns(rng):
+    # causal=False, window (-1, -1) and softcap=0.0 mean "off": plain attention.
+    q, k, v, _ = _inputs(rng, dict(Lq=6, S=11))
+    assert_close(fc.flash_attn_func(q, k, v), _oracle(q, k, v)[0], np.float32)
+    assert_close(
+        fc.flash_attn_func(q, k, v, softcap=0.0, window_size=(-1, -1)), _oracle(q, k, v)[0], np.float32
+    )
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[5], CASES[9]], ids=["causal", "window", "gqa"])
+def test_packed_variants_equal_flash_attn_func(rng, case):
+    q, k, v, kw = _inputs(rng, case)
+    fk = _flash_kw(kw)
+    ref = fc.flash_attn_func(q, k, v, **fk)
+    kv = np.stack([k, v], axis=2)  # (B, S, 2, Hk, D)
+    assert_close(fc.flash_attn_kvpacked_func(q, kv, **fk), ref, np.float32, tol=1e-6)
+    if q.shape == k.shape:
+        qkv = np.stack([q, k, v], axis=2)  # (B, S, 3, H, D)
+        assert_close(fc.flash_attn_qkvpacked_func(qkv, **fk), ref, np.float32, tol=1e-6)
+    with pytest.raises(ValueError, match="kv"):
+        fc.flash_attn_kvpacked_func(q, k)
+    with pytest.raises(ValueError, match="qkv"):
+        fc.flash_attn_qkvpacked_func(kv)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[5], CASES[7], CASES[9]], ids=lambda c: str(c))
+def test_varlen_matches_per_sequence_oracle(rng, case):
+    H, D = 4, 16
+    Hk = 2 if case.get("gqa") else H
+    lq, lk = np.array([3, 0, 9, 5]), np.array([7, 4, 9, 12])
+    if case.get("Lq", 0) > case.get("S", 19):
+        lq, lk = lk, lq
+    cq, ck = np.concatenate([[0], np.cumsum(lq)]), np.concatenate([[0], np.cumsum(lk)])
+    q, k, v = randn(rng, (cq[-1], H, D)), randn(rng, (ck[-1], Hk, D)), randn(rng, (ck[-1], Hk, D))
+    _, _, _, kw = _inputs(rng, case)
+    if "alibi" in kw:
+        kw["alibi"] = rng.random(H) * 0.5
+    out, lse, probs = fc.flash_attn_varlen_func(
+        q, k, v, cq.astype(np.int32), ck.astype(np.int32), int(lq.max()), int(lk.max()),
+        return_attn_probs=True, **_flash_kw(kw),
+    )  # fmt: skip
+    assert out.shape == (cq[-1], H, D) and lse.shape == (H, cq[-1]) and probs.shape == (0,)
+    for b in range(len(lq)):
+        sq, sk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        eo, el = _oracle(q[None, sq], k[None, sk], v[None, sk], **kw)
+        assert_close(out[sq], eo[0], np.float32)
+        assert_close(lse[:, sq], el[0], np.float32, what="lse")
+    # The packed forms read the same rows.
+    if Hk == H and np.array_equal(lq, lk):
+        qkv = np.stack([q, k, v], axis=1)
+        o2 = fc.flash_attn_varlen_qkvpacked_func(qkv, cq, int(lq.max()), **_flash_kw(kw))
+        assert_close(o2, out, np.float32, tol=1e-6)
+    o3 = fc.flash_attn_varlen_kvpacked_func(
+        q, np.stack([k, v], axis=1), cq, ck, int(lq.max()), int(lk.max()), **_flash_kw(kw)
+    )
+    assert_close(o3, out, np.float32, tol=1e-6)
+
+
+def test_varlen_argument_checks(rng):
+    q = randn(rng, (10, 2, 8))
+    cu = np.array([0, 4, 10], dtype=np.int32)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        fc.flash_attn_varlen_func(q, q, q, cu, cu, 5, 6)
+    with pytest.raises(ValueError, match="max_seqlen_k"):
+        fc.flash_attn_varlen_func(q, q, q, cu, cu, 6, 2)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        fc.flash_attn_varlen_func(q, q, q, cu, cu, 6, 6, block_table=np.zeros((2, 1), np.int32))
+    with pytest.raises(NotImplementedError, match="dropout"):
+        fc.flash_attn_varlen_func(q, q, q, cu, cu, 6, 6, dropout_p=0.1)
+
+
+def test_flash_attn_func_bad_arguments(rng):
+    q = randn(rng, (1, 4, 2, 8))
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        fc.flash_attn_func(q, q, q, dropout_p=0.1)
+    fc.flash_attn_func(q, q, q, dropout_p=0.0, deterministic=True)  # 0 and flags are fine
+    with pytest.raises(TypeError, match="dropout_p"):
+        fc.flash_attn_func(q, q, q, dropout_p="0")
+    with pytest.raises(ValueError, match="softcap"):
+        fc.flash_attn_func(q, q, q, softcap=-1.0)
+    with pytest.raises(TypeError, match="softcap"):
+        fc.flash_attn_func(q, q, q, softcap=None)
+    with pytest.raises(ValueError, match=r"window_size\[0\]"):
+        fc.flash_attn_func(q, q, q, window_size=(-2, 0))
+    with pytest.raises(TypeError, match="window_size"):
+        fc.flash_attn_func(q, q, q, window_size=4)
+    with pytest.raises(TypeError, match="causal"):
+        fc.flash_attn_func(q, q, q, causal=1)
+    with pytest.raises(TypeError, match="deterministic"):
+        fc.flash_attn_func(q, q, q, deterministic=None)
+    with pytest.raises(ValueError, match="q must be 4-D"):
+        fc.flash_attn_func(q[0], q, q)
+    with pytest.raises(ValueError, match="multiple"):
+        fc.flash_attn_func(randn(rng, (1, 4, 3, 8)), q, q)
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        fc.flash_attn_func(q, q, q, alibi_slopes=np.ones(3))
+    with pytest.raises(TypeError, match="scale"):
+        fc.flash_attn_func(q, q, q, softmax_scale="x")
+
+
+# ------------------------------------------------------------------ KV cache
+def _cache_setup(rng, B=3, Bc=None, S=32, Hq=4, Hk=2, D=16, dtype=np.float32):
+    Bc = B if Bc is None else Bc
+    kc = randn(rng, (Bc, S, Hk, D), dtype)
+    vc = randn(rng, (Bc, S, Hk, D), dtype)
+    return kc, vc
+
+
+def _expect_kvcache(q, kc, vc, seqlens, k=None, v=None, idx=None, leftpad=None, **kw):
+    """The oracle on the cache after the write, with the valid keys of each row."""
+    B = q.shape[0]
+    idx = np.arange(B) if idx is None else np.asarray(idx)
+    kc2, vc2 = kc.copy(), vc.copy()
+    T = 0 if k is None else k.shape[1]
+    for b in range(B):
+        if T:
+            kc2[idx[b], seqlens[b] : seqlens[b] + T] = k[b]
+            vc2[idx[b], seqlens[b] : seqlens[b] + T] = v[b]
+    S = kc.shape[1]
+    valid = np.zeros((B, S), bool)
+    for b in range(B):
+        lo = 0 if leftpad is None else leftpad[b]
+        valid[b, lo : seqlens[b] + T] = True
+    out, lse = _oracle(q, kc2[idx], vc2[idx], valid=valid, **kw)
+    return out, lse, kc2, vc2
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(),
+        dict(causal=True),
+        dict(causal=True, window=(5, 0), ragged=True),
+        dict(causal=True, idx=[2, 0, 3], Bc=5, ragged=True),  # scattered cache rows
+        dict(causal=True, idx=[1, 3, 5], Bc=6),  # a strided progression: views
+        dict(causal=True, leftpad=[0, 3, 6], ragged=True),
+        dict(alibi=True, softcap=3.0, causal=True),
+        dict(causal=True, T=0),  # attend only
+    ],
+    ids=lambda c: ",".join(f"{a}={b}" for a, b in c.items()) or "plain",
+)
+def test_with_kvcache_appends_in_place_and_attends(rng, case):
+    B, Hq, Hk, D, S = 3, 4, 2, 16, 32
+    kc, vc = _cache_setup(rng, B=B, Bc=case.get("Bc"), S=S, Hq=Hq, Hk=Hk, D=D)
+    T = case.get("T", 2)
+    Lq = max(T, 1)
+    q = randn(rng, (B, Lq, Hq, D))
+    k = randn(rng, (B, T, Hk, D)) if T else None
+    v = randn(rng, (B, T, Hk, D)) if T else None
+    seq = np.array([7, 12, 9] if case.get("ragged") else [10, 10, 10], dtype=np.int32)
+    kw = {n: case[n] for n in ("causal", "window", "softcap") if n in case}
+    if case.get("alibi"):
+        kw["alibi"] = rng.random((B, Hq)) * 0.3
+    idx = case.get("idx")
+    leftpad = case.get("leftpad")
+    eo, el, ek, ev = _expect_kvcache(q, kc, vc, seq, k, v, idx=idx, leftpad=leftpad, **kw)
+    before_q = q.copy()
+    out, lse = fc.flash_attn_with_kvcache(
+        q,
+        kc,
+        vc,
+        k,
+        v,
+        cache_seqlens=seq,
+        cache_batch_idx=None if idx is None else np.array(idx, np.int32),
+        cache_leftpad=None if leftpad is None else np.array(leftpad, np.int32),
+        return_softmax_lse=True,
+        **_flash_kw(kw),
+    )
+    np.testing.assert_array_equal(kc, ek)  # written in place, nothing else touched
+    np.testing.assert_array_equal(vc, ev)
+    np.testing.assert_array_equal(q, before_q)
+    np.testing.assert_array_equal(seq, [7, 12, 9] if case.get("ragged") else [10, 10, 10])  # not advanced
+    assert out.shape == (B, Lq, Hq, D) and lse.shape == (B, Hq, Lq)
+    assert_close(out, eo, np.float32)
+    assert_close(lse, el, np.float32, what="lse")
+
+
+def test_with_kvcache_matches_attention_with_kvcache(rng):
+    kc, vc = _cache_setup(rng)
+    kc2, vc2 = kc.copy(), vc.copy()
+    q, k, v = randn(rng, (3, 1, 4, 16)), randn(rng, (3, 1, 2, 16)), randn(rng, (3, 1, 2, 16))
+    seq = np.array([4, 9, 20])
+    a = fc.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seq, causal=True)
+    b = fastattn.attention_with_kvcache(q, kc2, vc2, seq, k, v, is_causal=True, layout="bshd")
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(kc, kc2)
+
+
+def test_with_kvcache_int_seqlens_none_seqlens_and_short_causal_rows(rng):
+    kc, vc = _cache_setup(rng, B=2, S=8)
+    q = randn(rng, (2, 5, 4, 16))
+    # cache_seqlens None: the whole cache is valid (no k/v allowed).
+    out = fc.flash_attn_with_kvcache(q, kc, vc)
+    assert_close(out, _oracle(q, kc, vc)[0], np.float32)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        fc.flash_attn_with_kvcache(q, kc, vc, q[:, :1, :2], q[:, :1, :2])
+    # An int; 5 queries over 3 keys under causal: the first two rows see no key (zeros), as flash-attn.
+    out = fc.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=3, causal=True)
+    valid = np.zeros((2, 8), bool)
+    valid[:, :3] = True
+    assert_close(out, _oracle(q, kc, vc, causal=True, valid=valid)[0], np.float32)
+    assert np.all(out[:, :2] == 0)
+
+
+def test_with_kvcache_16bit_cache_and_overflow(rng):
+    kc, vc = (a.astype(np.float16) for a in _cache_setup(rng, B=2, S=8))
+    q, k, v = randn(rng, (2, 1, 4, 16)), randn(rng, (2, 1, 2, 16)), randn(rng, (2, 1, 2, 16))
+    seq = np.array([2, 5])
+    out = fc.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seq, causal=True)
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(kc[1, 5], k[1, 0].astype(np.float16))
+    before = kc.copy(), vc.copy()
+    bad = k.copy()
+    bad[1, 0, 0, 3] = 1e6  # beyond float16
+    with pytest.raises(ValueError, match="range"):
+        fc.flash_attn_with_kvcache(q, kc, vc, bad, v, cache_seqlens=seq + 1, causal=True)
+    np.testing.assert_array_equal(kc, before[0])
+    np.testing.assert_array_equal(vc, before[1])
+
+
+def test_with_kvcache_bad_arguments_write_nothing(rng):
+    kc, vc = _cache_setup(rng, B=2, S=8)
+    before = kc.copy(), vc.copy()
+    q, k, v = randn(rng, (2, 1, 4, 16)), randn(rng, (2, 1, 2, 16)), randn(rng, (2, 1, 2, 16))
+    seq = np.array([2, 3])
+    cos = np.ones((8, 8), np.float32)
+    bad = [
+        (NotImplementedError, "rotary", dict(rotary_cos=cos, rotary_sin=cos)),
+        (NotImplementedError, "rotary", dict(rotary_cos=cos)),
+        (NotImplementedError, "block_table", dict(block_table=np.zeros((2, 1), np.int32))),
+        (ValueError, "exceeds", dict(cache_seqlens=np.array([2, 8]))),
+        (ValueError, "cache_seqlens", dict(cache_seqlens=np.array([2, 9]))),
+        (ValueError, "cache_seqlens", dict(cache_seqlens=np.array([1, 2, 3]))),
+        (TypeError, "cache_seqlens", dict(cache_seqlens=np.array([1.0, 2.0]))),
+        (ValueError, "repeat", dict(cache_batch_idx=np.array([1, 1]))),
+        (ValueError, "cache_batch_idx", dict(cache_batch_idx=np.array([0, 2]))),
+        (ValueError, "cache_leftpad", dict(cache_leftpad=np.array([0, 4]))),
+        (ValueError, "softcap", dict(softcap=-2.0)),
+        (ValueError, "window_size", dict(window_size=(0, -3))),
+        (ValueError, "alibi_slopes", dict(alibi_slopes=np.ones((3, 4)))),
+        (TypeError, "scale", dict(softmax_scale=[1.0])),
+        (TypeError, "num_splits", dict(num_splits=1.5)),
+        (TypeError, "return_softmax_lse", dict(return_softmax_lse=None)),
+    ]
+    for exc, match, kw in bad:
+        kw.setdefault("cache_seqlens", seq)
+        with pytest.raises(exc, match=match):
+            fc.flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
+        np.testing.assert_array_equal(kc, before[0], err_msg=str(kw))
+        np.testing.assert_array_equal(vc, before[1], err_msg=str(kw))
+    with pytest.raises(ValueError, match="together"):
+        fc.flash_attn_with_kvcache(q, kc, vc, k, None, cache_seqlens=seq)
+    with pytest.raises(ValueError, match="writable"):
+        ro = kc.copy()
+        ro.flags.writeable = False
+        fc.flash_attn_with_kvcache(q, ro, vc, k, v, cache_seqlens=seq)
+    with pytest.raises(ValueError, match="share memory"):
+        fc.flash_attn_with_kvcache(q, kc, kc, k, k, cache_seqlens=seq)
+    with pytest.raises(TypeError, match="q must have dtype"):
+        fc.flash_attn_with_kvcache(q.astype(np.float64), kc, vc, k, v, cache_seqlens=seq)
+    with pytest.raises(ValueError, match="cache_batch_idx"):
+        fc.flash_attn_with_kvcache(randn(rng, (3, 1, 4, 16)), kc, vc, cache_seqlens=2)
+    np.testing.assert_array_equal(kc, before[0])
+
+
+# --------------------------------------------------------------- torch tensors
+def test_torch_tensors_in_and_out(rng):
+    torch = pytest.importorskip("torch")
+    import ml_dtypes
+
+    q, k, v, _ = _inputs(rng, dict(causal=True, gqa=True))
+    tq, tk, tv = (torch.from_numpy(a).to(torch.bfloat16) for a in (q, k, v))
+    out = fc.flash_attn_func(tq, tk, tv, causal=True)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+    nq, nk, nv = (t.view(torch.int16).numpy().view(ml_dtypes.bfloat16) for t in (tq, tk, tv))
+    np.testing.assert_array_equal(
+        out.view(torch.int16).numpy(), fc.flash_attn_func(nq, nk, nv, causal=True).view(np.int16)
+    )
+    # KV cache tensors are written in place through the zero-copy view.
+    kc, vc = (torch.zeros((2, 8, 2, 16)) for _ in range(2))
+    tq1, tk1, tv1 = (torch.from_numpy(randn(rng, s)) for s in ((2, 1, 4, 16), (2, 1, 2, 16), (2, 1, 2, 16)))
+    out, lse = fc.flash_attn_with_kvcache(
+        tq1, kc, vc, tk1, tv1, cache_seqlens=torch.tensor([0, 3], dtype=torch.int32), return_softmax_lse=True
+    )
+    assert isinstance(out, torch.Tensor) and isinstance(lse, torch.Tensor)
+    assert torch.equal(kc[1, 3], tk1[1, 0]) and torch.equal(vc[0, 0], tv1[0, 0])
+    t = torch.ones((1, 4, 2, 8), requires_grad=True)
+    with pytest.raises(RuntimeError, match="no_grad"):
+        fc.flash_attn_func(t, t, t)
+    with torch.no_grad():
+        fc.flash_attn_func(t, t, t)
