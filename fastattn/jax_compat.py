@@ -3,18 +3,25 @@
 
 JAX letters: B batch, T query length, S key length, N query heads, K key/value
 heads (N a multiple of K), H head dim.
+
+NumPy arrays in, NumPy arrays out; JAX arrays in (also tracers, under
+``jax.jit`` and ``jax.vmap``), JAX arrays out, through ``jax.pure_callback``.
+This module never imports JAX unless it is given JAX arrays (a JAX array can
+only exist once JAX has been imported).
 """
 
 from __future__ import annotations
 
+import functools
 import numbers
+import sys
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from ._checks import as_array
-from .functional import scaled_dot_product_attention
+from ._checks import as_array, scale_value, threads_value
+from .functional import _check_dtypes, scaled_dot_product_attention
 
 __all__ = ["dot_product_attention"]
 
@@ -66,14 +73,19 @@ def dot_product_attention(
     key_value_seq_lengths: npt.ArrayLike | None = None,
     local_window_size: int | tuple[int, int] | None = None,
     implementation: str | None = None,
+    return_residual: bool = False,
     num_threads: int | None = None,
-) -> np.ndarray:
+) -> Any:
     """softmax(query·keyᵀ·scale + bias, masked)·value in JAX's conventions.
 
     Same arguments and semantics as ``jax.nn.dot_product_attention`` (its XLA
     implementation), computed on the CPU by :func:`fastattn.scaled_dot_product_attention`
-    with ``layout="bshd"``; NumPy arrays in and out (anything ``numpy.asarray``
-    accepts, read without a copy when possible).
+    with ``layout="bshd"``.  NumPy arrays in and out (anything ``numpy.asarray``
+    accepts, read without a copy when possible); or, when any array argument is
+    a JAX array, JAX arrays out: the kernel then runs through
+    ``jax.pure_callback`` on the host, so the call works eagerly, under
+    ``jax.jit`` and under ``jax.vmap`` (each vmapped element is one kernel call).
+    No gradients: ``jax.grad`` through it is not supported.
 
     Args:
         query: ``(B, T, N, H)`` or ``(T, N, H)``.
@@ -98,20 +110,61 @@ def dot_product_attention(
             ``w`` means ``(w, w)``.
         implementation: None, ``"xla"`` or ``"fastattn"`` (all compute the same
             thing here); ``"cudnn"`` is not available and raises ValueError.
+        return_residual: also return the log-sum-exp of each row's scaled,
+            biased, masked logits, shape ``(B, T, N)`` (or ``(T, N)``), in the
+            key's dtype, as JAX does.
         num_threads: threads for this call (fastattn extension); None uses
             :func:`fastattn.get_num_threads`.
 
     Returns:
-        ``(B, T, N, Hv)`` (or ``(T, N, Hv)``), the query's dtype.
+        ``(B, T, N, Hv)`` (or ``(T, N, Hv)``), the query's dtype; with
+        ``return_residual`` the pair ``(output, residual)``.
 
     Differences from JAX: a query row that can see no key at all (fully
     masked, or a padded query row) gives zeros here; JAX's XLA path gives the
     mean of all values for such a row (its masked logits are a large finite
-    negative number, so the softmax is uniform), except padded query rows when
-    both length arrays are given, which JAX also zeroes.
+    negative number, so the softmax is uniform), except padded query rows,
+    which JAX also zeroes; such a row's residual is -inf here, a huge finite
+    negative number in JAX.
     """
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of None, 'xla', 'fastattn', got {implementation!r}")
+    if not isinstance(return_residual, (bool, np.bool_)):
+        raise TypeError(f"return_residual must be a bool, got {type(return_residual).__name__}")
+    window = _window_size(local_window_size)
+    args = (query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths)
+    if _any_jax(args):
+        out, res = _jax_forward(
+            *args, scale=scale, is_causal=bool(is_causal), window=window, num_threads=num_threads
+        )
+    else:
+        out, res = _numpy_forward(
+            *args, scale=scale, is_causal=bool(is_causal), window=window, num_threads=num_threads
+        )
+    return (out, res) if return_residual else out
+
+
+def _any_jax(args: tuple) -> bool:
+    jax = sys.modules.get("jax")  # no JAX array can exist before jax is imported
+    return jax is not None and any(isinstance(a, jax.Array) for a in args)
+
+
+def _numpy_forward(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any,
+    mask: Any,
+    query_seq_lengths: Any,
+    key_value_seq_lengths: Any,
+    *,
+    scale: float | None,
+    is_causal: bool,
+    window: tuple[int, int] | None,
+    num_threads: int | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The computation on NumPy arrays: ``(output, residual)``, residual ``(B, T, N)``
+    (``(T, N)`` for 3-D inputs) in the key's dtype."""
     q = as_array(query, "query")
     k = as_array(key, "key")
     v = as_array(value, "value")
@@ -133,7 +186,6 @@ def dot_product_attention(
         )
     if K == 0 or N % K:
         raise ValueError(f"the number of query heads ({N}) must be a multiple of key/value heads ({K})")
-    window = _window_size(local_window_size)
     q_lens = _seq_lengths(query_seq_lengths, "query_seq_lengths", B, T)
     kv_lens = _seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", B, S)
 
@@ -187,7 +239,7 @@ def dot_product_attention(
                 attn_mask = attn_mask & keep
             else:
                 attn_mask = np.where(keep, attn_mask, attn_mask.dtype.type(-np.inf))
-    out = scaled_dot_product_attention(
+    out, lse = scaled_dot_product_attention(
         q4,
         k4,
         v4,
@@ -198,6 +250,144 @@ def dot_product_attention(
         key_lengths=kv_lens,
         query_lengths=q_lens,
         num_threads=num_threads,
+        return_lse=True,
         **native_kw,
     )
-    return out[0] if squeeze else out
+    res = np.swapaxes(lse, 1, 2).astype(k.dtype)  # (B, N, T) -> (B, T, N), as JAX
+    return (out[0], res[0]) if squeeze else (out, res)
+
+
+# ------------------------------------------------------------------------- JAX
+# Leading dims each argument of the callback has without vmap: q, k, v, bias,
+# mask are 4-D, the two length arrays 1-D.  Under jax.vmap (vmap_method
+# "expand_dims") every argument gains the vmapped dims in front, size 1 where
+# that argument is not mapped.
+_BASE_NDIM = (4, 4, 4, 4, 4, 1, 1)
+
+
+def _host_callback(*arrays: Any, scale, is_causal, window, num_threads) -> tuple[np.ndarray, np.ndarray]:
+    opts = dict(scale=scale, is_causal=is_causal, window=window, num_threads=num_threads)
+    leads = [a.shape[: a.ndim - nd] for a, nd in zip(arrays, _BASE_NDIM) if a is not None]
+    lead = np.broadcast_shapes(*leads)
+    if lead == ():
+        return _numpy_forward(*arrays, **opts)
+    outs, ress = [], []
+    for idx in np.ndindex(*lead):  # one kernel call per vmapped element
+        sub = []
+        for a, nd in zip(arrays, _BASE_NDIM):
+            if a is None:
+                sub.append(None)
+                continue
+            la = a.shape[: a.ndim - nd]
+            tail = idx[len(idx) - len(la) :] if la else ()
+            sub.append(a[tuple(i if d != 1 else 0 for i, d in zip(tail, la))])
+        o, r = _numpy_forward(*sub, **opts)
+        outs.append(o)
+        ress.append(r)
+    return (
+        np.stack(outs).reshape(lead + outs[0].shape),
+        np.stack(ress).reshape(lead + ress[0].shape),
+    )
+
+
+def _to_4d(jnp: Any, a: Any) -> Any:
+    return jnp.reshape(a, (1,) * (4 - a.ndim) + a.shape) if a.ndim < 4 else a
+
+
+def _jax_forward(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any,
+    mask: Any,
+    query_seq_lengths: Any,
+    key_value_seq_lengths: Any,
+    *,
+    scale: float | None,
+    is_causal: bool,
+    window: tuple[int, int] | None,
+    num_threads: int | None,
+) -> tuple[Any, Any]:
+    """The computation on JAX arrays (tracers included): ``(output, residual)`` as JAX
+    arrays, through ``jax.pure_callback`` with ``vmap_method="expand_dims"``.
+
+    One function of the seven array arguments with every option static, so
+    that a ``jax.custom_vjp`` can wrap it.  Shapes and dtypes are checked here,
+    at trace time, with the argument names; the host callback then runs
+    :func:`_numpy_forward` (once per element under ``jax.vmap``)."""
+    import jax
+    import jax.numpy as jnp
+
+    q, k, v = (jnp.asarray(a) for a in (query, key, value))
+    for a, n in ((q, "query"), (k, "key"), (v, "value")):
+        if a.ndim not in (3, 4):
+            raise ValueError(f"{n} must have shape (B, T|S, heads, H) or (T|S, heads, H), got {a.shape}")
+    if not (q.ndim == k.ndim == v.ndim):
+        raise ValueError(
+            "query, key and value must have the same number of dimensions, got "
+            f"{q.shape}, {k.shape}, {v.shape}"
+        )
+    _check_dtypes(*(np.empty(0, dtype=np.dtype(a.dtype)) for a in (q, k, v)))
+    squeeze = q.ndim == 3
+    q, k, v = (_to_4d(jnp, a) for a in (q, k, v))
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    if k.shape[0] != B or v.shape[:3] != (B, S, K):
+        raise ValueError(
+            f"query, key and value must share the batch size, and key and value the length and heads; "
+            f"got {query.shape}, {key.shape}, {value.shape}"
+        )
+    if k.shape[3] != H:
+        raise ValueError(f"query and key must have the same head dim, got {H} and {k.shape[3]}")
+    if K == 0 or N % K:
+        raise ValueError(f"the number of query heads ({N}) must be a multiple of key/value heads ({K})")
+    full = (B, N, T, S)
+    b = m = None
+    if bias is not None:
+        b = jnp.asarray(bias)
+        if not jnp.issubdtype(b.dtype, jnp.floating):
+            raise TypeError(f"bias must be a floating array, got dtype {b.dtype}")
+        if b.ndim > 4:
+            raise ValueError(f"bias must have at most 4 dimensions (B, N, T, S), got shape {b.shape}")
+        b = _to_4d(jnp, b)
+    if mask is not None:
+        m = jnp.asarray(mask)
+        if m.dtype != jnp.bool_:
+            raise TypeError(
+                f"mask must be a bool array (True = keep; pass additive masks as bias), got dtype {m.dtype}"
+            )
+        if m.ndim > 4:
+            raise ValueError(f"mask must have at most 4 dimensions (B, N, T, S), got shape {m.shape}")
+        m = _to_4d(jnp, m)
+    for a, n in ((b, "bias"), (m, "mask")):
+        if a is not None:
+            try:
+                ok = np.broadcast_shapes(a.shape, full) == full
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"{n} of shape {a.shape} does not broadcast to (B, N, T, S) = {full}")
+    lens = []
+    for x, n in ((query_seq_lengths, "query_seq_lengths"), (key_value_seq_lengths, "key_value_seq_lengths")):
+        if x is None:
+            lens.append(None)
+            continue
+        a = jnp.asarray(x)
+        if not jnp.issubdtype(a.dtype, jnp.integer):
+            raise TypeError(f"{n} must be an integer array, got dtype {a.dtype}")
+        if a.shape != (B,):
+            raise ValueError(f"{n} must have shape ({B},) (the batch size), got {a.shape}")
+        lens.append(a)
+    if scale is not None:
+        scale_value(scale, H)
+    if num_threads is not None:
+        threads_value(num_threads, lambda: 1)
+    result = (
+        jax.ShapeDtypeStruct((B, T, N, v.shape[3]), q.dtype),
+        jax.ShapeDtypeStruct((B, T, N), k.dtype),
+    )
+    callback = functools.partial(
+        _host_callback, scale=scale, is_causal=is_causal, window=window, num_threads=num_threads
+    )
+    out, res = jax.pure_callback(callback, result, q, k, v, b, m, *lens, vmap_method="expand_dims")
+    return (out[0], res[0]) if squeeze else (out, res)
