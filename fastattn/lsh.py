@@ -38,8 +38,10 @@ def lsh_rotations(seed: int | None, n_hashes: int, head_dim: int, n_buckets: int
 def _buckets(x, rot):
     """argmax over [x R, -x R] (the first index on ties, as argmax of the concatenation)."""
     proj = x @ rot
-    up, dn = proj.max(axis=-1), -proj.min(axis=-1)
-    return np.where(up >= dn, proj.argmax(axis=-1), rot.shape[-1] + proj.argmin(axis=-1))
+    hi, lo = proj.argmax(axis=-1), proj.argmin(axis=-1)
+    up = np.take_along_axis(proj, hi[:, None], axis=-1)[:, 0]
+    dn = -np.take_along_axis(proj, lo[:, None], axis=-1)[:, 0]
+    return np.where(up >= dn, hi, rot.shape[-1] + lo)
 
 
 def lsh_attention(
@@ -130,6 +132,9 @@ def lsh_attention(
     # The rounds' LSEs combine in float64: a token that saw only itself sits near -1e5,
     # where a float32 log-sum-exp would lose the weights (its ulp there is 0.008).
     lse = np.full((B, L), -np.inf, dtype=F64)
+    if nh > 1:  # one later round's result at a time, in original order
+        o_buf = np.empty((L, Dv), dtype=cdt)
+        l_buf = np.empty(L, dtype=F64)
     nc = L // ch
     G = max(1, _GROUP_ROWS // ch)  # chunks per kernel call
     ar = np.arange(ch)
@@ -142,6 +147,7 @@ def lsh_attention(
             self_val = (SELF_SCORE - sc * norms.astype(F64)).astype(cdt)
             for r in range(nh):
                 order = np.argsort(_buckets(xs, rot[r]), kind="stable")  # by (bucket, position)
+                o_dst, l_dst = (out[b], lse[b]) if r == 0 else (o_buf, l_buf)
                 for c0 in range(0, nc, G):
                     c1 = min(nc, c0 + G)
                     g = c1 - c0
@@ -184,16 +190,17 @@ def lsh_attention(
                     )
                     o_g = o4.reshape(g * ch, Dv)
                     l_g = l4.reshape(g * ch).astype(F64)
-                    if r == 0:
-                        out[b, q_idx] = o_g
-                        lse[b, q_idx] = l_g
-                    else:  # combine with the earlier rounds by their log-sum-exp weights
-                        l_old = lse[b, q_idx]
-                        l_new = np.logaddexp(l_old, l_g)
-                        w_old = np.exp(l_old - l_new).astype(cdt)[:, None]
-                        w_new = np.exp(l_g - l_new).astype(cdt)[:, None]
-                        out[b, q_idx] = out[b, q_idx] * w_old + o_g * w_new
-                        lse[b, q_idx] = l_new
+                    # back to the original positions (round 0 straight into the result)
+                    o_dst[q_idx] = o_g
+                    l_dst[q_idx] = l_g
+                if r > 0:  # combine with the earlier rounds by their log-sum-exp weights
+                    l_new = np.logaddexp(lse[b], l_buf)
+                    w_old = np.exp(lse[b] - l_new).astype(cdt)[:, None]
+                    w_new = np.exp(l_buf - l_new).astype(cdt)[:, None]
+                    out[b] *= w_old
+                    o_buf *= w_new
+                    out[b] += o_buf
+                    lse[b] = l_new
     res = out.reshape(lead + (L, Dv))
     if return_lse:
         return res, lse.astype(cdt).reshape(lead + (L,))
