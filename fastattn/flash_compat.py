@@ -25,7 +25,7 @@ outputs are NumPy arrays, or torch tensors when ``q`` (``qkv``) is one.
 
 Differences, all loud: ``dropout_p`` must be 0 (``NotImplementedError``
 otherwise: fastattn is inference only); paged caches (``block_table``) and
-rotary embeddings (``rotary_cos``/``rotary_sin``) raise ``NotImplementedError``;
+rotary embeddings together with ``cache_leftpad`` raise ``NotImplementedError``;
 ``return_attn_probs`` returns an empty ``S_dmask`` as flash-attn does without
 dropout.  Where flash-attn leaves a case undefined, fastattn refuses it with a
 ``ValueError`` (repeated ``cache_batch_idx`` with new keys, ``max_seqlen`` smaller
@@ -47,6 +47,7 @@ from . import _torch_bridge
 from ._checks import STORAGE_DTYPES, as_array, int_value
 from .functional import scaled_dot_product_attention, varlen_attention
 from .kvcache import _is_real_float, _query_dtype_ok, _rows
+from .positions import _CacheRotary
 
 __all__ = [
     "flash_attn_func",
@@ -528,16 +529,21 @@ def flash_attn_with_kvcache(
     seqlen_q, nheads, headdim_v)`` in q's dtype, and with ``return_softmax_lse``
     also the float32 ``softmax_lse (batch, nheads, seqlen_q)``.
 
-    Every check runs before anything is written.  ``rotary_cos``/``rotary_sin``
-    and ``block_table`` raise ``NotImplementedError``; ``num_splits`` only tunes
-    flash-attn's GPU kernel and changes nothing here.
+    Rotary embeddings as flash-attn: ``rotary_cos``/``rotary_sin`` ``(seqlen_ro,
+    rotary_dim / 2)`` (:func:`fastattn.rotary_cos_sin`), only with ``k``/``v``;
+    the new keys are rotated at positions ``cache_seqlens[b] + t`` in the C pass
+    that writes them into the cache; q at ``cache_seqlens[b] + i`` when causal or
+    local (``window_size != (-1, -1)``), else every query at ``cache_seqlens[b]``.
+    ``rotary_interleaved=True`` (flash-attn's default) pairs dimensions (0, 1),
+    (2, 3), ...; False pairs i with i + rotary_dim/2 (GPT-NeoX).  Any even
+    rotary_dim up to headdim is accepted (flash-attn's GPU kernel needs a
+    multiple of 16).
+
+    Every check runs before anything is written.  ``block_table``, and rotary
+    together with a nonzero ``cache_leftpad``, raise ``NotImplementedError``;
+    ``num_splits`` only tunes flash-attn's GPU kernel and changes nothing here.
     """
     # flash-attn features fastattn does not have: refused, never ignored.
-    if rotary_cos is not None or rotary_sin is not None:
-        raise NotImplementedError(
-            "rotary_cos/rotary_sin (fused rotary embedding) are not supported by fastattn yet; "
-            "rotate q and k before the call"
-        )
     if block_table is not None:
         raise NotImplementedError("block_table (paged KV cache) is not supported by fastattn")
     _flag(rotary_interleaved, "rotary_interleaved")
@@ -624,8 +630,25 @@ def flash_attn_with_kvcache(
             )
         if np.may_share_memory(kc, vc):
             raise ValueError("k_cache and v_cache must not share memory")
-        kw = _to_cache_dtype(ka, cdt, "k")
         vw = _to_cache_dtype(va, cdt, "v")
+    rot = None
+    if rotary_cos is not None or rotary_sin is not None:
+        rot = _CacheRotary(rotary_cos, rotary_sin, rotary_interleaved, D, cdt)
+        if not appending:
+            raise ValueError("rotary_cos/rotary_sin need k and v (flash-attn rotates the new keys and q)")
+        if left is not None and np.any(left):
+            raise NotImplementedError("rotary_cos/rotary_sin together with a nonzero cache_leftpad")
+        kpos = rot.positions(seq, T)
+        local = window is not None and tuple(window) != (-1, -1)
+        qpos = rot.positions(seq, Lq) if (is_causal or local) else np.broadcast_to(seq[:, None], (B, Lq))
+        rot.check(kpos, "the new keys' positions (cache_seqlens + t)")
+        rot.check(qpos, "the queries' positions")
+        ka_h = np.swapaxes(ka, 1, 2)  # (B, Hk, T, D)
+        if cdt.itemsize == 2 and ka.size and np.abs(ka).max() * 1.4143 >= float(np.finfo(cdt).max):
+            # a rotated pair can grow by sqrt(2): check the rotated keys before writing anything
+            _to_cache_dtype(rot.rotate_q(ka_h, kpos), cdt, "k (rotated)")
+    elif appending:
+        kw = _to_cache_dtype(ka, cdt, "k")
     total = seq + T
     mask = None
     if left is not None and np.any(left):
@@ -655,14 +678,25 @@ def flash_attn_with_kvcache(
     # ---- write (nothing has been modified before this point)
     if T and B:
         seq_l = seq.tolist()
+        if rot is not None:  # keys rotated and written in one C pass over the new tokens
+            kdst = kc[:B] if idx is None else _rows(kc, idx)
+            if kdst is not None:
+                rot.append(ka_h, np.swapaxes(kdst, 1, 2), kpos)
+            else:
+                for b, c in enumerate(rows.tolist()):
+                    rot.append(ka_h[b : b + 1], np.swapaxes(kc[c : c + 1], 1, 2), kpos[b : b + 1])
         if len(set(seq_l)) == 1 and _rows(kc, idx) is not None:
             s0 = seq_l[0]
-            _rows(kc, idx)[:, s0 : s0 + T] = kw
+            if rot is None:
+                _rows(kc, idx)[:, s0 : s0 + T] = kw
             _rows(vc, idx)[:, s0 : s0 + T] = vw
         else:
             for b, (c, s0) in enumerate(zip(rows.tolist(), seq_l)):
-                kc[c, s0 : s0 + T] = kw[b]
+                if rot is None:
+                    kc[c, s0 : s0 + T] = kw[b]
                 vc[c, s0 : s0 + T] = vw[b]
+    if rot is not None:
+        qa = np.swapaxes(rot.rotate_q(np.swapaxes(qa, 1, 2), qpos), 1, 2)
 
     # ---- attend
     kview = kc[:B] if idx is None else _rows(kc, idx)

@@ -594,3 +594,34 @@ def test_family_exports():
     ):
         assert name in fastattn.__all__ and callable(getattr(fastattn, name))
     assert os.path.basename(fastattn.reference.__file__) == "reference.py"
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("interleaved", [None, False])  # None: flash-attn's default (True, GPT-J pairs)
+@pytest.mark.parametrize("cache_batch_idx", [None, [2, 0]])
+def test_flash_compat_with_kvcache_rotary(rng, causal, interleaved, cache_batch_idx):
+    fc = pytest.importorskip("fastattn.flash_compat")
+    B, Bc, Hq, Hk, S, D, T = 2, 3, 4, 2, 24, 16, 2
+    kc = randn(rng, (Bc, S, Hk, D), np.float16)
+    vc = randn(rng, (Bc, S, Hk, D), np.float16)
+    q = randn(rng, (B, T, Hq, D), F32)
+    k = randn(rng, (B, T, Hk, D), F32)
+    v = randn(rng, (B, T, Hk, D), F32)
+    seq = np.array([3, 9])
+    c, s = fastattn.rotary_cos_sin(S, 8)
+    rows = [0, 1] if cache_batch_idx is None else cache_batch_idx
+    bh = [np.swapaxes(kc[rows], 1, 2), np.swapaxes(vc[rows], 1, 2)]
+    il = True if interleaved is None else interleaved
+    ro, _ = _ref_kvcache_rotary(
+        np.swapaxes(q, 1, 2), bh[0], bh[1], seq, np.swapaxes(k, 1, 2), np.swapaxes(v, 1, 2), c, s, il, causal
+    )
+    kw = dict(rotary_cos=c, rotary_sin=s, cache_seqlens=seq, causal=causal)
+    if interleaved is not None:
+        kw["rotary_interleaved"] = interleaved
+    if cache_batch_idx is not None:
+        kw["cache_batch_idx"] = np.array(cache_batch_idx)
+    out = fc.flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
+    assert_close(np.swapaxes(out, 1, 2), ro, tol=2e-3)
+    sep = fastattn.apply_rotary(k, c, s, positions=seq[:, None] + np.arange(T), interleaved=il, layout="bshd")
+    for b, r in enumerate(rows):
+        np.testing.assert_array_equal(kc[r, seq[b] : seq[b] + T], sep[b].astype(np.float16))

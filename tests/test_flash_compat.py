@@ -368,8 +368,13 @@ def test_with_kvcache_bad_arguments_write_nothing(rng):
     seq = np.array([2, 3])
     cos = np.ones((8, 8), np.float32)
     bad = [
-        (NotImplementedError, "rotary", dict(rotary_cos=cos, rotary_sin=cos)),
-        (NotImplementedError, "rotary", dict(rotary_cos=cos)),
+        (ValueError, "rotary_cos and rotary_sin", dict(rotary_cos=cos)),
+        (ValueError, "positions", dict(rotary_cos=cos[:3], rotary_sin=cos[:3])),
+        (
+            NotImplementedError,
+            "cache_leftpad",
+            dict(rotary_cos=cos, rotary_sin=cos, cache_leftpad=np.array([1, 0])),
+        ),
         (NotImplementedError, "block_table", dict(block_table=np.zeros((2, 1), np.int32))),
         (ValueError, "exceeds", dict(cache_seqlens=np.array([2, 8]))),
         (ValueError, "cache_seqlens", dict(cache_seqlens=np.array([2, 9]))),
