@@ -65,6 +65,24 @@ def _mask(L, S, causal, window):
     return None if ok is None else np.where(ok, 0.0, -np.inf).astype(np.float32)
 
 
+def _blas_limit(n):
+    """Limit NumPy's BLAS to n threads for the NumPy baseline, through threadpoolctl when it
+    is installed (asv's virtualenvs get it from asv.conf.json).  Without it (``pip install
+    asv .`` and ``--python=same``) BLAS keeps its default, all cores, which is what n is
+    unless FASTATTN_BENCH_THREADS asks for fewer: only then is threadpoolctl needed, and
+    the row is skipped (NotImplementedError) rather than timed with the wrong thread count."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        if n < (os.cpu_count() or 1):
+            raise NotImplementedError(
+                f"FASTATTN_BENCH_THREADS={n} needs threadpoolctl to limit NumPy's BLAS "
+                "(pip install threadpoolctl)"
+            ) from None
+        return None
+    return threadpool_limits(limits=n, user_api="blas")
+
+
 class _Cases:
     cases: dict = {}
     params = ([], ["fastattn", "numpy"])
@@ -80,9 +98,7 @@ class _Cases:
             )
         else:
             add = _mask(L, S, causal, window)
-            from threadpoolctl import threadpool_limits
-
-            self.limits = threadpool_limits(limits=THREADS, user_api="blas")
+            self.limits = _blas_limit(THREADS)
             self.fn = lambda: bench_cmd.numpy_attention(q, k, v, add)
 
     def teardown(self, case, impl):

@@ -8,16 +8,38 @@ import numbers
 
 import numpy as np
 
-try:
+F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
+_DTYPE_NAMES = "float32, float64, float16 or bfloat16"
+
+
+# bfloat16 comes from ml_dtypes, whose import costs ~0.5 s: ``import fastattn`` does not
+# import it.  An array can only have the bfloat16 dtype once ml_dtypes has been imported
+# (by whoever made the array), so a dtype is recognised by its name first and compared
+# with ml_dtypes' only then; code that creates bfloat16 arrays calls bfloat16_dtype().
+def bfloat16_dtype():
+    """``np.dtype(ml_dtypes.bfloat16)`` (imports ml_dtypes on first use)."""
     import ml_dtypes
 
-    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - ml_dtypes is a dependency
-    BFLOAT16 = None
+    return np.dtype(ml_dtypes.bfloat16)
 
-F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
-STORAGE_DTYPES = (F32, F64, F16) + ((BFLOAT16,) if BFLOAT16 is not None else ())
-_DTYPE_NAMES = "float32, float64, float16 or bfloat16"
+
+def is_bfloat16(dt) -> bool:
+    """True when ``dt`` is ml_dtypes' bfloat16 (without importing ml_dtypes for other dtypes)."""
+    return dt.name == "bfloat16" and dt == bfloat16_dtype()
+
+
+def is_storage_dtype(dt) -> bool:
+    """float32, float64, float16 or bfloat16: the dtypes the kernel reads."""
+    return dt == F32 or dt == F64 or dt == F16 or is_bfloat16(dt)
+
+
+def __getattr__(name):
+    # Older spellings, resolved on use (they import ml_dtypes).
+    if name == "BFLOAT16":
+        return bfloat16_dtype()
+    if name == "STORAGE_DTYPES":
+        return (F32, F64, F16, bfloat16_dtype())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def as_array(x, name):
@@ -37,7 +59,7 @@ def as_array(x, name):
 
 
 def check_float(a, name):
-    if a.dtype not in STORAGE_DTYPES:
+    if not is_storage_dtype(a.dtype):
         raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}, got {a.dtype}")
 
 

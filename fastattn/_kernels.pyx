@@ -56,13 +56,27 @@ cdef extern from "fastattn.h":
     int fa_exp2_isa(int isa, const float *x, float *y, int64_t n) nogil
 
 import numpy as np
-import ml_dtypes
 
 ISA_NAMES = ("scalar", "avx2", "avx512")
-# Element type codes shared with csrc/fastattn.h (enum fa_dtype), keyed by
-# dtype objects (a dict lookup is much cheaper than dtype.name).
-DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.float16): 2,
-               np.dtype(ml_dtypes.bfloat16): 3}
+
+
+class _DtypeCodes(dict):
+    """Element type codes shared with csrc/fastattn.h (enum fa_dtype), keyed by
+    dtype objects (a dict lookup is much cheaper than dtype.name).  bfloat16 is
+    added on first use: importing ml_dtypes costs ~0.5 s, and a bfloat16 array
+    exists only once its maker has imported it."""
+
+    def __missing__(self, dt):
+        if getattr(dt, "name", None) == "bfloat16":
+            import ml_dtypes
+
+            if dt == np.dtype(ml_dtypes.bfloat16):
+                self[dt] = 3
+                return 3
+        raise KeyError(dt)
+
+
+DTYPE_CODES = _DtypeCodes({np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.float16): 2})
 MASK_NONE, MASK_BOOL, MASK_F32, MASK_F64 = 0, 1, 2, 3
 
 

@@ -1010,13 +1010,14 @@ def select_cases(patterns: list | None, cases: list) -> list:
     return chosen
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(
-        prog="python -m fastattn.bench",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="cases:\n  " + "\n  ".join(c.name for c in CASES),
-    )
+DESCRIPTION = __doc__.split("\n\n")[0].replace("``python -m fastattn.bench``", "``fastattn bench``")
+
+
+EPILOG = "cases:\n  " + "\n  ".join(c.name for c in CASES)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``fastattn bench`` (the parser is :func:`fastattn.cli.build_parser`'s)."""
     p.add_argument("--threads", type=int, default=None, help="threads for every library (default: all cores)")
     p.add_argument("--cases", nargs="+", default=None, help="case names or substrings")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
@@ -1037,7 +1038,10 @@ def parse_args(argv):
     p.add_argument("--impls", nargs="+", default=None, help="restrict to these implementations")
     p.add_argument("--markdown", action="store_true", help="also print a Markdown summary table")
     p.add_argument("--no-machine", action="store_true", help="skip the GEMM and bandwidth measurements")
-    args = p.parse_args(argv)
+
+
+def finish_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Check the parsed options (``p.error`` on a bad one) and fill in the derived settings."""
     if args.threads is None:
         args.threads = os.cpu_count() or 1
     if args.threads < 1:
@@ -1053,9 +1057,23 @@ def parse_args(argv):
     return args
 
 
+def parse_args(argv):
+    """The options of ``fastattn bench ARGV`` (parsed by the one command-line parser)."""
+    from fastattn import cli
+
+    p = cli.build_parser()
+    return finish_args(p, p.parse_args(["bench", *argv]))
+
+
 def main(argv=None) -> int:
-    """Run the benchmark; returns the exit status."""
-    args = parse_args(argv)
+    """``fastattn bench ARGV`` (``python -m fastattn.bench ARGV``); returns the exit status."""
+    from fastattn import cli
+
+    return cli.main(["bench", *(sys.argv[1:] if argv is None else argv)])
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark with parsed options (:func:`finish_args`); returns the exit status."""
     out = sys.stdout
     cases = sweep_cases() if args.sweep else CASES
     if args.quick and not args.cases and not args.sweep:

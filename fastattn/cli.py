@@ -1,0 +1,275 @@
+"""The command line: ``fastattn [--version] [check | info | bench ARGS...]``.
+
+One argparse parser serves the ``fastattn`` command (a console script, the entry
+point that works from any directory), ``python -m fastattn`` and
+``python -m fastattn.bench`` (which is ``fastattn bench``):
+
+- no command: check the kernel against the float64 reference on a few shapes
+  (PASS/FAIL each, exit status 1 on any failure), then time fastattn and a plain
+  NumPy ``softmax(Q Kᵀ) V`` (float32) on typical shapes;
+- ``check``: the check only;
+- ``info``: :func:`fastattn.show_config`;
+- ``bench ARGS``: the benchmark suite (:mod:`fastattn.bench`).
+
+Every command takes ``--help`` (which only prints help) and ``--version``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+import numpy as np
+
+# (label, q shape, k shape, v shape, dtype, kwargs, mask shape or None)
+CHECKS = [
+    (
+        "f32 B2 H4 L97 S97 D64 causal",
+        (2, 4, 97, 64),
+        (2, 4, 97, 64),
+        (2, 4, 97, 64),
+        np.float32,
+        {"is_causal": True},
+        None,
+    ),
+    (
+        "f32 B1 H3 L130 S257 D80 bool mask",
+        (1, 3, 130, 80),
+        (1, 3, 257, 80),
+        (1, 3, 257, 80),
+        np.float32,
+        {},
+        (3, 130, 257),
+    ),
+    (
+        "f32 GQA 8/2 decode S1029 D128 bshd",
+        (2, 1, 8, 128),
+        (2, 1029, 2, 128),
+        (2, 1029, 2, 128),
+        np.float32,
+        {"enable_gqa": True, "layout": "bshd"},
+        None,
+    ),
+    (
+        "f32 L200 S50 causal (rows w/o keys)",
+        (1, 2, 200, 32),
+        (1, 2, 50, 32),
+        (1, 2, 50, 16),
+        np.float32,
+        {"is_causal": True},
+        None,
+    ),
+    (
+        "f64 B2 H2 L33 S65 D17 float mask",
+        (2, 2, 33, 17),
+        (2, 2, 65, 17),
+        (2, 2, 65, 17),
+        np.float64,
+        {"is_causal": True},
+        (2, 1, 33, 65),
+    ),
+]
+
+
+def _max_rel_err(a, b):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    if not np.array_equal(np.isnan(a), np.isnan(b)) or not np.array_equal(a[np.isinf(b)], b[np.isinf(b)]):
+        return math.inf
+    fin = np.isfinite(b)
+    if not fin.any():
+        return 0.0
+    return float(np.abs(a[fin] - b[fin]).max() / max(1.0, np.abs(b[fin]).max()))
+
+
+def self_check() -> bool:
+    """Compare the kernel with :mod:`fastattn.reference`; print one line per shape."""
+    import fastattn
+    from fastattn import reference
+
+    rng = np.random.default_rng(0)
+    ok_all = True
+    print(
+        f"fastattn {fastattn.__version__}: checking against the float64 reference "
+        f"(isa {fastattn.get_isa()}, {fastattn.get_num_threads()} threads)"
+    )
+    for label, qs, ks, vs, dt, kw, ms in CHECKS:
+        q, k, v = (rng.standard_normal(s).astype(dt) for s in (qs, ks, vs))
+        kw = dict(kw)
+        if ms is not None:
+            kw["attn_mask"] = rng.random(ms) > 0.3 if dt == np.float32 else rng.standard_normal(ms)
+        tol = 1e-4 if dt == np.float32 else 1e-10
+        try:
+            o, lse = fastattn.scaled_dot_product_attention(q, k, v, return_lse=True, **kw)
+            ro, rlse = reference.scaled_dot_product_attention(q, k, v, return_lse=True, **kw)
+            err = max(_max_rel_err(o, ro), _max_rel_err(lse, rlse))
+            ok = err <= tol
+            detail = f"max error {err:.1e} (tolerance {tol:.0e})"
+        except Exception as e:  # noqa: BLE001 - report and go on
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        ok_all &= ok
+        print(f"  {'PASS' if ok else 'FAIL'}  {label:38s} {detail}")
+    return ok_all
+
+
+def _numpy_attention(q, k, v, causal):
+    """The plain NumPy baseline: materialise the scores, softmax, multiply."""
+    s = (q @ np.swapaxes(k, -1, -2)) * np.float32(1.0 / math.sqrt(q.shape[-1]))
+    if causal:
+        L, S = s.shape[-2:]
+        s = np.where(np.arange(S)[None, :] <= np.arange(L)[:, None] + (S - L), s, np.float32(-np.inf))
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    return s @ v
+
+
+def _flops(B, H, L, S, D, causal):
+    """Useful multiply-adds x 2 of QKᵀ and PV over the visible (query, key) pairs."""
+    if causal:
+        pairs = sum(max(0, min(S, i + S - L + 1)) for i in range(L))
+    else:
+        pairs = L * S
+    return 4.0 * B * H * pairs * D
+
+
+def _progress(msg):
+    if sys.stderr.isatty():
+        print(f"\r{msg:70s}", end="\r", file=sys.stderr, flush=True)
+
+
+def benchmark(budget_s: float = 1.0) -> None:
+    """Time fastattn against the NumPy baseline, interleaving the repetitions."""
+    import fastattn
+
+    shapes = [  # (B, H, L, S, D, causal)
+        (1, 8, 512, 512, 64, False),
+        (1, 8, 512, 512, 64, True),
+        (1, 8, 1024, 1024, 64, False),
+        (1, 8, 1024, 1024, 64, True),
+        (1, 8, 2048, 2048, 64, False),
+        (1, 8, 2048, 2048, 64, True),
+        (1, 8, 1, 4096, 64, False),  # decode
+        (4, 32, 1, 2048, 128, False),  # batched decode, larger heads
+    ]
+    rng = np.random.default_rng(1)
+    print(
+        f"\nfloat32 timings, best of interleaved runs (fastattn: {fastattn.get_num_threads()} threads, "
+        f"isa {fastattn.get_isa()}; NumPy: its BLAS)"
+    )
+    print("GFLOP/s counts 4*L*S*D per head over the visible key pairs (half for causal L=S)")
+    hdr = (
+        f"{'shape':30s} {'fastattn ms':>12s} {'GFLOP/s':>8s} {'numpy ms':>10s} {'GFLOP/s':>8s} "
+        f"{'speedup':>8s}"
+    )
+    print(hdr)
+    print("-" * len(hdr))
+    for n, (B, H, L, S, D, causal) in enumerate(shapes, 1):
+        label = f"B{B} H{H} L{L} S{S} D{D}{' causal' if causal else ''}"
+        _progress(f"[{n}/{len(shapes)}] measuring {label} ...")
+        q = rng.standard_normal((B, H, L, D), dtype=np.float32)
+        k = rng.standard_normal((B, H, S, D), dtype=np.float32)
+        v = rng.standard_normal((B, H, S, D), dtype=np.float32)
+        out = np.empty_like(q)
+        best = [math.inf, math.inf]
+        start = time.perf_counter()
+        reps = 0
+        while reps < 2 or (time.perf_counter() - start < budget_s and reps < 50):
+            t0 = time.perf_counter()
+            fastattn.scaled_dot_product_attention(q, k, v, is_causal=causal, out=out)
+            t1 = time.perf_counter()
+            _numpy_attention(q, k, v, causal)
+            t2 = time.perf_counter()
+            best = [min(best[0], t1 - t0), min(best[1], t2 - t1)]
+            reps += 1
+            if time.perf_counter() - start > 1.0:
+                _progress(f"[{n}/{len(shapes)}] measuring {label} ... {reps} runs")
+        fl = _flops(B, H, L, S, D, causal)
+        _progress("")
+        print(
+            f"{label:30s} {best[0] * 1e3:12.3f} {fl / best[0] / 1e9:8.1f} {best[1] * 1e3:10.3f} "
+            f"{fl / best[1] / 1e9:8.1f} {best[1] / best[0]:7.2f}x",
+            flush=True,
+        )
+
+
+def _version() -> str:
+    import fastattn
+
+    return f"fastattn {fastattn.__version__}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``fastattn``, ``python -m fastattn`` and ``python -m fastattn.bench``."""
+    version = _version()
+    p = argparse.ArgumentParser(
+        prog="fastattn",
+        description="fastattn: fused scaled dot-product attention for NumPy on the CPU. "
+        "Without a command: check the kernel against the float64 reference, then time it "
+        "against plain NumPy (under a minute).",
+        epilog="`python -m fastattn ...` is the same command; `python -m fastattn.bench ARGS` is "
+        "`fastattn bench ARGS`.",
+    )
+    p.add_argument("--version", action="version", version=version)
+    sub = p.add_subparsers(dest="command", metavar="{check,info,bench}")
+    c = sub.add_parser(
+        "check",
+        help="check the kernel against the float64 reference (exit status 1 on a failure)",
+        description="Compare the kernel with the float64 reference on a few shapes; PASS/FAIL each.",
+    )
+    i = sub.add_parser(
+        "info",
+        help="print the build and run-time configuration",
+        description="Print the build and run-time configuration: compiler, flags, ISA path, OpenMP, threads.",
+    )
+    try:
+        from fastattn import bench
+    except ImportError as e:
+        if getattr(e, "name", None) not in ("fastattn.bench", None):
+            raise
+        bench = None
+    if bench is not None:
+        b = sub.add_parser(
+            "bench",
+            help="the benchmark suite against torch, ONNX Runtime and NumPy (fastattn bench --help)",
+            description=bench.DESCRIPTION,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog=bench.EPILOG,
+        )
+        bench.add_arguments(b)
+    else:
+        b = sub.add_parser("bench", help="(not part of this installation)")
+    for sp in (c, i, b):
+        sp.add_argument("--version", action="version", version=version)
+    return p
+
+
+def main(argv=None) -> int:
+    """Run the command line; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        import fastattn
+
+        fastattn.show_config()
+        return 0
+    if args.command == "bench":
+        try:
+            from fastattn import bench
+        except ImportError:
+            print(
+                "fastattn bench: the benchmark suite (fastattn.bench) is not part of this installation",
+                file=sys.stderr,
+            )
+            return 2
+        return bench.run(bench.finish_args(parser, args)) or 0
+    if not self_check():
+        print("\nFAIL: the kernel disagrees with the reference (see above)")
+        return 1
+    if args.command == "check":
+        return 0
+    benchmark()
+    return 0
