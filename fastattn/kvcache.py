@@ -18,7 +18,17 @@ import numbers
 
 import numpy as np
 
-from ._checks import BFLOAT16, F32, F64, STORAGE_DTYPES, as_array, int_value, scale_value, threads_value
+from ._checks import (
+    F32,
+    F64,
+    as_array,
+    bfloat16_dtype,
+    int_value,
+    is_bfloat16,
+    is_storage_dtype,
+    scale_value,
+    threads_value,
+)
 from .functional import _per_head, _softcap, _window, scaled_dot_product_attention
 from .positions import _CacheRotary
 
@@ -27,16 +37,16 @@ __all__ = ["KVCache", "attention_with_kvcache"]
 
 def _cache_dtype(dtype):
     try:
-        dt = np.dtype(dtype)
+        dt = bfloat16_dtype() if isinstance(dtype, str) and dtype == "bfloat16" else np.dtype(dtype)
     except TypeError:
         raise TypeError(f"dtype must be float16, bfloat16, float32 or float64, got {dtype!r}") from None
-    if dt not in STORAGE_DTYPES:
+    if not is_storage_dtype(dt):
         raise TypeError(f"dtype must be float16, bfloat16, float32 or float64, got {dt}")
     return dt
 
 
 def _is_real_float(dt):
-    return dt.kind == "f" or dt == BFLOAT16
+    return dt.kind == "f" or is_bfloat16(dt)
 
 
 def _query_dtype_ok(qdt, cdt):
@@ -44,6 +54,11 @@ def _query_dtype_ok(qdt, cdt):
     if cdt == F64:
         return qdt == F64
     return qdt == F32 or qdt == cdt
+
+
+def _query_dtypes(cdt):
+    """The query dtypes a cache of dtype cdt takes, in words (for error messages)."""
+    return cdt.name if cdt in (F32, F64) else f"float32 or {cdt}"
 
 
 def _batch_indices(batch_index, B, name="batch_index"):
@@ -110,15 +125,72 @@ def _new_tokens(x, name, n, Hk, Dx, allow_3d):
     return a
 
 
+def _max_finite(dt):
+    if dt == F64 or dt == F32 or dt.kind == "f":
+        return float(np.finfo(dt).max)
+    import ml_dtypes  # bfloat16
+
+    return float(ml_dtypes.finfo(dt).max)
+
+
+def _rotation_fits(k, dt):
+    """True when rotating k's values (each output is x*cos -/+ y*sin of a pair, at most
+    sqrt(2) * max|k| in magnitude) cannot overflow the cache dtype dt."""
+    if k.size == 0:
+        return True
+    with np.errstate(invalid="ignore"):
+        a = np.abs(k.astype(F64) if k.dtype != F64 else k)
+    m = float(np.max(a, where=np.isfinite(a), initial=0.0))
+    return m * 1.4142136 < _max_finite(dt) * 0.999
+
+
+def _to_cache_dtype(a, dt, name, rot=None, pos=None, num_threads=None):
+    """``a`` converted to the cache dtype ``dt`` (rotated at ``pos`` first with ``rot``);
+    ValueError when a finite value becomes inf (beyond the dtype's range), so that nothing
+    is lost silently.  Called before any write."""
+    if rot is not None:
+        from .positions import _last_contiguous, rotate
+
+        src = a if is_storage_dtype(a.dtype) else a.astype(rot.cos.dtype)
+        c = np.empty(a.shape, dtype=dt)
+        with np.errstate(over="ignore", invalid="ignore"):
+            rotate(_last_contiguous(src), c, pos, rot.cos, rot.sin, rot.interleaved, num_threads)
+    elif a.dtype == dt:
+        return a
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):
+            c = a.astype(dt)
+    inf = np.isinf(c)
+    if inf.any():
+        # an inf given stays inf; rotated, it may spread to its pair: any non-finite input in a row
+        given = np.isinf(a) if rot is None else ~np.isfinite(a).all(axis=-1, keepdims=True)
+        lost = inf & ~given
+        if lost.any():
+            where = tuple(int(i) for i in np.argwhere(lost)[0])
+            raise ValueError(
+                f"{name} holds {int(lost.sum())} value(s) beyond the range of the cache dtype {dt} "
+                f"(e.g. {float(a[where])!r} at index {where}), which would be stored as inf; nothing was "
+                "written. Use a wider cache dtype (float32) or rescale the values."
+            )
+    return c
+
+
 class KVCache:
-    """A preallocated key/value cache for ``batch`` sequences of up to ``max_len`` tokens.
+    """A key/value cache for ``batch`` sequences of up to ``max_len`` tokens.
 
-    Keys are stored as ``(batch, num_kv_heads, max_len, head_dim)`` and values
-    as ``(batch, num_kv_heads, max_len, value_dim)`` in ``dtype`` (float16,
-    bfloat16, float32 or float64); ``lengths[b]`` tokens of sequence ``b`` are
-    valid.  Typical use, one layer::
+    Keys are stored as ``(batch, num_kv_heads, capacity, head_dim)`` and values
+    as ``(batch, num_kv_heads, capacity, value_dim)`` in ``dtype`` (float32 by
+    default; float16, bfloat16 and float64 on request); ``lengths[b]`` tokens of
+    sequence ``b`` are valid.  With an int ``max_len`` the capacity is
+    ``max_len``, allocated once; with ``max_len=None`` the cache starts small
+    and doubles its capacity whenever an append needs more (amortised O(1) per
+    token; ``k``/``v`` views taken before a growth keep the old arrays).
 
-        cache = fastattn.KVCache(1, 8, 4096, 128, dtype=np.float16)
+    Nothing is lost silently: an append whose values do not fit the dtype (a
+    finite value that would become inf, e.g. above 65504 for float16) raises
+    ValueError before anything is written.  Typical use, one layer::
+
+        cache = fastattn.KVCache(1, 8, 4096, 128)  # float32; dtype=np.float16 halves the memory
         cache.append(k_prompt, v_prompt)          # (1, 8, P, 128)
         out = cache.attend(q_prompt)              # (1, 32, P, 128), causal
         for step in range(n):
@@ -128,13 +200,17 @@ class KVCache:
     Appends convert to the cache dtype and cost O(new tokens); attention reads
     the cache in place and skips the part past each sequence's length.
     Ragged batches: ``batch_index`` restricts ``append``/``attend``/``reset``
-    to some sequences.
+    to some sequences.  Generation loops: :meth:`crop` rolls back (speculative
+    decoding), :meth:`reorder_cache` follows beam search, :meth:`get_seq_length`.
 
-    Thread safety: ``append`` and ``reset`` mutate the cache and must not run
-    concurrently with each other or with ``attend`` on the same cache;
+    Thread safety: ``append``, ``reset``, ``crop`` and ``reorder_cache`` mutate
+    the cache and must not run concurrently with each other or with ``attend``
+    on the same cache;
     concurrent ``attend`` calls (and reads of ``k``/``v``/``lengths``) are safe
     (the kernel releases the GIL and only reads the cache).
     """
+
+    _INITIAL_CAPACITY = 16  # tokens per sequence of a growing cache before its first growth
 
     def __init__(
         self,
@@ -143,7 +219,7 @@ class KVCache:
         max_len,
         head_dim,
         *,
-        dtype=np.float16,
+        dtype=np.float32,
         value_dim=None,
         rotary_cos=None,
         rotary_sin=None,
@@ -151,10 +227,11 @@ class KVCache:
     ):
         B = int_value(batch, "batch", 1)
         Hk = int_value(num_kv_heads, "num_kv_heads", 1)
-        S = int_value(max_len, "max_len", 1)
+        self._max_len = None if max_len is None else int_value(max_len, "max_len", 1)
         D = int_value(head_dim, "head_dim", 1)
         Dv = D if value_dim is None else int_value(value_dim, "value_dim", 1)
         dt = _cache_dtype(dtype)
+        S = self._INITIAL_CAPACITY if self._max_len is None else self._max_len
         self._k = np.zeros((B, Hk, S, D), dtype=dt)
         self._v = np.zeros((B, Hk, S, Dv), dtype=dt)
         self._len = np.zeros(B, dtype=np.int64)
@@ -176,7 +253,12 @@ class KVCache:
 
     @property
     def max_len(self):
-        """Capacity in tokens of each sequence."""
+        """The most tokens a sequence may hold: the ``max_len`` given, None for a growing cache."""
+        return self._max_len
+
+    @property
+    def capacity(self):
+        """Tokens per sequence allocated now (``max_len``, or a growing cache's current size)."""
         return self._k.shape[2]
 
     @property
@@ -206,7 +288,7 @@ class KVCache:
 
     @property
     def k(self):
-        """The whole preallocated key array (read-only view; only ``[b, :, :lengths[b]]`` is valid)."""
+        """The whole allocated key array (read-only view; only ``[b, :, :lengths[b]]`` is valid)."""
         view = self._k.view()
         view.flags.writeable = False
         return view
@@ -221,6 +303,7 @@ class KVCache:
     def __repr__(self):
         return (
             f"KVCache(batch={self.batch}, num_kv_heads={self.num_kv_heads}, max_len={self.max_len}, "
+            f"capacity={self.capacity}, "
             f"head_dim={self.head_dim}, value_dim={self.value_dim}, dtype={self.dtype}, "
             f"lengths={self._len.tolist()})"
         )
@@ -233,8 +316,10 @@ class KVCache:
         ``batch_index``; an int ``batch_index`` also takes ``(Hk, T, D)``),
         ``v_new`` likewise with ``Dv``.  Any real floating dtype; converted to
         the cache dtype.  Every check runs before anything is written: on an
-        error (e.g. a sequence would exceed ``max_len``) the cache is unchanged.
-        Returns the new lengths of the selected sequences.
+        error (a sequence would exceed ``max_len``, or a value does not fit the
+        cache dtype and would become inf) the cache and its lengths are
+        unchanged.  A growing cache (``max_len=None``) doubles its capacity when
+        needed.  Returns the new lengths of the selected sequences.
         """
         idx = _batch_indices(batch_index, self.batch)
         n = self.batch if idx is None else idx.size
@@ -246,7 +331,8 @@ class KVCache:
         if v.shape[2] != T:
             raise ValueError(f"k_new and v_new must hold the same number of tokens, got {T} and {v.shape[2]}")
         sel = self._len if idx is None else self._len[idx]
-        if sel.size and sel.max() + T > self.max_len:
+        need = int(sel.max()) + T if sel.size else 0
+        if self._max_len is not None and need > self._max_len:
             b = int(np.argmax(sel)) if idx is None else int(idx[np.argmax(sel)])
             raise ValueError(
                 f"appending {T} tokens to sequence {b} (length {int(self._len[b])}) exceeds "
@@ -257,12 +343,17 @@ class KVCache:
         if rot is not None:  # keys rotated at positions lengths[b] + t while written (C)
             kpos = rot.positions(self._len[rows], T)
             rot.check(kpos, "the appended tokens' positions")
-        # Convert before the first write so that a failing conversion changes nothing.
-        with np.errstate(over="ignore"):
-            kc = k if (rot is not None or k.dtype == dt) else k.astype(dt)
-            vc = v if v.dtype == dt else v.astype(dt)
+        # Convert (and check that every value fits) before the first write, so that a
+        # failing conversion changes nothing.  Rotated keys are rotated and converted in
+        # one C pass while written, unless the rotation could overflow the cache dtype:
+        # then into a checked buffer first (kc), written like unrotated keys.
+        rot_direct = rot is not None and _rotation_fits(k, dt)
+        kc = k if rot_direct else _to_cache_dtype(k, dt, "k_new", rot, kpos if rot is not None else None)
+        vc = _to_cache_dtype(v, dt, "v_new")
+        if need > self.capacity:
+            self._grow(need)
         if T and rows.size:
-            if rot is not None:
+            if rot_direct:
                 if idx is None:
                     rot.append(k, self._k, kpos)
                 else:
@@ -273,20 +364,72 @@ class KVCache:
                 s0 = int(start[0])
                 kv = _rows(self._k, idx)
                 if kv is not None:
-                    if rot is None:
+                    if not rot_direct:
                         kv[:, :, s0 : s0 + T] = kc
                     _rows(self._v, idx)[:, :, s0 : s0 + T] = vc
                 else:
-                    if rot is None:
+                    if not rot_direct:
                         self._k[rows, :, s0 : s0 + T] = kc
                     self._v[rows, :, s0 : s0 + T] = vc
             else:
                 for r, (b, s) in enumerate(zip(rows.tolist(), start.tolist())):
-                    if rot is None:
+                    if not rot_direct:
                         self._k[b, :, s : s + T] = kc[r]
                     self._v[b, :, s : s + T] = vc[r]
             self._len[rows] += T
         return self._len[rows].copy()
+
+    def _grow(self, need):
+        """Reallocate a growing cache to max(need, 2 * capacity) tokens, keeping the valid prefix."""
+        cap = max(need, 2 * self.capacity)
+        used = int(self._len.max()) if self._len.size else 0
+        k = np.zeros(self._k.shape[:2] + (cap, self._k.shape[3]), dtype=self.dtype)
+        v = np.zeros(self._v.shape[:2] + (cap, self._v.shape[3]), dtype=self.dtype)
+        k[:, :, :used] = self._k[:, :, :used]
+        v[:, :, :used] = self._v[:, :, :used]
+        self._k, self._v = k, v
+
+    def crop(self, n):
+        """Roll back to at most ``n`` tokens per sequence (``lengths = min(lengths, n)``).
+
+        What speculative decoding calls after rejected draft tokens.  ``n``: an
+        int >= 0 (ValueError for a negative one, TypeError for a non-int); the
+        tokens past ``n`` are forgotten, the memory is kept.
+        """
+        n = int_value(n, "n")
+        if n < 0:
+            raise ValueError(f"n must be >= 0 (the tokens to keep per sequence), got {n}")
+        np.minimum(self._len, n, out=self._len)
+
+    def reorder_cache(self, beam_idx):
+        """Beam search: sequence ``b`` takes the contents and length of sequence ``beam_idx[b]``.
+
+        ``beam_idx``: ``(batch,)`` integers in ``[0, batch)`` (repeats allowed: a
+        beam may be continued by several); checked before anything changes.
+        Copies the valid tokens of the selected rows (O(batch x longest length)).
+        """
+        a = as_array(beam_idx, "beam_idx")
+        if a.dtype.kind not in "iu":
+            raise TypeError(f"beam_idx must be an integer array, got dtype {a.dtype}")
+        if a.shape != (self.batch,):
+            raise ValueError(
+                f"beam_idx must have shape ({self.batch},) (one source row per row), got {a.shape}"
+            )
+        if a.size and (a.min() < 0 or a.max() >= self.batch):
+            raise ValueError(
+                f"beam_idx values must lie in [0, {self.batch}), got range [{a.min()}, {a.max()}]"
+            )
+        idx = a.astype(np.intp)
+        used = int(self._len[idx].max()) if idx.size else 0
+        if used:
+            # The fancy index copies first, so rows that read each other are safe.
+            self._k[:, :, :used] = self._k[idx, :, :used]
+            self._v[:, :, :used] = self._v[idx, :, :used]
+        self._len = self._len[idx]
+
+    def get_seq_length(self):
+        """Tokens in the cache: the longest sequence's length, an int (0 when empty)."""
+        return int(self._len.max()) if self._len.size else 0
 
     def reset(self, batch_index=None):
         """Forget the tokens of the selected sequences (all when None): their lengths become 0."""
@@ -325,8 +468,9 @@ class KVCache:
         n = self.batch if idx is None else idx.size
         qa = as_array(q, "q")
         if not _query_dtype_ok(qa.dtype, self.dtype):
-            allowed = "float64" if self.dtype == F64 else f"float32 or {self.dtype}"
-            raise TypeError(f"q must have dtype {allowed} for a {self.dtype} cache, got {qa.dtype}")
+            raise TypeError(
+                f"q must have dtype {_query_dtypes(self.dtype)} for a {self.dtype} cache, got {qa.dtype}"
+            )
         if qa.ndim != 4 or qa.shape[0] != n or qa.shape[3] != self.head_dim:
             raise ValueError(f"q must have shape ({n}, Hq, Lq, {self.head_dim}), got {qa.shape}")
         Hq, Lq = qa.shape[1], qa.shape[2]
@@ -441,13 +585,12 @@ def attention_with_kvcache(
     if not isinstance(v_cache, np.ndarray):
         raise TypeError(f"v_cache must be a numpy.ndarray, got {type(v_cache).__name__}")
     cdt = k_cache.dtype
-    if cdt not in STORAGE_DTYPES:
+    if not is_storage_dtype(cdt):
         raise TypeError(f"k_cache must have dtype float16, bfloat16, float32 or float64, got {cdt}")
     if v_cache.dtype != cdt:
         raise TypeError(f"v_cache must have the dtype of k_cache ({cdt}), got {v_cache.dtype}")
     if not _query_dtype_ok(qa.dtype, cdt):
-        allowed = "float64" if cdt == F64 else f"float32 or {cdt}"
-        raise TypeError(f"q must have dtype {allowed} for {cdt} caches, got {qa.dtype}")
+        raise TypeError(f"q must have dtype {_query_dtypes(cdt)} for {cdt} caches, got {qa.dtype}")
     for a, name in ((qa, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
         if a.ndim != 4:
             raise ValueError(f"{name} must be 4-D ({layout}), got shape {a.shape}")
@@ -536,19 +679,23 @@ def attention_with_kvcache(
         rot.check(kpos, "the new keys' positions (cache_seqlens + t)")
         rot.check(qpos, "the queries' positions")
     if T and B:
-        with np.errstate(over="ignore"):
-            kw = kn if (rot is not None or kn.dtype == cdt) else kn.astype(cdt)
-            vw = vn if vn.dtype == cdt else vn.astype(cdt)
-        if rot is not None:  # rotate and write in one C pass over the new tokens
+        rot_direct = rot is not None and _rotation_fits(kn, cdt)
+        kw = (
+            kn
+            if rot_direct
+            else _to_cache_dtype(kn, cdt, "k_new", rot, kpos if rot is not None else None, num_threads)
+        )
+        vw = _to_cache_dtype(vn, cdt, "v_new")  # raises before any write when a value does not fit
+        if rot_direct:  # rotate and write in one C pass over the new tokens
             rot.append(kw, kc, kpos, num_threads)
         if np.all(seq == seq[0]):
             s0 = int(seq[0])
-            if rot is None:
+            if not rot_direct:
                 kc[:, :, s0 : s0 + T] = kw
             vc[:, :, s0 : s0 + T] = vw
         else:
             for b, s0 in enumerate(seq.tolist()):
-                if rot is None:
+                if not rot_direct:
                     kc[b, :, s0 : s0 + T] = kw[b]
                 vc[b, :, s0 : s0 + T] = vw[b]
     if rot is not None:
