@@ -1,25 +1,25 @@
 """``MultiHeadAttention``: the projections around the fused kernel, with the
-weights and conventions of ``torch.nn.MultiheadAttention``.
+weights, arguments and conventions of ``torch.nn.MultiheadAttention``.
 
-Inputs are batch-first ``(B, L, E)`` or unbatched ``(L, E)``.  The projected
-queries/keys/values are ``(B, L, H, head_dim)`` views handed to the kernel in
-its ``"bshd"`` layout, so no transposes are made; grouped-query attention
-(``num_kv_heads < num_heads``) uses ``enable_gqa`` and never repeats keys.
+Inputs are ``(L, B, E)`` by default (``batch_first=False``, torch's default),
+``(B, L, E)`` with ``batch_first=True``, or unbatched ``(L, E)``.  The
+projected queries/keys/values are handed to the kernel as strided views in its
+``"bshd"`` layout, so neither layout is transposed in memory; grouped-query
+attention (``num_kv_heads < num_heads``) uses ``enable_gqa`` and never repeats
+keys.
 
-Masks (note the polarities):
+Masks follow torch.nn.MultiheadAttention (note: the OPPOSITE bool polarity of
+``fastattn.scaled_dot_product_attention`` and torch's SDPA):
 
-=====================  ==============================  =========================
-argument               bool                            float
-=====================  ==============================  =========================
-``key_padding_mask``   True = padding, IGNORED          added to the scores
-(B, S)                 (torch's convention)
-``attn_mask``          True = MAY attend                added to the scores
-(L, S) ...             (fastattn's / torch SDPA's)
-torch MHA attn_mask    True = NOT allowed (opposite!)   added to the scores
-=====================  ==============================  =========================
+=====================  ====================================  ===================
+argument               bool                                  float
+=====================  ====================================  ===================
+``key_padding_mask``   True = padding, NOT allowed (ignored)  added to the scores
+``attn_mask``          True = NOT allowed                     added to the scores
+=====================  ====================================  ===================
 
-Given a torch-style bool ``attn_mask`` for ``torch.nn.MultiheadAttention``,
-pass ``~mask`` here.
+A mask for ``fastattn.scaled_dot_product_attention`` (True = may attend) is
+passed here as ``~mask``.
 """
 
 from __future__ import annotations
@@ -45,6 +45,13 @@ def _pos_int(x, name):
     return int(x)
 
 
+def _flag(x, name):
+    """A bool argument: True/False (or NumPy's bool); anything else is a TypeError."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
+    return bool(x)
+
+
 def _to_numpy(x, name):
     """A torch tensor (detached, on the CPU) or an array-like as a NumPy array."""
     if hasattr(x, "detach") and hasattr(x, "cpu"):
@@ -56,7 +63,16 @@ def _to_numpy(x, name):
 
 
 class MultiHeadAttention:
-    """Multi-head attention: ``out_proj(attention(q_proj(query), k_proj(key), v_proj(value)))``.
+    """Multi-head attention: ``out_proj(attention(q_proj(query), k_proj(key), v_proj(value)))``,
+    a drop-in for ``torch.nn.MultiheadAttention`` at inference (``from_torch`` loads one).
+
+    Calls follow torch: ``mha(query, key, value, key_padding_mask=None,
+    need_weights=True, attn_mask=None, average_attn_weights=True,
+    is_causal=False)`` returns ``(attn_output, attn_weights or None)``; inputs
+    are ``(L, B, E)`` unless ``batch_first=True``.  Masks as in torch: bool
+    **True = NOT allowed** for both ``key_padding_mask`` and ``attn_mask``
+    (the opposite of ``fastattn.scaled_dot_product_attention``), float masks
+    are added.
 
     Parameters
     ----------
@@ -71,6 +87,9 @@ class MultiHeadAttention:
         Feature sizes of ``key`` and ``value`` (cross-attention); default E.
     bias : bool
         Add biases to the four projections.
+    batch_first : bool
+        False (torch's default): inputs and output are ``(L, B, E)``; True:
+        ``(B, L, E)``.  Unbatched ``(L, E)`` inputs work either way.
     dtype : float32 or float64
         Dtype of the weights and of the computation; inputs are converted to it.
     seed : int or numpy.random.Generator, optional
@@ -96,6 +115,7 @@ class MultiHeadAttention:
         kdim=None,
         vdim=None,
         bias=True,
+        batch_first=False,
         dtype=np.float32,
         seed=None,
     ):
@@ -108,6 +128,7 @@ class MultiHeadAttention:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.kdim = self.embed_dim if kdim is None else _pos_int(kdim, "kdim")
         self.vdim = self.embed_dim if vdim is None else _pos_int(vdim, "vdim")
+        self.batch_first = _flag(batch_first, "batch_first")
         try:
             dt = np.dtype(dtype)
         except TypeError:
@@ -247,10 +268,8 @@ class MultiHeadAttention:
 
     @classmethod
     def from_torch(cls, module, *, dtype=None):
-        """A module with the weights of a ``torch.nn.MultiheadAttention``.
-
-        Works for ``batch_first`` True or False (this module is always batch
-        first: give it ``(B, L, E)`` inputs).  ``add_bias_kv`` and
+        """A module with the weights and ``batch_first`` of a ``torch.nn.MultiheadAttention``,
+        so that it takes the same inputs and gives the same outputs.  ``add_bias_kv`` and
         ``add_zero_attn`` are not supported (ValueError); dropout is ignored
         (inference).  ``dtype`` defaults to float64 for a float64 module, else
         float32.
@@ -268,6 +287,7 @@ class MultiHeadAttention:
             kdim=module.kdim,
             vdim=module.vdim,
             bias=module.in_proj_bias is not None,
+            batch_first=bool(getattr(module, "batch_first", False)),
             dtype=dtype,
         )
         m.load_state_dict({k: v for k, v in module.state_dict().items() if k in m.state_dict()})
@@ -280,21 +300,23 @@ class MultiHeadAttention:
             raise TypeError(f"{name} must be a floating array, got dtype {a.dtype}")
         want = 3 if batched else 2
         if a.ndim != want:
-            raise ValueError(
-                f"{name} must be {'(B, L, E)' if batched else '(L, E)'} like query, got shape {a.shape}"
-            )
+            layout = ("(B, L, E)" if self.batch_first else "(L, B, E)") if batched else "(L, E)"
+            raise ValueError(f"{name} must be {layout} like query, got shape {a.shape}")
         if a.shape[-1] != feat:
             raise ValueError(f"{name} must have {feat} features in its last dim, got shape {a.shape}")
         return a if a.dtype == self.dtype else a.astype(self.dtype)
 
     def _project(self, x, w, b, heads):
-        y = np.matmul(x.reshape(-1, x.shape[-1]), w.T)  # one GEMM over all tokens
+        y = np.matmul(x.reshape(-1, x.shape[-1]), w.T)  # one GEMM over all tokens, in x's layout
         if b is not None:
             y += b
         return y.reshape(x.shape[:-1] + (heads, self.head_dim))
 
-    def _masks(self, key_padding_mask, attn_mask, B, L, S):
-        """The combined mask, broadcastable to (B, H, L, S), or None."""
+    def _masks(self, key_padding_mask, attn_mask, B, L, S, causal_mask):
+        """The combined mask in the kernel's convention (bool True = may attend, float
+        added), broadcastable to (B, H, L, S), or None.  Inputs use torch's convention:
+        bool True = NOT allowed.  ``causal_mask``: an (L, S) bool "may attend" mask to
+        apply as well, or None."""
         H, ft = self.num_heads, self.dtype
         kpm = None
         if key_padding_mask is not None:
@@ -304,7 +326,7 @@ class MultiHeadAttention:
                     f"key_padding_mask must have shape {(B, S)} (batch, key length), got {k.shape}"
                 )
             if k.dtype == np.bool_:
-                kpm = ~k  # True = may attend
+                kpm = ~k  # True = padding (ignored) -> True = may attend
             elif k.dtype.kind == "f":
                 kpm = k.astype(ft, copy=False)
             else:
@@ -315,8 +337,8 @@ class MultiHeadAttention:
             a = as_array(attn_mask, "attn_mask")
             if a.dtype != np.bool_ and a.dtype.kind != "f":
                 raise TypeError(f"attn_mask must be bool or floating, got dtype {a.dtype}")
-            if a.dtype.kind == "f":
-                a = a.astype(ft, copy=False)
+            if a.ndim > 4:
+                raise ValueError(f"attn_mask must have at most 4 dims, got shape {a.shape}")
             if a.shape == (B * H, L, S) and B > 1:
                 a = a.reshape(B, H, L, S)  # torch's (B * num_heads, L, S)
             elif a.ndim == 4 and a.shape[0] not in (1, B):
@@ -325,67 +347,73 @@ class MultiHeadAttention:
                 np.broadcast_shapes(a.shape, (B, H, L, S))
             except ValueError:
                 raise ValueError(
-                    f"attn_mask of shape {a.shape} must broadcast to {(B, H, L, S)} or be ({B * H}, {L}, {S})"
+                    f"attn_mask of shape {a.shape} must be ({L}, {S}), ({B * H}, {L}, {S}) or "
+                    f"broadcast to {(B, H, L, S)}"
                 ) from None
-            if a.ndim > 4:
-                raise ValueError(f"attn_mask must have at most 4 dims, got shape {a.shape}")
-            am = a
+            am = ~a if a.dtype == np.bool_ else a.astype(ft, copy=False)  # bool: True = NOT allowed
+        if causal_mask is not None:
+            am = causal_mask if am is None else _combine(am, causal_mask, ft)
         if kpm is None or am is None:
             return kpm if am is None else am
-        if kpm.dtype == np.bool_ and am.dtype == np.bool_:
-            return np.logical_and(am, kpm)
-
-        def add(m):
-            return np.where(m, ft.type(0), ft.type(-np.inf)) if m.dtype == np.bool_ else m
-
-        return add(am) + add(kpm)
+        return _combine(am, kpm, ft)
 
     def __call__(
         self,
         query,
         key=None,
         value=None,
-        *,
         key_padding_mask=None,
+        need_weights=True,
         attn_mask=None,
-        is_causal=False,
-        need_weights=False,
         average_attn_weights=True,
+        is_causal=False,
+        *,
         num_threads=None,
     ):
-        """Attend ``query`` to ``key``/``value``.
+        """Attend ``query`` to ``key``/``value``: ``torch.nn.MultiheadAttention.forward``.
 
-        query: ``(B, L, E)`` or unbatched ``(L, E)``.  key: ``(B, S, kdim)``,
-        value: ``(B, S, vdim)``; key defaults to query (self-attention) and
-        value to key.
-        key_padding_mask: ``(B, S)`` (``(S,)`` unbatched); bool True marks a
-            padding key to IGNORE (torch's convention), a float is added.
-        attn_mask: fastattn's convention, bool True = MAY attend (the opposite
-            of torch.nn.MultiheadAttention's bool attn_mask), float added;
-            ``(L, S)``, torch's ``(B * num_heads, L, S)``, or anything
-            broadcastable to ``(B, num_heads, L, S)``.  Only a mask given at
-            full size is full size: a key padding mask alone is passed as
-            ``(B, 1, 1, S)``; with an attn_mask the two are combined at their
-            broadcast shape.
-        is_causal: query i sees keys j <= i + (S - L) (bottom-right aligned;
-            the usual lower triangle for self-attention), applied in the kernel
-            without a mask.  Combined with attn_mask when both are given.
-        need_weights: also return the attention probabilities, recomputed
-            from the log-sum-exp the kernel returns so that they are the
-            weights that produced the output.  ``(B, H, L, S)``, or
-            ``(B, L, S)`` averaged over heads when ``average_attn_weights``.
-            Without it nothing of size L x S is allocated.
-        num_threads: threads of the attention kernel (the projections use
-            NumPy's BLAS).
+        The arguments, their order and their defaults are torch's.
+
+        query: ``(L, B, E)``, or ``(B, L, E)`` with ``batch_first=True``, or
+            unbatched ``(L, E)``.
+        key: ``(S, B, kdim)`` / ``(B, S, kdim)`` / ``(S, kdim)``; value likewise
+            with ``vdim``.  (An extension of torch's: key defaults to query,
+            self-attention, and value to key.)
+        key_padding_mask: ``(B, S)`` (``(S,)`` unbatched); bool **True = padding,
+            NOT allowed** (the key is ignored), as in torch; a float mask is added.
+        need_weights: also return the attention probabilities (default True, as
+            torch), recomputed from the log-sum-exp the kernel returns so that
+            they are the weights that produced the output.  Pass False to skip
+            them: then nothing of size L x S is allocated.
+        attn_mask: ``(L, S)``, torch's ``(B * num_heads, L, S)`` (unbatched:
+            ``(num_heads, L, S)``) or anything broadcastable to
+            ``(B, num_heads, L, S)``; bool **True = NOT allowed**, as in
+            torch.nn.MultiheadAttention (the opposite of
+            ``fastattn.scaled_dot_product_attention``); a float mask is added.
+        average_attn_weights: weights averaged over heads ``(B, L, S)`` (True,
+            the default) or per head ``(B, num_heads, L, S)``; unbatched without B.
+        is_causal: apply a causal mask, query i sees keys j <= i (torch's
+            top-left triangle; the usual lower triangle for self-attention).
+            torch treats it as a hint that ``attn_mask`` is that mask and
+            requires the mask; here the mask may be left out (the triangle is
+            then applied in the kernel without a mask when L == S), and when
+            both are given both apply (the same result when the hint is right).
+        num_threads: threads of the attention kernel (keyword only; the
+            projections use NumPy's BLAS).
 
         Rows whose keys are all masked give zeros (torch gives NaN) and zero weights.
-        Returns ``out`` ``(B, L, E)`` (``(L, E)`` unbatched) in ``self.dtype``,
-        or ``(out, weights)`` when ``need_weights``.
+        Returns ``(attn_output, attn_weights)``, always a pair like torch:
+        ``attn_output`` in the query's layout with E features, in ``self.dtype``;
+        ``attn_weights`` None when ``need_weights`` is False.
         """
+        need_weights = _flag(need_weights, "need_weights")
+        average_attn_weights = _flag(average_attn_weights, "average_attn_weights")
+        is_causal = _flag(is_causal, "is_causal")
         q_in = as_array(query, "query")
         batched = q_in.ndim == 3
         if q_in.ndim not in (2, 3):
-            raise ValueError(f"query must be (B, L, E) or (L, E), got shape {q_in.shape}")
+            layout = "(B, L, E)" if self.batch_first else "(L, B, E)"
+            raise ValueError(f"query must be {layout} or unbatched (L, E), got shape {q_in.shape}")
         x = self._input(q_in, "query", self.embed_dim, batched)
         if key is None and value is not None:
             raise ValueError("value given without key")
@@ -395,6 +423,9 @@ class MultiHeadAttention:
             raise ValueError(f"value must be given when vdim ({self.vdim}) != kdim ({self.kdim})")
         kx = x if key is None else self._input(key, "key", self.kdim, batched)
         vx = kx if value is None else self._input(value, "value", self.vdim, batched)
+        # Token-major (L, B, E) inputs are projected in their own layout (a GEMM over all
+        # tokens) and seen by the kernel through batch-major strided views: no transposes.
+        seq_first = batched and not self.batch_first
         if not batched:
             x, kx, vx = x[None], kx[None], vx[None]
             if key_padding_mask is not None:
@@ -402,6 +433,8 @@ class MultiHeadAttention:
             if attn_mask is not None:
                 am = as_array(attn_mask, "attn_mask")
                 attn_mask = am[None] if am.ndim == 3 else am
+        elif seq_first:
+            x, kx, vx = x.swapaxes(0, 1), kx.swapaxes(0, 1), vx.swapaxes(0, 1)
         B, L, _ = x.shape
         if kx.shape[0] != B or vx.shape[0] != B:
             raise ValueError(
@@ -411,38 +444,52 @@ class MultiHeadAttention:
         S = kx.shape[1]
         if vx.shape[1] != S:
             raise ValueError(f"key and value must have the same length, got {kx.shape[1]} and {vx.shape[1]}")
-        mask = self._masks(key_padding_mask, attn_mask, B, L, S)
+        # Causal L == S: the kernel's own triangle (bottom-right = top-left), no mask;
+        # L != S: torch's top-left triangle as an (L, S) mask.
+        kernel_causal = is_causal and L == S
+        tri = np.tri(L, S, dtype=bool) if is_causal and L != S else None
+        mask = self._masks(key_padding_mask, attn_mask, B, L, S, tri)
 
         H, Hk = self.num_heads, self.num_kv_heads
-        q = self._project(x, self.q_proj_weight, self.q_proj_bias, H)  # (B, L, H, hd)
-        k = self._project(kx, self.k_proj_weight, self.k_proj_bias, Hk)  # (B, S, Hk, hd)
-        v = self._project(vx, self.v_proj_weight, self.v_proj_bias, Hk)
+
+        def project(a, w, b, heads):
+            if seq_first:  # project the (S, B, E) original, view it as (B, S, heads, hd)
+                return self._project(a.swapaxes(0, 1), w, b, heads).swapaxes(0, 1)
+            return self._project(a, w, b, heads)
+
+        q = project(x, self.q_proj_weight, self.q_proj_bias, H)  # (B, L, H, hd)
+        k = project(kx, self.k_proj_weight, self.k_proj_bias, Hk)  # (B, S, Hk, hd)
+        v = project(vx, self.v_proj_weight, self.v_proj_bias, Hk)
+        o = np.empty((L, B, H, self.head_dim) if seq_first else (B, L, H, self.head_dim), self.dtype)
         res = scaled_dot_product_attention(
             q,
             k,
             v,
             mask,
-            is_causal=bool(is_causal),
+            is_causal=kernel_causal,
             enable_gqa=Hk != H,
             layout="bshd",
-            return_lse=bool(need_weights),
+            return_lse=need_weights,
+            out=o.swapaxes(0, 1) if seq_first else o,
             num_threads=num_threads,
         )
-        o, lse = res if need_weights else (res, None)
-        y = np.matmul(o.reshape(B * L, self.embed_dim), self.out_proj_weight.T).reshape(B, L, self.embed_dim)
+        lse = res[1] if need_weights else None
+        E = self.embed_dim
+        y = np.matmul(o.reshape(-1, E), self.out_proj_weight.T).reshape(o.shape[:2] + (E,))
         if self.out_proj_bias is not None:
             y += self.out_proj_bias
         if not batched:
             y = y[0]
         if not need_weights:
-            return y
-        w = self._weights(q, k, mask, bool(is_causal), lse)
+            return y, None
+        w = self._weights(q, k, mask, kernel_causal, lse)
         if average_attn_weights:
             w = w.mean(axis=1)
         return y, (w if batched else w[0])
 
     def _weights(self, q, k, mask, is_causal, lse):
-        """exp(scores * scale + mask - lse): (B, H, L, S)."""
+        """exp(scores * scale + mask - lse): (B, H, L, S).  ``mask`` in the kernel's
+        convention (bool True = may attend); ``is_causal`` only with L == S."""
         B, L, H, hd = q.shape
         S, Hk = k.shape[1], k.shape[2]
         g = H // Hk
@@ -456,7 +503,7 @@ class MultiHeadAttention:
             else:
                 s += mask
         if is_causal:
-            s = np.where(np.arange(S)[None, :] <= np.arange(L)[:, None] + (S - L), s, -np.inf)
+            s = np.where(np.tri(L, S, dtype=bool), s, -np.inf)
         lse = lse[..., None]
         with np.errstate(invalid="ignore", over="ignore"):
             p = np.exp(s - lse)
@@ -468,5 +515,16 @@ class MultiHeadAttention:
             extra += f", kdim={self.kdim}, vdim={self.vdim}"
         return (
             f"MultiHeadAttention(embed_dim={self.embed_dim}, num_heads={self.num_heads}{extra}, "
-            f"bias={self.bias}, dtype={self.dtype.name})"
+            f"bias={self.bias}, batch_first={self.batch_first}, dtype={self.dtype.name})"
         )
+
+
+def _combine(a, b, ft):
+    """Two masks in the kernel's convention combined: both bool -> and; else additive floats."""
+    if a.dtype == np.bool_ and b.dtype == np.bool_:
+        return np.logical_and(a, b)
+
+    def add(m):
+        return np.where(m, ft.type(0), ft.type(-np.inf)) if m.dtype == np.bool_ else m
+
+    return add(a) + add(b)

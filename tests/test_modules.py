@@ -1,6 +1,8 @@
 """MultiHeadAttention against a plain NumPy transcription (projections + the
 float64 reference attention) and, when torch is installed, against
-torch.nn.MultiheadAttention with the same weights."""
+torch.nn.MultiheadAttention with the same weights: batch_first both ways,
+bool (True = NOT allowed) and float masks, key padding, cross-attention with
+kdim/vdim, weights averaged or not, torch's positional argument order."""
 
 from __future__ import annotations
 
@@ -18,8 +20,10 @@ MHA = fastattn.MultiHeadAttention
 
 
 def transcription(m, query, key=None, value=None, mask=None, is_causal=False):
-    """float64 NumPy: project, split heads, reference attention (``mask`` in
-    fastattn's convention, broadcastable to (B, H, L, S)), merge, project."""
+    """float64 NumPy on batch-first ``(B, L, E)`` inputs: project, split heads,
+    reference attention (``mask`` in fastattn's functional convention, bool
+    True = may attend, broadcastable to (B, H, L, S); ``is_causal`` the
+    reference's bottom-right alignment), merge, project."""
     f = np.float64
     x = np.asarray(query, f)
     kx = x if key is None else np.asarray(key, f)
@@ -55,85 +59,124 @@ def with_biases(m, rng):
 @pytest.mark.parametrize("num_kv_heads", [None, 2, 1])
 @pytest.mark.parametrize("causal", [False, True])
 def test_self_attention(rng, dtype, num_kv_heads, causal):
-    m = with_biases(MHA(32, 4, num_kv_heads=num_kv_heads, dtype=dtype, seed=1), rng)
+    m = with_biases(MHA(32, 4, num_kv_heads=num_kv_heads, batch_first=True, dtype=dtype, seed=1), rng)
     x = randn(rng, (2, 37, 32), dtype)
     x0 = x.copy()
-    y = m(x, is_causal=causal)
+    y, w = m(x, is_causal=causal, need_weights=False)
+    assert w is None
     assert y.shape == (2, 37, 32) and y.dtype == dtype
     assert_close(y, transcription(m, x, is_causal=causal), dtype)
     np.testing.assert_array_equal(x, x0)
 
 
+@pytest.mark.parametrize("num_kv_heads", [None, 2])
+def test_batch_first_false_is_sequence_major(rng, num_kv_heads):
+    """batch_first=False (the default, as torch): (L, B, E) in and out, the same numbers."""
+    bf = with_biases(MHA(24, 4, num_kv_heads=num_kv_heads, kdim=10, vdim=6, batch_first=True, seed=3), rng)
+    sf = MHA(24, 4, num_kv_heads=num_kv_heads, kdim=10, vdim=6, seed=4)
+    assert sf.batch_first is False and bf.batch_first is True
+    sf.load_state_dict(bf.state_dict())
+    x, kx, vx = randn(rng, (3, 11, 24)), randn(rng, (3, 19, 10)), randn(rng, (3, 19, 6))
+    kpm = rng.random((3, 19)) < 0.3
+    kpm[:, 0] = False
+    am = rng.random((11, 19)) < 0.2
+    y, w = bf(x, kx, vx, kpm, True, am, False)
+    ys, ws = sf(x.swapaxes(0, 1), kx.swapaxes(0, 1), vx.swapaxes(0, 1), kpm, True, am, False)
+    assert ys.shape == (11, 3, 24) and ws.shape == (3, 4, 11, 19)
+    assert_close(ys.swapaxes(0, 1), y, np.float32)
+    assert_close(ws, w, np.float32)
+    expect = transcription(bf, x, kx, vx, mask=~am & ~kpm[:, None, None, :])
+    assert_close(y, expect, np.float32)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_cross_attention_kdim_vdim_gqa(rng, dtype):
-    m = with_biases(MHA(24, 6, num_kv_heads=3, kdim=10, vdim=7, dtype=dtype, seed=2), rng)
+    m = with_biases(MHA(24, 6, num_kv_heads=3, kdim=10, vdim=7, batch_first=True, dtype=dtype, seed=2), rng)
     assert m.k_proj_weight.shape == (12, 10) and m.v_proj_weight.shape == (12, 7)
     x, kx, vx = (
         randn(rng, (3, 17, 24), dtype),
         randn(rng, (3, 129, 10), dtype),
         randn(rng, (3, 129, 7), dtype),
     )
-    assert_close(m(x, kx, vx), transcription(m, x, kx, vx), dtype)
-    # bottom-right causal for L != S
-    assert_close(m(x, kx, vx, is_causal=True), transcription(m, x, kx, vx, is_causal=True), dtype)
+    assert_close(m(x, kx, vx)[0], transcription(m, x, kx, vx), dtype)
+    # is_causal with L != S: torch's top-left triangle (query i sees keys j <= i), both L < S and L > S
+    for L, S in ((17, 129), (17, 5)):
+        y, w = m(x[:, :L], kx[:, :S], vx[:, :S], is_causal=True)
+        tri = np.tri(L, S, dtype=bool)
+        assert_close(y, transcription(m, x[:, :L], kx[:, :S], vx[:, :S], mask=tri), dtype)
+        assert np.all(w[:, ~tri] == 0)
 
 
 def test_unbatched(rng):
-    m = with_biases(MHA(16, 2, seed=3), rng)
-    x, kx = randn(rng, (9, 16)), randn(rng, (13, 16))
-    kpm = np.zeros(13, bool)
-    kpm[10:] = True
-    y, w = m(x, kx, key_padding_mask=kpm, need_weights=True, average_attn_weights=False)
-    assert y.shape == (9, 16) and w.shape == (2, 9, 13)
-    assert_close(y, transcription(m, x, kx, mask=~kpm), np.float32)
-    np.testing.assert_array_equal(y, m(x[None], kx[None], key_padding_mask=kpm[None])[0])
+    for batch_first in (False, True):
+        m = with_biases(MHA(16, 2, batch_first=batch_first, seed=3), rng)
+        x, kx = randn(rng, (9, 16)), randn(rng, (13, 16))
+        kpm = np.zeros(13, bool)
+        kpm[10:] = True
+        y, w = m(x, kx, key_padding_mask=kpm, average_attn_weights=False)
+        assert y.shape == (9, 16) and w.shape == (2, 9, 13)
+        assert_close(y, transcription(m, x, kx, mask=~kpm), np.float32)
+        xb, kb = (x[None], kx[None]) if batch_first else (x[:, None], kx[:, None])
+        yb, wb = m(xb, kb, key_padding_mask=kpm[None], average_attn_weights=False)
+        np.testing.assert_array_equal(y, yb[0] if batch_first else yb[:, 0])
+        np.testing.assert_array_equal(w, wb[0])
+        # unbatched (num_heads, L, S) attn_mask, torch's 3-D form
+        am = rng.random((2, 9, 13)) < 0.3
+        am[..., 0] = False
+        assert_close(m(x, kx, attn_mask=am)[0], transcription(m, x, kx, mask=~am), np.float32)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_masks_combined(rng, dtype):
+    """torch's polarity: bool True = NOT allowed in both masks; floats added."""
     B, L, S, E, H = 2, 20, 50, 16, 4
-    m = with_biases(MHA(E, H, dtype=dtype, seed=4), rng)
+    m = with_biases(MHA(E, H, batch_first=True, dtype=dtype, seed=4), rng)
     x, kx = randn(rng, (B, L, E), dtype), randn(rng, (B, S, E), dtype)
     kpm = np.zeros((B, S), bool)
     kpm[0, 40:] = True
     kpm[1, :5] = True
     allowed = (~kpm)[:, None, None, :]
-    bool_am = rng.random((L, S)) < 0.7
+    blocked = rng.random((L, S)) >= 0.7  # torch's bool attn_mask: True = NOT allowed
+    may = ~blocked  # the same mask in the functional API's polarity
     float_am = randn(rng, (B, H, L, S), dtype)
     float_kpm = np.where(kpm, -np.inf, 0.0).astype(dtype)
     cases = [
         (dict(key_padding_mask=kpm), allowed),
         (dict(key_padding_mask=float_kpm), float_kpm[:, None, None, :]),
-        (dict(attn_mask=bool_am), bool_am),
-        (dict(attn_mask=bool_am, key_padding_mask=kpm), bool_am & allowed),
+        (dict(attn_mask=blocked), may),
+        (dict(attn_mask=blocked, key_padding_mask=kpm), may & allowed),
         (dict(attn_mask=float_am, key_padding_mask=kpm), float_am + float_kpm[:, None, None, :]),
         (
-            dict(attn_mask=bool_am, key_padding_mask=float_kpm),
-            np.where(bool_am, 0, -np.inf) + float_kpm[:, None, None, :],
+            dict(attn_mask=blocked, key_padding_mask=float_kpm),
+            np.where(may, 0, -np.inf) + float_kpm[:, None, None, :],
         ),
         # torch's 3-D (B * num_heads, L, S) layout
         (dict(attn_mask=float_am.reshape(B * H, L, S)), float_am),
+        (dict(attn_mask=np.broadcast_to(blocked, (B * H, L, S))), may),
     ]
     for kw, mask in cases:
-        assert_close(m(x, kx, **kw), transcription(m, x, kx, mask=mask), dtype, what=str(list(kw)))
-        assert_close(
-            m(x, kx, is_causal=True, **kw), transcription(m, x, kx, mask=mask, is_causal=True), dtype
-        )
+        y, _ = m(x, kx, need_weights=False, **kw)
+        assert_close(y, transcription(m, x, kx, mask=mask), dtype, what=str(list(kw)))
+        # is_causal with L != S: torch's top-left triangle on top of the masks
+        tri = np.tri(L, S, dtype=bool)
+        causal = mask & tri if mask.dtype == bool else mask + np.where(tri, 0, -np.inf)
+        y, _ = m(x, kx, need_weights=False, is_causal=True, **kw)
+        assert_close(y, transcription(m, x, kx, mask=causal), dtype)
 
 
 def test_need_weights_consistent(rng):
     B, L, S, E, H, Hk = 2, 11, 70, 24, 4, 2
-    m = with_biases(MHA(E, H, num_kv_heads=Hk, dtype=np.float64, seed=5), rng)
+    m = with_biases(MHA(E, H, num_kv_heads=Hk, batch_first=True, dtype=np.float64, seed=5), rng)
     x, kx = randn(rng, (B, L, E), np.float64), randn(rng, (B, S, E), np.float64)
     kpm = np.zeros((B, S), bool)
     kpm[1, 30:] = True
-    am = rng.random((L, S)) < 0.8
-    am[3] = False  # a row with no key
+    blocked = rng.random((L, S)) >= 0.8
+    blocked[3] = True  # a row with no key
     y, w = m(
         x,
         kx,
         key_padding_mask=kpm,
-        attn_mask=am,
+        attn_mask=blocked,
         is_causal=True,
         need_weights=True,
         average_attn_weights=False,
@@ -143,29 +186,31 @@ def test_need_weights_consistent(rng):
     np.testing.assert_allclose(np.delete(sums, 3, axis=-1), 1.0, atol=1e-12)
     assert np.all(w[:, :, 3] == 0) and np.all(y[:, 3] == (m.out_proj_bias))
     assert np.all(w[1, :, :, 30:] == 0)
+    assert np.all(w[:, :, ~np.tri(L, S, dtype=bool)] == 0)  # top-left causal for L != S
     # The weights reproduce the output: out_proj(concat_h(w_h @ v_h)).
     v = (kx @ m.v_proj_weight.T + m.v_proj_bias).reshape(B, S, Hk, -1).transpose(0, 2, 1, 3)
     v = np.repeat(v, H // Hk, axis=1)
     o = (w @ v).transpose(0, 2, 1, 3).reshape(B, L, E)
     assert_close(y, o @ m.out_proj_weight.T + m.out_proj_bias, np.float64)
-    y2, wa = m(x, kx, key_padding_mask=kpm, attn_mask=am, is_causal=True, need_weights=True)
+    y2, wa = m(x, kx, key_padding_mask=kpm, attn_mask=blocked, is_causal=True)  # need_weights=True default
     np.testing.assert_array_equal(y2, y)
     assert_close(wa, w.mean(axis=1), np.float64)
 
 
 def test_no_lxs_allocation_without_weights(rng):
     L = S = 2048
-    m = MHA(8, 1, seed=6)
+    m = MHA(8, 1, batch_first=True, seed=6)
     x = randn(rng, (1, L, 8))
     kpm = np.zeros((1, S), bool)
     kpm[0, 900:] = True
-    m(x, key_padding_mask=kpm, is_causal=True)  # warm up
+    m(x, key_padding_mask=kpm, is_causal=True, need_weights=False)  # warm up
     tracemalloc.start()
     try:
-        m(x, key_padding_mask=kpm, is_causal=True)
+        _, w = m(x, key_padding_mask=kpm, is_causal=True, need_weights=False)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
+    assert w is None
     # projections take ~L * 8 * 4 * 6 bytes; even an L x S bool array would take L * S.
     assert peak < L * S // 2, f"peak {peak} bytes: an L x S buffer was allocated"
 
@@ -195,15 +240,16 @@ def test_init_like_torch():
 
 def test_state_dict_round_trip(rng):
     for kw in (dict(), dict(kdim=5, vdim=6), dict(num_kv_heads=2), dict(bias=False)):
-        a = with_biases(MHA(16, 4, seed=7, **kw), rng) if kw.get("bias", True) else MHA(16, 4, seed=7, **kw)
+        a = MHA(16, 4, batch_first=True, seed=7, **kw)
+        a = with_biases(a, rng) if kw.get("bias", True) else a
         sd = a.state_dict()
         assert ("in_proj_weight" in sd) == ("kdim" not in kw)
-        b = MHA(16, 4, seed=8, **kw)
+        b = MHA(16, 4, batch_first=True, seed=8, **kw)
         b.load_state_dict(sd)
         x = randn(rng, (2, 5, 16))
         kx = randn(rng, (2, 7, kw.get("kdim", 16)))
         vx = randn(rng, (2, 7, kw.get("vdim", 16)))
-        np.testing.assert_array_equal(a(x, kx, vx), b(x, kx, vx))
+        np.testing.assert_array_equal(a(x, kx, vx)[0], b(x, kx, vx)[0])
         sd["out_proj.weight"][:] = 0  # a copy: the module is unchanged
         assert np.any(a.out_proj_weight != 0)
 
@@ -222,8 +268,19 @@ def test_bad_arguments(rng):
         MHA(8, 2, dtype=np.float16)
     with pytest.raises(TypeError, match="kdim"):
         MHA(8, 2, kdim=2.5)
-    m = MHA(8, 2, seed=0)
+    with pytest.raises(TypeError, match="batch_first"):
+        MHA(8, 2, batch_first="yes")
+    with pytest.raises(TypeError, match="batch_first"):
+        MHA(8, 2, batch_first=1)
+    m = MHA(8, 2, batch_first=True, seed=0)
     x = randn(rng, (2, 5, 8))
+    # torch's positional order: (query, key, value, key_padding_mask, need_weights, attn_mask, ...)
+    with pytest.raises(TypeError, match="need_weights"):
+        m(x, x, x, None, np.ones((5, 5), bool))  # a mask where need_weights goes
+    with pytest.raises(TypeError, match="average_attn_weights"):
+        m(x, average_attn_weights=None)
+    with pytest.raises(TypeError, match="is_causal"):
+        m(x, is_causal="true")
     with pytest.raises(ValueError, match="query"):
         m(randn(rng, (2, 5, 7)))
     with pytest.raises(ValueError, match="query"):
@@ -248,7 +305,7 @@ def test_bad_arguments(rng):
         m(x, attn_mask=np.ones((4, 5, 4), bool))  # (B * H, L, S') with the wrong S'
     with pytest.raises(ValueError, match="attn_mask"):
         m(x, attn_mask=np.ones((1, 1, 1, 5, 5), bool))
-    c = MHA(8, 2, kdim=3, vdim=4, seed=0)
+    c = MHA(8, 2, kdim=3, vdim=4, batch_first=True, seed=0)
     with pytest.raises(ValueError, match="key"):
         c(x)
     with pytest.raises(ValueError, match="value"):
@@ -277,98 +334,133 @@ def _torch_pair(E, H, *, kdim=None, vdim=None, bias=True, batch_first=True, dtyp
         with torch.no_grad():
             t.in_proj_bias.normal_()
             t.out_proj.bias.normal_()
-    return torch, t, MHA.from_torch(t)
+    m = MHA.from_torch(t)
+    assert m.batch_first is batch_first
+    return torch, t, m
 
 
 def _t(torch, a):
     return None if a is None else torch.from_numpy(np.ascontiguousarray(a))
 
 
-def test_torch_self_attention_key_padding(rng):
-    torch, t, m = _torch_pair(16, 4)
-    assert m.dtype == np.float64
-    x = randn(rng, (3, 10, 16), np.float64)
-    kpm = np.zeros((3, 10), bool)
+def _both(torch, t, m, *args, **kw):
+    """Call torch's module and ours with the same (NumPy) arguments; return both results as NumPy."""
+    targs = [_t(torch, a) if isinstance(a, np.ndarray) else a for a in args]
+    tkw = {k: _t(torch, a) if isinstance(a, np.ndarray) else a for k, a in kw.items()}
+    with torch.no_grad():
+        yt, wt = t(*targs, **tkw)
+    y, w = m(*args, **kw)
+    assert (w is None) == (wt is None)
+    return (y, w), (yt.numpy(), None if wt is None else wt.numpy())
+
+
+MASKS = ["none", "attn bool", "attn float", "attn 3d", "kpm bool", "kpm float", "both bool", "both float"]
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("masks", MASKS)
+@pytest.mark.parametrize("average", [True, False])
+def test_torch_parity_self_attention(rng, batch_first, masks, average):
+    B, L, E, H = 3, 10, 16, 4
+    torch, t, m = _torch_pair(E, H, batch_first=batch_first)
+    x = randn(rng, (B, L, E) if batch_first else (L, B, E), np.float64)
+    blocked = rng.random((L, L)) < 0.3  # True = NOT allowed (torch's and ours)
+    blocked[:, 0] = False
+    kpm = np.zeros((B, L), bool)
     kpm[1, 7:] = True
     kpm[2, 2:4] = True
-    with torch.no_grad():
-        yt, wt = t(_t(torch, x), _t(torch, x), _t(torch, x), key_padding_mask=_t(torch, kpm))
-        yt2, wt2 = t(
-            _t(torch, x),
-            _t(torch, x),
-            _t(torch, x),
-            key_padding_mask=_t(torch, kpm),
-            average_attn_weights=False,
+    kw = {}
+    if masks in ("attn bool", "both bool"):
+        kw["attn_mask"] = blocked
+    if masks in ("attn float", "both float"):
+        kw["attn_mask"] = randn(rng, (L, L), np.float64)
+    if masks == "attn 3d":
+        kw["attn_mask"] = np.where(
+            rng.random((B * H, L, L)) < 0.3, -np.inf, randn(rng, (B * H, L, L), np.float64)
         )
-    y, w = m(x, key_padding_mask=kpm, need_weights=True)
-    assert_close(y, yt.numpy(), np.float64)
-    assert_close(w, wt.numpy(), np.float64)
-    _, w2 = m(x, key_padding_mask=kpm, need_weights=True, average_attn_weights=False)
-    assert_close(w2, wt2.numpy(), np.float64)
+        kw["attn_mask"][..., 0] = 0.5
+    if masks in ("kpm bool", "both bool"):
+        kw["key_padding_mask"] = kpm
+    if masks in ("kpm float", "both float"):
+        kw["key_padding_mask"] = np.where(kpm, -np.inf, randn(rng, (B, L), np.float64))
+    (y, w), (yt, wt) = _both(torch, t, m, x, x, x, average_attn_weights=average, **kw)
+    assert y.shape == yt.shape and w.shape == wt.shape
+    assert_close(y, yt, np.float64)
+    assert_close(w, wt, np.float64)
+    (y2, w2), (yt2, wt2) = _both(torch, t, m, x, x, x, need_weights=False, **kw)
+    assert w2 is None
+    assert_close(y2, yt2, np.float64)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("average", [True, False])
+def test_torch_parity_cross_attention_kdim_vdim(rng, batch_first, average):
+    torch, t, m = _torch_pair(20, 4, kdim=6, vdim=9, batch_first=batch_first)
+    assert "q_proj_weight" in m.state_dict()
+    B, L, S = 2, 17, 97
+
+    def seq(n, f):
+        return randn(rng, (B, n, f) if batch_first else (n, B, f), np.float64)
+
+    x, kx, vx = seq(L, 20), seq(S, 6), seq(S, 9)
+    am = randn(rng, (L, S), np.float64)
+    kpm = np.zeros((B, S), bool)
+    kpm[0, 50:] = True
+    (y, w), (yt, wt) = _both(
+        torch, t, m, x, kx, vx, np.where(kpm, -np.inf, 0.0), True, am, average
+    )  # torch's positional order
+    assert_close(y, yt, np.float64)
+    assert_close(w, wt, np.float64)
+    blocked = rng.random((L, S)) < 0.5
+    blocked[:, :3] = False
+    (y, w), (yt, wt) = _both(
+        torch, t, m, x, kx, vx, key_padding_mask=kpm, attn_mask=blocked, average_attn_weights=average
+    )
+    assert_close(y, yt, np.float64)
+    assert_close(w, wt, np.float64)
 
 
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_torch_causal(rng, batch_first):
     torch, t, m = _torch_pair(24, 3, batch_first=batch_first, dtype="float32")
     assert m.dtype == np.float32
-    x = randn(rng, (2, 33, 24))
-    L = x.shape[1]
-    not_allowed = np.triu(np.ones((L, L), bool), 1)  # torch's polarity
-    xt = _t(torch, x if batch_first else x.swapaxes(0, 1))
-    with torch.no_grad():
-        yt, wt = t(xt, xt, xt, attn_mask=_t(torch, not_allowed), is_causal=True)
-    yt = yt.numpy() if batch_first else yt.numpy().swapaxes(0, 1)
-    y, w = m(x, is_causal=True, need_weights=True)
+    L = 33
+    x = randn(rng, (2, L, 24) if batch_first else (L, 2, 24))
+    not_allowed = np.triu(np.ones((L, L), bool), 1)  # torch's polarity, and ours
+    (y, w), (yt, wt) = _both(torch, t, m, x, x, x, attn_mask=not_allowed, is_causal=True)
     assert_close(y, yt, np.float32)
-    assert_close(w, wt.numpy(), np.float32)
-    # the same mask in fastattn's polarity (True = may attend)
-    assert_close(m(x, attn_mask=~not_allowed), yt, np.float32)
+    assert_close(w, wt, np.float32)
+    # torch requires the mask with is_causal; here the flag alone applies the same triangle
+    y2, w2 = m(x, x, x, is_causal=True)
+    assert_close(y2, yt, np.float32)
+    assert_close(w2, wt, np.float32)
+    (y3, _), (yt3, _) = _both(torch, t, m, x, x, x, need_weights=False, attn_mask=not_allowed, is_causal=True)
+    assert_close(y3, yt3, np.float32)
 
 
-def test_torch_cross_attention_kdim_vdim(rng):
-    torch, t, m = _torch_pair(20, 4, kdim=6, vdim=9)
-    assert "q_proj_weight" in m.state_dict()
-    x, kx, vx = (
-        randn(rng, (2, 17, 20), np.float64),
-        randn(rng, (2, 97, 6), np.float64),
-        randn(rng, (2, 97, 9), np.float64),
-    )
-    am = randn(rng, (17, 97), np.float64)
-    kpm = np.zeros((2, 97), bool)
-    kpm[0, 50:] = True
-    with torch.no_grad():
-        yt, wt = t(
-            _t(torch, x),
-            _t(torch, kx),
-            _t(torch, vx),
-            attn_mask=_t(torch, am),
-            key_padding_mask=_t(torch, np.where(kpm, -np.inf, 0.0)),
-            average_attn_weights=False,
-        )
-    y, w = m(x, kx, vx, attn_mask=am, key_padding_mask=kpm, need_weights=True, average_attn_weights=False)
-    assert_close(y, yt.numpy(), np.float64)
-    assert_close(w, wt.numpy(), np.float64)
-
-
-def test_torch_bool_attn_mask_polarity_and_unbatched(rng):
-    torch, t, m = _torch_pair(16, 2, bias=False)
+def test_torch_unbatched(rng):
+    torch, t, m = _torch_pair(16, 2, bias=False, batch_first=False)
     x, kx = randn(rng, (12, 16), np.float64), randn(rng, (30, 16), np.float64)
     not_allowed = rng.random((12, 30)) < 0.4
     not_allowed[:, 0] = False
-    with torch.no_grad():
-        yt, _ = t(_t(torch, x), _t(torch, kx), _t(torch, kx), attn_mask=_t(torch, not_allowed))
-    assert_close(m(x, kx, attn_mask=~not_allowed), yt.numpy(), np.float64)
+    kpm = np.zeros(30, bool)
+    kpm[20:] = True
+    for kw in (dict(attn_mask=not_allowed), dict(key_padding_mask=kpm, average_attn_weights=False)):
+        (y, w), (yt, wt) = _both(torch, t, m, x, kx, kx, **kw)
+        assert y.shape == (12, 16)
+        assert_close(y, yt, np.float64)
+        assert_close(w, wt, np.float64)
 
 
 def test_torch_load_our_state_dict(rng):
     torch = pytest.importorskip("torch")
     m = with_biases(MHA(16, 4, dtype=np.float64, seed=9), rng)
-    t = torch.nn.MultiheadAttention(16, 4, batch_first=True, dtype=torch.float64).eval()
+    t = torch.nn.MultiheadAttention(16, 4, dtype=torch.float64).eval()  # both batch_first=False
     t.load_state_dict({k: torch.from_numpy(v) for k, v in m.state_dict().items()})
-    x = randn(rng, (2, 9, 16), np.float64)
-    with torch.no_grad():
-        yt, _ = t(_t(torch, x), _t(torch, x), _t(torch, x), need_weights=False)
-    assert_close(m(x), yt.numpy(), np.float64)
+    x = randn(rng, (9, 2, 16), np.float64)
+    (y, w), (yt, wt) = _both(torch, t, m, x, x, x)
+    assert_close(y, yt, np.float64)
+    assert_close(w, wt, np.float64)
 
 
 def test_torch_unsupported_module():
