@@ -51,11 +51,12 @@ cdef extern from "family.h":
     int fa_rotary(const fa_rotary_params *p) nogil
 
 import numpy as np
-import ml_dtypes
+
+# The element type codes of fastattn._kernels (bfloat16 added on first use, so that
+# importing fastattn does not import ml_dtypes).
+from fastattn._kernels import DTYPE_CODES
 
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
-DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.float16): 2,
-               np.dtype(ml_dtypes.bfloat16): 3}
 
 
 cdef inline const void *_ptr(object a):

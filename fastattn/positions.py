@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _family
-from ._checks import F32, F64, STORAGE_DTYPES, as_array, int_value
+from ._checks import F32, F64, as_array, int_value, is_storage_dtype
 from ._config import get_num_threads
 
 __all__ = ["sinusoidal_positions", "rotary_cos_sin", "apply_rotary"]
@@ -169,7 +169,7 @@ def apply_rotary(
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     xa = as_array(x, "x")
-    if xa.dtype not in STORAGE_DTYPES:
+    if not is_storage_dtype(xa.dtype):
         raise TypeError(f"x must have dtype float16, bfloat16, float32 or float64, got {xa.dtype}")
     min_nd = 2 if layout == "bhsd" else 3
     if xa.ndim < min_nd:
@@ -239,7 +239,7 @@ class _CacheRotary:
 
     def append(self, k_new4, cache4, pos, num_threads=None):
         """Rotate the new keys (B, H, T, D) and write them into cache rows pos[b, t], in one C pass."""
-        if k_new4.dtype not in STORAGE_DTYPES:  # e.g. longdouble: through the compute dtype
+        if not is_storage_dtype(k_new4.dtype):  # e.g. longdouble: through the compute dtype
             k_new4 = k_new4.astype(self.cos.dtype)
         src = _last_contiguous(k_new4)
         if cache4.flags.aligned and (cache4.shape[-1] <= 1 or cache4.strides[-1] == cache4.itemsize):
