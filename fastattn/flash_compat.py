@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from . import _torch_bridge
-from ._checks import STORAGE_DTYPES, as_array, int_value
+from ._checks import as_array, int_value, is_storage_dtype
 from .functional import scaled_dot_product_attention, varlen_attention
 from .kvcache import _is_real_float, _query_dtype_ok, _rows
 from .positions import _CacheRotary
@@ -564,7 +564,7 @@ def flash_attn_with_kvcache(
     _ndim(kc, "k_cache", 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
     _ndim(vc, "v_cache", 4, "(batch_cache, seqlen_cache, nheads_k, headdim_v)")
     cdt = kc.dtype
-    if cdt not in STORAGE_DTYPES:
+    if not is_storage_dtype(cdt):
         raise TypeError(f"k_cache must have dtype float16, bfloat16, float32 or float64, got {cdt}")
     if vc.dtype != cdt:
         raise TypeError(f"v_cache must have the dtype of k_cache ({cdt}), got {vc.dtype}")

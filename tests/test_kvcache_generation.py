@@ -230,3 +230,43 @@ def test_growing_cache_errors_and_ragged_rows(rng):
     with pytest.raises(TypeError, match="max_len"):
         KVCache(1, 1, 8.0, 4)
     assert "max_len=None" in repr(cache)
+
+
+# --- rotary keys -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotated_keys_that_overflow_raise_and_near_range_keys_are_exact(rng, interleaved):
+    """Rotation mixes each pair (x, y): values that fit float16 may not after rotation.
+    The cache then rotates into a checked buffer; it must raise before writing when a
+    rotated value overflows, and store exactly what the one-pass path stores otherwise."""
+    D = 8
+    c, s = fastattn.rotary_cos_sin(16, D)
+    kw = dict(dtype=np.float16, rotary_cos=c, rotary_sin=s, rotary_interleaved=interleaved)
+    # Near the range (the checked path, max|k| * sqrt(2) >= 65504) but no rotated overflow:
+    big = KVCache(1, 1, 8, D, **kw)
+    small = KVCache(1, 1, 8, D, **kw)
+    k = randn(rng, (1, 1, 3, D))
+    k_big = k.copy()
+    k_big[0, 0, 0, 0] = 50000.0  # position 0: no rotation, fits; forces the checked path
+    big.append(k_big, k_big)
+    small.append(k, k)  # the same rows 1 and 2, through the one-pass path
+    np.testing.assert_array_equal(big.k[:, :, 1:3], small.k[:, :, 1:3])
+    expect = ref.apply_rotary(k_big.astype(np.float64), c, s, interleaved=interleaved)
+    np.testing.assert_allclose(big.k[:, :, :3].astype(np.float64), expect, rtol=1e-3)
+    # A rotated pair beyond float16's range: (6e4, 6e4) at a position with cos = sin-ish grows by ~sqrt(2).
+    snap = snapshot(big)
+    bad = np.zeros((1, 1, 1, D), np.float32)
+    half = D // 2
+    j = (0, 1) if interleaved else (0, half)
+    bad[0, 0, 0, j[0]] = bad[0, 0, 0, j[1]] = 60000.0
+    with pytest.raises(ValueError, match="k_new"):
+        big.append(bad, np.zeros_like(bad))  # at position 3: cos(3) < 0, sin(3) > 0: |x c - y s| > 65504
+    assert_unchanged(big, snap)
+    kc, vc = np.zeros((1, 1, 8, D), np.float16), np.zeros((1, 1, 8, D), np.float16)
+    q = randn(rng, (1, 1, 1, D))
+    with pytest.raises(ValueError, match="k_new"):
+        fastattn.attention_with_kvcache(
+            q, kc, vc, 3, bad, np.zeros_like(bad), rotary_cos=c, rotary_sin=s, rotary_interleaved=interleaved
+        )
+    assert not kc.any() and not vc.any()
