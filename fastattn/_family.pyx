@@ -50,8 +50,6 @@ cdef extern from "family.h":
     int fa_additive(const fa_additive_params *p, int isa) nogil
     int fa_rotary(const fa_rotary_params *p) nogil
 
-import numpy as np
-
 # The element type codes of fastattn._kernels (bfloat16 added on first use, so that
 # importing fastattn does not import ml_dtypes).
 from fastattn._kernels import DTYPE_CODES
