@@ -4,24 +4,28 @@
  * FB_MR x FB_NV (register block: rows x vectors), FB_BQ (query rows per tile)
  * and FB_BK (keys per tile, a multiple of FB_NV * VW).
  *
- * One task = a range of keys of one (batch, kv head).  For each tile of FB_BK
- * keys it packs K and V once, then visits every tile of FB_BQ query rows of
- * the head's query heads that can see those keys (the forward's masked-tile
- * skipping): it recomputes S = Q.K^T, P = exp2(S scale log2e - LSE log2e),
- * dP = dO.V^T and dS = P (dP - D), accumulates dV += P^T.dO and dK += dS^T.Q
- * in the tile's scratch (GQA heads sum there, in a fixed order) and dQ +=
- * dS.K into the task's dQ rows.  Scratch is bounded by the tiles. */
+ * One task = a range of keys of one (batch, kv head).  For each block of
+ * FB_NKT tiles of FB_BK keys it packs K and V once, then visits every tile of
+ * FB_BQ query rows of the head's query heads that can see those keys (the
+ * forward's masked-tile skipping, per key tile): it recomputes S = Q.K^T,
+ * P = exp2(S scale log2e - LSE log2e), dP = dO.V^T and dS = P (dP - D),
+ * accumulates dV += P^T.dO and dK += dS^T.Q in the block's scratch (GQA heads
+ * sum there, in a fixed order) and dQ += dS.K into the task's dQ rows.
+ * Scratch is bounded by the tiles. */
 #include <math.h>
 #include <string.h>
 #include "simd.h"
 #include "mask.h"
 #include "backward.h"
 
-/* Register blocks as the forward's (16 zmm / 8 ymm / 1 value per vector). */
+/* Register blocks: 24 zmm accumulators as 6 rows x 64 columns (one block for
+ * D = 64 and for the 64-key tiles; 1 thread, B1 H4 L2048 D64, CPU time,
+ * interleaved: ~3% faster than the forward's 12 x 32), the forward's 6 x 2
+ * ymm, 4 x 4 values on the portable paths. */
 #ifndef FB_MR
 #if VW == 16
-#define FB_MR 12
-#define FB_NV 2
+#define FB_MR 6
+#define FB_NV 4
 #elif VW == 8
 #define FB_MR 6
 #define FB_NV 2
@@ -36,6 +40,12 @@
 #ifndef FB_BK
 #define FB_BK 64
 #endif
+/* Key tiles per block: the block's tiles are packed once and share each pass
+ * over the query rows (each query tile's rows are copied once per block, not
+ * once per tile: the copies of whole Q and dO per tile were ~10% of the time). */
+#ifndef FB_NKT
+#define FB_NKT 4
+#endif
 
 #define FB_CAT_(a, b) a##b
 #define FB_CAT(a, b) FB_CAT_(a, b)
@@ -47,11 +57,12 @@ static inline int64_t FB_NAME(fb_rup)(int64_t x, int64_t m) { return (x + m - 1)
 static inline size_t FB_NAME(fb_al)(size_t n) { return (n + FB_ALIGN - 1) / FB_ALIGN * FB_ALIGN; }
 
 typedef struct FB_NAME(fb_ws) {
-    REAL *Kt;  /* D x BK    K^T of the key tile (zero past the tile's keys)   */
+    /* per key tile u of the block (NKT tiles):                               */
+    REAL *Kt;  /* D x BK    K^T of the key tile (zero past the last key)      */
     REAL *Vt;  /* Dv x BK   V^T                                               */
     REAL *Kr;  /* BK x Dp   K rows, zero-padded                               */
-    REAL *dK;  /* BK x Dp   dK accumulator of the key tile (unscaled)         */
-    REAL *dV;  /* BK x Dvp  dV accumulator                                    */
+    REAL *dK;  /* NKT*BK x Dp   dK accumulator of the block (unscaled)        */
+    REAL *dV;  /* NKT*BK x Dvp  dV accumulator                                */
     REAL *Q;   /* BQ x Dp   query rows of the query tile, zero-padded         */
     REAL *dO;  /* BQ x Dvp  dO rows                                           */
     REAL *S;   /* BQ x BK   scores, then P                                    */
@@ -64,8 +75,9 @@ static size_t FB_NAME(fb_scratch_bytes)(const fa_params *p)
 {
     const int64_t Dp = FB_NAME(fb_rup)(p->D, VW), Dvp = FB_NAME(fb_rup)(p->Dv, VW);
     const size_t e = sizeof(REAL);
-    return FB_NAME(fb_al)(Dp * FB_BK * e) + FB_NAME(fb_al)(Dvp * FB_BK * e) + 2 * FB_NAME(fb_al)(FB_BK * Dp * e) +
-           FB_NAME(fb_al)(FB_BK * Dvp * e) + FB_NAME(fb_al)(FB_BQ * Dp * e) + FB_NAME(fb_al)(FB_BQ * Dvp * e) +
+    const int64_t KB = FB_NKT * FB_BK;
+    return FB_NAME(fb_al)(Dp * KB * e) + FB_NAME(fb_al)(Dvp * KB * e) + 2 * FB_NAME(fb_al)(KB * Dp * e) +
+           FB_NAME(fb_al)(KB * Dvp * e) + FB_NAME(fb_al)(FB_BQ * Dp * e) + FB_NAME(fb_al)(FB_BQ * Dvp * e) +
            3 * FB_NAME(fb_al)(FB_BQ * FB_BK * e) + 2 * FB_NAME(fb_al)(FB_BQ * e) + FB_ALIGN;
 }
 
@@ -75,11 +87,11 @@ static void FB_NAME(fb_carve)(const fa_params *p, void *scratch, FB_NAME(fb_ws) 
     const size_t e = sizeof(REAL);
     char *c = (char *)(((uintptr_t)scratch + FB_ALIGN - 1) / FB_ALIGN * FB_ALIGN);
 #define FB_TAKE(ptr, n) do { ptr = (REAL *)c; c += FB_NAME(fb_al)((size_t)(n) * e); } while (0)
-    FB_TAKE(w->Kt, Dp * FB_BK);
-    FB_TAKE(w->Vt, Dvp * FB_BK);
-    FB_TAKE(w->Kr, FB_BK * Dp);
-    FB_TAKE(w->dK, FB_BK * Dp);
-    FB_TAKE(w->dV, FB_BK * Dvp);
+    FB_TAKE(w->Kt, Dp * FB_NKT * FB_BK);
+    FB_TAKE(w->Vt, Dvp * FB_NKT * FB_BK);
+    FB_TAKE(w->Kr, FB_NKT * FB_BK * Dp);
+    FB_TAKE(w->dK, FB_NKT * FB_BK * Dp);
+    FB_TAKE(w->dV, FB_NKT * FB_BK * Dvp);
     FB_TAKE(w->Q, FB_BQ * Dp);
     FB_TAKE(w->dO, FB_BQ * Dvp);
     FB_TAKE(w->S, FB_BQ * FB_BK);
@@ -162,24 +174,29 @@ static void FB_NAME(fb_run)(const fa_bwd_params *bp, const fa_bwd_task *t, void 
     const REAL *delta_all = (const REAL *)t->delta, *lse2_all = (const REAL *)t->lse2;
     const int64_t jend = fa_min64(t->j1, bi.Sb);
     const size_t mesz = p->mask_kind == FA_MASK_BOOL ? 1 : p->mask_kind == FA_MASK_F32 ? 4 : 8;
+    const int64_t KB = FB_NKT * FB_BK; /* keys per block: its tiles share each pass over the queries */
 
-    for (int64_t jt = t->j0; jt < jend; jt += FB_BK) {
-        const int64_t nk = fa_min64(FB_BK, jend - jt);
-        /* ---- the key tile: K^T, V^T and K rows, zero past nk ---- */
-        for (int64_t jj = 0; jj < FB_BK; jj++) {
-            const REAL *kr = K + (jt + jj) * p->k_sl, *vr = V + (jt + jj) * p->v_sl;
-            REAL *kd = w.Kr + jj * Dp;
-            if (jj < nk) {
-                for (int64_t d = 0; d < D; d++) { w.Kt[d * FB_BK + jj] = kr[d]; kd[d] = kr[d]; }
-                for (int64_t d = 0; d < Dv; d++) w.Vt[d * FB_BK + jj] = vr[d];
-            } else {
-                for (int64_t d = 0; d < D; d++) { w.Kt[d * FB_BK + jj] = 0; kd[d] = 0; }
-                for (int64_t d = 0; d < Dv; d++) w.Vt[d * FB_BK + jj] = 0;
+    for (int64_t jb = t->j0; jb < jend; jb += KB) {
+        const int64_t nkb = fa_min64(KB, jend - jb), ntile = (nkb + FB_BK - 1) / FB_BK;
+        /* ---- the key block's tiles: K^T, V^T and K rows, zero past the last key ---- */
+        for (int64_t u = 0; u < ntile; u++) {
+            const int64_t jt = jb + u * FB_BK, nk = fa_min64(FB_BK, jend - jt);
+            REAL *Kt = w.Kt + u * Dp * FB_BK, *Vt = w.Vt + u * Dvp * FB_BK, *Kr = w.Kr + u * FB_BK * Dp;
+            for (int64_t jj = 0; jj < FB_BK; jj++) {
+                const REAL *kr = K + (jt + jj) * p->k_sl, *vr = V + (jt + jj) * p->v_sl;
+                REAL *kd = Kr + jj * Dp;
+                if (jj < nk) {
+                    for (int64_t d = 0; d < D; d++) { Kt[d * FB_BK + jj] = kr[d]; kd[d] = kr[d]; }
+                    for (int64_t d = 0; d < Dv; d++) Vt[d * FB_BK + jj] = vr[d];
+                } else {
+                    for (int64_t d = 0; d < D; d++) { Kt[d * FB_BK + jj] = 0; kd[d] = 0; }
+                    for (int64_t d = 0; d < Dv; d++) Vt[d * FB_BK + jj] = 0;
+                }
+                for (int64_t d = D; d < Dp; d++) kd[d] = 0;
             }
-            for (int64_t d = D; d < Dp; d++) kd[d] = 0;
         }
-        memset(w.dK, 0, (size_t)(FB_BK * Dp) * sizeof(REAL));
-        memset(w.dV, 0, (size_t)(FB_BK * Dvp) * sizeof(REAL));
+        memset(w.dK, 0, (size_t)(ntile * FB_BK * Dp) * sizeof(REAL));
+        memset(w.dV, 0, (size_t)(ntile * FB_BK * Dvp) * sizeof(REAL));
 
         for (int64_t g = 0; g < G; g++) {
             const int64_t h = hk * G + g;
@@ -194,8 +211,7 @@ static void FB_NAME(fb_run)(const fa_bwd_params *bp, const fa_bwd_task *t, void 
                 int64_t lo0, hi0, lo1, hi1;
                 fa_row_range(p, i0 + delta, bi.Sb, &lo0, &hi0);
                 fa_row_range(p, i0 + nq - 1 + delta, bi.Sb, &lo1, &hi1);
-                if (hi1 <= jt || lo0 >= jt + nk) continue; /* no row sees a key of the tile */
-                const int full = lo1 <= jt && hi0 >= jt + nk && nk == FB_BK;
+                if (hi1 <= jb || lo0 >= jb + nkb) continue; /* no row sees a key of the block */
 
                 for (int64_t r = 0; r < nq; r++) {
                     const REAL *qs = Q + (i0 + r) * p->q_sl, *os = dO + (i0 + r) * bp->do_sl;
@@ -207,84 +223,92 @@ static void FB_NAME(fb_run)(const fa_bwd_params *bp, const fa_bwd_task *t, void 
                     w.l2[r] = lse2_all[rowbase + i0 + r];
                     w.di[r] = delta_all[rowbase + i0 + r];
                 }
-                /* ---- S = Q.K^T and dP = dO.V^T ---- */
-                FB_NAME(fb_gemm)(nq, FB_BK, D, w.Q, Dp, 1, w.Kt, FB_BK, w.S, FB_BK, 0);
-                FB_NAME(fb_gemm)(nq, FB_BK, Dv, w.dO, Dvp, 1, w.Vt, FB_BK, w.dP, FB_BK, 0);
+                for (int64_t u = 0; u < ntile; u++) {
+                    const int64_t jt = jb + u * FB_BK, nk = fa_min64(FB_BK, jend - jt);
+                    if (hi1 <= jt || lo0 >= jt + nk) continue; /* the forward's masked-tile skipping */
+                    const int full = lo1 <= jt && hi0 >= jt + nk && nk == FB_BK;
+                    const REAL *Kt = w.Kt + u * Dp * FB_BK, *Vt = w.Vt + u * Dvp * FB_BK;
+                    const REAL *Kr = w.Kr + u * FB_BK * Dp;
 
-                /* ---- the forward's transforms, only where the tile needs them:
-                 * S becomes the log2-domain logit (-inf where not seen) ---- */
-                for (int64_t r = 0; r < nq && elem_always; r++) {
-                    REAL *s = w.S + r * FB_BK;
-                    const int64_t i = i0 + r, ip = i + delta;
-                    int64_t lo, hi;
-                    fa_row_range(p, ip, bi.Sb, &lo, &hi);
-                    const char *mrow = p->mask ? (const char *)p->mask +
-                        (b * p->m_sb + h * p->m_sh + i * p->m_sl) * (int64_t)mesz : NULL;
-                    const double slope = p->alibi ? p->alibi[b * p->alibi_sb + h * p->alibi_sh] * FB_LOG2E : 0.0;
-                    REAL *dr = w.Dr + r * FB_BK;
-                    for (int64_t jj = 0; jj < FB_BK; jj++) {
-                        const int64_t j = jt + jj;
-                        if (jj >= nk || j < lo || j >= hi) { s[jj] = -INFINITY; dr[jj] = 0; continue; }
-                        double x = (double)s[jj] * p->scale, der = 1.0;
-                        if (!use_log2) {
-                            /* as the forward: the identity for tiny x/c (see kernel_impl.h) */
-                            double y = x / p->softcap;
-                            if (fabs(y) >= 1e-6) {
-                                double th = tanh(y);
-                                x = p->softcap * th;
-                                der = 1.0 - th * th;
+                    /* ---- S = Q.K^T and dP = dO.V^T ---- */
+                    FB_NAME(fb_gemm)(nq, FB_BK, D, w.Q, Dp, 1, Kt, FB_BK, w.S, FB_BK, 0);
+                    FB_NAME(fb_gemm)(nq, FB_BK, Dv, w.dO, Dvp, 1, Vt, FB_BK, w.dP, FB_BK, 0);
+
+                    /* ---- the forward's transforms, only where the tile needs them:
+                     * S becomes the log2-domain logit (-inf where not seen) ---- */
+                    for (int64_t r = 0; r < nq && elem_always; r++) {
+                        REAL *s = w.S + r * FB_BK;
+                        const int64_t i = i0 + r, ip = i + delta;
+                        int64_t lo, hi;
+                        fa_row_range(p, ip, bi.Sb, &lo, &hi);
+                        const char *mrow = p->mask ? (const char *)p->mask +
+                            (b * p->m_sb + h * p->m_sh + i * p->m_sl) * (int64_t)mesz : NULL;
+                        const double slope = p->alibi ? p->alibi[b * p->alibi_sb + h * p->alibi_sh] * FB_LOG2E : 0.0;
+                        REAL *dr = w.Dr + r * FB_BK;
+                        for (int64_t jj = 0; jj < FB_BK; jj++) {
+                            const int64_t j = jt + jj;
+                            if (jj >= nk || j < lo || j >= hi) { s[jj] = -INFINITY; dr[jj] = 0; continue; }
+                            double x = (double)s[jj] * p->scale, der = 1.0;
+                            if (!use_log2) {
+                                /* as the forward: the identity for tiny x/c (see kernel_impl.h) */
+                                double y = x / p->softcap;
+                                if (fabs(y) >= 1e-6) {
+                                    double th = tanh(y);
+                                    x = p->softcap * th;
+                                    der = 1.0 - th * th;
+                                }
+                            }
+                            x *= FB_LOG2E;
+                            if (p->alibi) x -= slope * (double)(ip > j ? ip - j : j - ip);
+                            if (mrow) {
+                                int64_t mo = j * p->m_ss;
+                                if (p->mask_kind == FA_MASK_BOOL) { if (!((const uint8_t *)mrow)[mo]) x = -INFINITY; }
+                                else if (p->mask_kind == FA_MASK_F32) x += ((const float *)mrow)[mo] * FB_LOG2E;
+                                else x += ((const double *)mrow)[mo] * FB_LOG2E;
+                            }
+                            s[jj] = (REAL)x;
+                            dr[jj] = (REAL)der;
+                        }
+                    }
+                    /* ---- P = exp2(S c1 - LSE log2e), dS = P (dP - D) [x softcap'] ---- */
+                    const vf c1v = vf_set1(c1);
+                    for (int64_t r = 0; r < nq; r++) {
+                        REAL *s = w.S + r * FB_BK, *dp = w.dP + r * FB_BK;
+                        const vf l2v = vf_set1(w.l2[r]), dv_ = vf_set1(w.di[r]);
+                        if (use_log2) {
+                            for (int64_t jj = 0; jj < FB_BK; jj += VW) {
+                                vf pv = vf_exp2_neg(vf_sub(vf_mul(vf_load(s + jj), c1v), l2v));
+                                vf_store(s + jj, pv);
+                                vf_store(dp + jj, vf_mul(pv, vf_sub(vf_load(dp + jj), dv_)));
+                            }
+                        } else {
+                            const REAL *dr = w.Dr + r * FB_BK;
+                            for (int64_t jj = 0; jj < FB_BK; jj += VW) {
+                                vf pv = vf_exp2_neg(vf_sub(vf_load(s + jj), l2v));
+                                vf_store(s + jj, pv);
+                                vf_store(dp + jj, vf_mul(vf_mul(pv, vf_sub(vf_load(dp + jj), dv_)), vf_load(dr + jj)));
                             }
                         }
-                        x *= FB_LOG2E;
-                        if (p->alibi) x -= slope * (double)(ip > j ? ip - j : j - ip);
-                        if (mrow) {
-                            int64_t mo = j * p->m_ss;
-                            if (p->mask_kind == FA_MASK_BOOL) { if (!((const uint8_t *)mrow)[mo]) x = -INFINITY; }
-                            else if (p->mask_kind == FA_MASK_F32) x += ((const float *)mrow)[mo] * FB_LOG2E;
-                            else x += ((const double *)mrow)[mo] * FB_LOG2E;
-                        }
-                        s[jj] = (REAL)x;
-                        dr[jj] = (REAL)der;
+                        if (elem_always || full) continue;
+                        /* only the causal diagonal / window edge / tile tail to clear */
+                        int64_t lo, hi;
+                        fa_row_range(p, i0 + r + delta, bi.Sb, &lo, &hi);
+                        const int64_t a0 = fa_min64(fa_max64(lo - jt, 0), nk);
+                        const int64_t a1 = fa_max64(fa_min64(hi - jt, nk), a0);
+                        for (int64_t jj = 0; jj < a0; jj++) s[jj] = dp[jj] = 0;
+                        for (int64_t jj = a1; jj < FB_BK; jj++) s[jj] = dp[jj] = 0;
                     }
+                    /* ---- dV += P^T.dO, dK += dS^T.Q, dQ += dS.K ---- */
+                    FB_NAME(fb_gemm)(nk, Dvp, nq, w.S, 1, FB_BK, w.dO, Dvp, w.dV + u * FB_BK * Dvp, Dvp, 1);
+                    FB_NAME(fb_gemm)(nk, Dp, nq, w.dP, 1, FB_BK, w.Q, Dp, w.dK + u * FB_BK * Dp, Dp, 1);
+                    FB_NAME(fb_gemm)(nq, Dp, nk, w.dP, FB_BK, 1, Kr, Dp, dq + i0 * Dp, Dp, 1);
                 }
-                /* ---- P = exp2(S c1 - LSE log2e), dS = P (dP - D) [x softcap'] ---- */
-                const vf c1v = vf_set1(c1);
-                for (int64_t r = 0; r < nq; r++) {
-                    REAL *s = w.S + r * FB_BK, *dp = w.dP + r * FB_BK;
-                    const vf l2v = vf_set1(w.l2[r]), dv_ = vf_set1(w.di[r]);
-                    if (use_log2) {
-                        for (int64_t jj = 0; jj < FB_BK; jj += VW) {
-                            vf pv = vf_exp2_neg(vf_sub(vf_mul(vf_load(s + jj), c1v), l2v));
-                            vf_store(s + jj, pv);
-                            vf_store(dp + jj, vf_mul(pv, vf_sub(vf_load(dp + jj), dv_)));
-                        }
-                    } else {
-                        const REAL *dr = w.Dr + r * FB_BK;
-                        for (int64_t jj = 0; jj < FB_BK; jj += VW) {
-                            vf pv = vf_exp2_neg(vf_sub(vf_load(s + jj), l2v));
-                            vf_store(s + jj, pv);
-                            vf_store(dp + jj, vf_mul(vf_mul(pv, vf_sub(vf_load(dp + jj), dv_)), vf_load(dr + jj)));
-                        }
-                    }
-                    if (elem_always || full) continue;
-                    /* only the causal diagonal / window edge / tile tail to clear */
-                    int64_t lo, hi;
-                    fa_row_range(p, i0 + r + delta, bi.Sb, &lo, &hi);
-                    const int64_t a0 = fa_min64(fa_max64(lo - jt, 0), nk);
-                    const int64_t a1 = fa_max64(fa_min64(hi - jt, nk), a0);
-                    for (int64_t jj = 0; jj < a0; jj++) s[jj] = dp[jj] = 0;
-                    for (int64_t jj = a1; jj < FB_BK; jj++) s[jj] = dp[jj] = 0;
-                }
-                /* ---- dV += P^T.dO, dK += dS^T.Q, dQ += dS.K ---- */
-                FB_NAME(fb_gemm)(nk, Dvp, nq, w.S, 1, FB_BK, w.dO, Dvp, w.dV, Dvp, 1);
-                FB_NAME(fb_gemm)(nk, Dp, nq, w.dP, 1, FB_BK, w.Q, Dp, w.dK, Dp, 1);
-                FB_NAME(fb_gemm)(nq, Dp, nk, w.dP, FB_BK, 1, w.Kr, Dp, dq + i0 * Dp, Dp, 1);
             }
         }
-        /* ---- the key tile's dK (times scale) and dV ---- */
+        /* ---- the key block's dK (times scale) and dV ---- */
         const REAL sc = (REAL)p->scale;
-        for (int64_t jj = 0; jj < nk; jj++) {
-            REAL *kd = dk + (jt + jj) * bp->dk_sl, *vd = dv + (jt + jj) * bp->dv_sl;
+        for (int64_t jj = 0; jj < nkb; jj++) {
+            REAL *kd = dk + (jb + jj) * bp->dk_sl, *vd = dv + (jb + jj) * bp->dv_sl;
             const REAL *ks = w.dK + jj * Dp, *vs = w.dV + jj * Dvp;
             for (int64_t d = 0; d < D; d++) kd[d] = ks[d] * sc;
             for (int64_t d = 0; d < Dv; d++) vd[d] = vs[d];
