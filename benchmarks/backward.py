@@ -1,0 +1,64 @@
+"""asv benchmarks: forward + backward (fastattn's fused backward, and torch's
+SDPA forward + backward when torch is installed), the cases of
+``python -m fastattn.bench_backward``."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+import fastattn
+
+THREADS = int(os.environ.get("FASTATTN_BENCH_THREADS", "0")) or (os.cpu_count() or 1)
+
+# name: (B, H, L, D, causal)
+CASES = {
+    "B1 H8 L2048 D64": (1, 8, 2048, 64, False),
+    "B1 H8 L2048 D64 causal": (1, 8, 2048, 64, True),
+    "B4 H8 L512 D128 causal": (4, 8, 512, 128, True),
+}
+
+
+class ForwardBackward:
+    """Forward (with the LSE) + backward, float32."""
+
+    params = (list(CASES), ["fastattn", "torch"])
+    param_names = ["case", "impl"]
+    timeout = 300
+
+    def setup(self, case, impl):
+        if not hasattr(fastattn, "scaled_dot_product_attention_backward"):
+            raise NotImplementedError("this commit has no backward pass")
+        B, H, L, D, causal = CASES[case]
+        rng = np.random.default_rng(0)
+        q, k, v, go = (rng.standard_normal((B, H, L, D), dtype=np.float32) for _ in range(4))
+        if impl == "fastattn":
+
+            def run():
+                o, lse = fastattn.scaled_dot_product_attention(
+                    q, k, v, is_causal=causal, return_lse=True, num_threads=THREADS
+                )
+                fastattn.scaled_dot_product_attention_backward(
+                    go, q, k, v, o, lse, is_causal=causal, num_threads=THREADS
+                )
+
+        else:
+            try:
+                import torch
+            except ImportError:
+                raise NotImplementedError("torch is not installed") from None
+            torch.set_num_threads(THREADS)
+            tq, tk, tv = (torch.from_numpy(a).requires_grad_() for a in (q, k, v))
+            tgo = torch.from_numpy(go)
+
+            def run():
+                for t in (tq, tk, tv):
+                    t.grad = None
+                torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal).backward(tgo)
+
+        self.run = run
+        run()
+
+    def time_forward_backward(self, case, impl):
+        self.run()
