@@ -1,0 +1,198 @@
+"""A Hugging Face transformers attention backend: ``attn_implementation="fastattn"``.
+
+::
+
+    import fastattn.hf
+    from transformers import AutoModel
+
+    fastattn.hf.register()
+    model = AutoModel.from_pretrained(name, attn_implementation="fastattn")
+
+:func:`register` adds :func:`attention_forward` to transformers'
+``AttentionInterface`` and, under the same name, the mask function of the
+``"sdpa"`` backend to ``AttentionMaskInterface`` (models then build the same
+4-D boolean masks, True = attend, as for sdpa, or no mask at all when causality
+alone describes it).  Every attention call of a model that supports attention
+backends then runs fastattn's fused CPU kernel.
+
+What :func:`attention_forward` covers, with sdpa's semantics:
+
+- CPU tensors float32, float64, float16 and bfloat16, read in place as NumPy
+  views (bfloat16 through an int16 view) and the output written straight into
+  the ``(batch, seq, heads, head_dim)`` tensor the model expects: no copies;
+- ``attention_mask``: None, a bool 4-D mask (True = attend) or an additive
+  float mask, broadcast in place; ``is_causal`` (the kwarg, else the module's
+  attribute) applies when there is no mask and more than one query, top-left
+  aligned as torch's;
+- ``scaling``; grouped-query attention (key/value with fewer heads, no
+  ``repeat_kv`` copies); the KV cache of ``generate`` (the keys arrive already
+  concatenated);
+- ``sliding_window``: carried by the mask, as for sdpa (the mask function
+  builds the window into it and skips the mask only when the window cannot
+  matter);
+- ``softcap`` (Gemma 2) and ``s_aux``, gpt-oss' attention sinks: computed by
+  the kernel (sdpa refuses both);
+- ``position_bias`` (an additive bias, T5-style) joins the mask.
+
+``dropout`` must be 0 (a model in ``eval()`` mode passes 0; training dropout
+raises ``NotImplementedError``).  While autograd records and an input requires
+grad, the call goes through :func:`fastattn.torch_compat.scaled_dot_product_attention`
+(fused backward) when no softcap, sinks or position bias are involved, and
+raises otherwise.  Attention weights are not returned (``None``, as sdpa).
+
+Neither ``import fastattn`` nor ``import fastattn.hf`` imports transformers or
+torch; :func:`register` imports transformers.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import numpy as np
+
+from . import _torch_bridge
+from .functional import scaled_dot_product_attention
+
+__all__ = ["register", "attention_forward", "NAME"]
+
+NAME = "fastattn"
+
+
+def register(name: str = NAME) -> str:
+    """Register fastattn with transformers as the attention implementation ``name``
+    (default ``"fastattn"``), with sdpa's mask function.  Returns ``name``.
+
+    Then ``from_pretrained(..., attn_implementation=name)`` or
+    ``model.set_attn_implementation(name)`` selects it.  Registering twice is
+    harmless."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError as e:  # pragma: no cover - exercised without transformers
+        raise ImportError(
+            "fastattn.hf.register() needs transformers with AttentionInterface and "
+            f"AttentionMaskInterface (pip install 'fastattn[hf]'): {e}"
+        ) from None
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+def _grad_needed(*tensors: Any) -> bool:
+    torch = _torch_bridge._torch()
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def attention_forward(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    s_aux: Any = None,
+    position_bias: Any = None,
+    **kwargs: Any,
+) -> tuple[Any, None]:
+    """transformers' attention-function interface, computed by fastattn.
+
+    query ``(batch, heads, q_len, head_dim)``, key/value ``(batch, kv_heads,
+    kv_len, head_dim)`` CPU tensors; returns ``(output (batch, q_len, heads,
+    head_dim_v), None)``.  See the module docstring for each argument."""
+    for t, n in ((query, "query"), (key, "key"), (value, "value")):
+        if not _torch_bridge.is_tensor(t):
+            raise TypeError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
+    if isinstance(dropout, (bool, np.bool_)) or not isinstance(dropout, numbers.Real):
+        raise TypeError(f"dropout must be a number, got {type(dropout).__name__}")
+    if dropout != 0:
+        raise NotImplementedError(
+            f"dropout={dropout}: fastattn has no dropout; put the model in eval() mode for inference"
+        )
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(
+            "query, key and value must be 4-D (batch, heads, seq, head_dim), got "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    B, Hq, L, D = query.shape
+    S = key.shape[2]
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    mask = attention_mask
+    if mask is not None:
+        if not _torch_bridge.is_tensor(mask):
+            raise TypeError(f"attention_mask must be a torch.Tensor or None, got {type(mask).__name__}")
+        if mask.dim() != 4:
+            raise ValueError(
+                f"attention_mask must be 4-D (batch, 1 or heads, q_len, kv_len), got {tuple(mask.shape)}"
+            )
+        if mask.shape[-1] > S:  # (as eager: a mask built for a longer, e.g. static, cache)
+            mask = mask[..., :S]
+    # sdpa's rule: is_causal only without a mask and with more than one query.
+    causal = causal and mask is None and L > 1
+
+    if _grad_needed(query, key, value, s_aux, position_bias):
+        if softcap is not None or s_aux is not None or position_bias is not None:
+            raise NotImplementedError(
+                "gradients through fastattn with softcap, attention sinks or a position bias are not "
+                "supported; run under torch.no_grad() or torch.inference_mode()"
+            )
+        from .torch_compat import scaled_dot_product_attention as torch_sdpa
+
+        out = torch_sdpa(
+            query, key, value, mask, is_causal=causal, scale=scaling, enable_gqa=key.shape[1] != Hq
+        )
+        return out.transpose(1, 2).contiguous(), None
+
+    q = _torch_bridge.to_numpy(query, "query")
+    k = _torch_bridge.to_numpy(key, "key")
+    v = _torch_bridge.to_numpy(value, "value")
+    m = None if mask is None else _torch_bridge.to_numpy(mask, "attention_mask")
+    opts: dict[str, Any] = {}
+    if causal:
+        # torch's causal is top-left: query i sees keys j <= i.  fastattn's is
+        # bottom-right; they agree when L == S.  L < S (a static cache's empty
+        # slots): the keys past L are never visible, so they are cropped, as sdpa
+        # does.  L > S: the window (unbounded, L - S) at bottom-right positions.
+        if S > L:
+            k, v, S = k[:, :, :L], v[:, :, :L], L
+        if L == S:
+            opts["is_causal"] = True
+        else:
+            opts["window"] = (-1, L - S)
+    if position_bias is not None:
+        pb = _torch_bridge.to_numpy(position_bias, "position_bias")[..., :S].astype(np.float32)
+        if opts:  # fold the causal restriction into the additive bias
+            tri = np.tri(L, S, dtype=bool)  # top-left: j <= i
+            pb = np.where(tri, pb, np.float32(-np.inf))
+            opts = {}
+        if m is None:
+            m = pb
+        elif m.dtype == np.bool_:
+            m = np.where(m, pb, np.float32(-np.inf))
+        else:
+            m = pb + m.astype(np.float32)
+    sinks = None
+    if s_aux is not None:
+        sinks = _torch_bridge.to_numpy(s_aux, "s_aux") if _torch_bridge.is_tensor(s_aux) else s_aux
+        sinks = np.asarray(sinks, dtype=np.float32)
+    cap = None if softcap is None or softcap == 0 else softcap
+    buf = np.empty((B, L, Hq, v.shape[3]), dtype=q.dtype)
+    scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=m,
+        scale=scaling,
+        enable_gqa=k.shape[1] != Hq,
+        out=np.swapaxes(buf, 1, 2),  # the kernel writes (B, L, H, Dv) directly
+        softcap=cap,
+        sinks=sinks,
+        **opts,
+    )
+    return _torch_bridge.from_numpy(buf), None
