@@ -19,7 +19,7 @@ import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "docs", "api.md")
-OPTIONAL_MODULES = ["fastattn.flash_compat", "fastattn.dask", "fastattn.torch_compat"]
+OPTIONAL_MODULES = ["fastattn.flash_compat", "fastattn.dask", "fastattn.torch_compat", "fastattn.hf"]
 
 
 def _signature(obj: object) -> str:
