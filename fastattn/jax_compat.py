@@ -21,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._checks import as_array, scale_value, threads_value
+from .backward import scaled_dot_product_attention_backward
 from .functional import _check_dtypes, scaled_dot_product_attention
 
 __all__ = ["dot_product_attention"]
@@ -85,7 +86,10 @@ def dot_product_attention(
     a JAX array, JAX arrays out: the kernel then runs through
     ``jax.pure_callback`` on the host, so the call works eagerly, under
     ``jax.jit`` and under ``jax.vmap`` (each vmapped element is one kernel call).
-    No gradients: ``jax.grad`` through it is not supported.
+    ``jax.grad`` works through a ``jax.custom_vjp``: gradients with respect to
+    query, key and value by :func:`fastattn.scaled_dot_product_attention_backward`
+    (the backward runs the forward once more on the host); bias, mask and the
+    residual are treated as constants (no gradient flows through them).
 
     Args:
         query: ``(B, T, N, H)`` or ``(T, N, H)``.
@@ -165,6 +169,60 @@ def _numpy_forward(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The computation on NumPy arrays: ``(output, residual)``, residual ``(B, T, N)``
     (``(T, N)`` for 3-D inputs) in the key's dtype."""
+    q4, k4, v4, kw, squeeze = _numpy_prepare(
+        query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths, is_causal, window
+    )
+    out, lse = scaled_dot_product_attention(
+        q4, k4, v4, scale=scale, num_threads=num_threads, return_lse=True, **kw
+    )
+    res = np.swapaxes(lse, 1, 2).astype(k4.dtype)  # (B, N, T) -> (B, T, N), as JAX
+    return (out[0], res[0]) if squeeze else (out, res)
+
+
+def _numpy_backward(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any,
+    mask: Any,
+    query_seq_lengths: Any,
+    key_value_seq_lengths: Any,
+    grad_out: Any,
+    *,
+    scale: float | None,
+    is_causal: bool,
+    window: tuple[int, int] | None,
+    num_threads: int | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gradients of the output with respect to query, key and value (4-D inputs):
+    the forward is run again for its output and float32/float64 LSE, then
+    :func:`fastattn.scaled_dot_product_attention_backward` with the same options."""
+    q4, k4, v4, kw, _ = _numpy_prepare(
+        query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths, is_causal, window
+    )
+    out, lse = scaled_dot_product_attention(
+        q4, k4, v4, scale=scale, num_threads=num_threads, return_lse=True, **kw
+    )
+    go = np.asarray(grad_out, dtype=out.dtype)
+    return scaled_dot_product_attention_backward(
+        go, q4, k4, v4, out, lse, scale=scale, num_threads=num_threads, **kw
+    )
+
+
+def _numpy_prepare(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any,
+    mask: Any,
+    query_seq_lengths: Any,
+    key_value_seq_lengths: Any,
+    is_causal: bool,
+    window: tuple[int, int] | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict, bool]:
+    """JAX's arguments as fastattn's: 4-D bshd query, key, value, the keyword
+    arguments of :func:`fastattn.scaled_dot_product_attention` (mask, GQA, lengths,
+    causal / window) and whether the inputs were 3-D."""
     q = as_array(query, "query")
     k = as_array(key, "key")
     v = as_array(value, "value")
@@ -239,22 +297,15 @@ def _numpy_forward(
                 attn_mask = attn_mask & keep
             else:
                 attn_mask = np.where(keep, attn_mask, attn_mask.dtype.type(-np.inf))
-    out, lse = scaled_dot_product_attention(
-        q4,
-        k4,
-        v4,
+    kw = dict(
         attn_mask=attn_mask,
-        scale=scale,
         enable_gqa=N != K,
         layout="bshd",
         key_lengths=kv_lens,
         query_lengths=q_lens,
-        num_threads=num_threads,
-        return_lse=True,
         **native_kw,
     )
-    res = np.swapaxes(lse, 1, 2).astype(k.dtype)  # (B, N, T) -> (B, T, N), as JAX
-    return (out[0], res[0]) if squeeze else (out, res)
+    return q4, k4, v4, kw, squeeze
 
 
 # ------------------------------------------------------------------------- JAX
@@ -288,6 +339,30 @@ def _host_callback(*arrays: Any, scale, is_causal, window, num_threads) -> tuple
         np.stack(outs).reshape(lead + outs[0].shape),
         np.stack(ress).reshape(lead + ress[0].shape),
     )
+
+
+def _host_backward(*arrays: Any, scale, is_causal, window, num_threads) -> tuple:
+    """Host side of the backward: ``(dq, dk, dv)`` for the 4-D arrays (plus the
+    output cotangent, 4-D), one kernel call per element under jax.vmap."""
+    opts = dict(scale=scale, is_causal=is_causal, window=window, num_threads=num_threads)
+    base = _BASE_NDIM + (4,)
+    leads = [a.shape[: a.ndim - nd] for a, nd in zip(arrays, base) if a is not None]
+    lead = np.broadcast_shapes(*leads)
+    if lead == ():
+        return _numpy_backward(*arrays, **opts)
+    grads: list = [[], [], []]
+    for idx in np.ndindex(*lead):
+        sub = []
+        for a, nd in zip(arrays, base):
+            if a is None:
+                sub.append(None)
+                continue
+            la = a.shape[: a.ndim - nd]
+            tail = idx[len(idx) - len(la) :] if la else ()
+            sub.append(a[tuple(i if d != 1 else 0 for i, d in zip(tail, la))])
+        for acc, g in zip(grads, _numpy_backward(*sub, **opts)):
+            acc.append(g)
+    return tuple(np.stack(g).reshape(lead + g[0].shape).astype(a.dtype) for g, a in zip(grads, arrays[:3]))
 
 
 def _to_4d(jnp: Any, a: Any) -> Any:
@@ -382,12 +457,53 @@ def _jax_forward(
         scale_value(scale, H)
     if num_threads is not None:
         threads_value(num_threads, lambda: 1)
-    result = (
-        jax.ShapeDtypeStruct((B, T, N, v.shape[3]), q.dtype),
-        jax.ShapeDtypeStruct((B, T, N), k.dtype),
-    )
-    callback = functools.partial(
-        _host_callback, scale=scale, is_causal=is_causal, window=window, num_threads=num_threads
-    )
-    out, res = jax.pure_callback(callback, result, q, k, v, b, m, *lens, vmap_method="expand_dims")
+    # bias and the residual are constants for jax.grad (see _jax_core).
+    b = None if b is None else jax.lax.stop_gradient(b)
+    out, res = _jax_core(scale, is_causal, window, num_threads)(q, k, v, b, m, *lens)
+    res = jax.lax.stop_gradient(res)
     return (out[0], res[0]) if squeeze else (out, res)
+
+
+@functools.lru_cache(maxsize=64)
+def _jax_core(scale: float | None, is_causal: bool, window: tuple[int, int] | None, num_threads: int | None):
+    """``(q, k, v, bias, mask, q_lens, kv_lens) -> (output, residual)`` on 4-D JAX
+    arrays for these (static) options: a ``jax.custom_vjp`` whose forward and
+    backward run on the host through ``jax.pure_callback`` (``vmap_method=
+    "expand_dims"``, so jax.vmap and jax.jit work for both).  The backward runs
+    the fused forward again on the host (for its output and a float32/float64
+    LSE, since the residual is in the key's dtype) and then
+    :func:`fastattn.scaled_dot_product_attention_backward`.  Gradients flow to
+    query, key and value only: bias, mask and lengths get none (the caller
+    stops them), nor does the residual."""
+    import jax
+
+    opts = dict(scale=scale, is_causal=is_causal, window=window, num_threads=num_threads)
+
+    def forward(q, k, v, b, m, ql, kl):
+        B, T, N, _ = q.shape
+        result = (
+            jax.ShapeDtypeStruct((B, T, N, v.shape[3]), q.dtype),
+            jax.ShapeDtypeStruct((B, T, N), k.dtype),
+        )
+        callback = functools.partial(_host_callback, **opts)
+        return jax.pure_callback(callback, result, q, k, v, b, m, ql, kl, vmap_method="expand_dims")
+
+    @jax.custom_vjp
+    def core(q, k, v, b, m, ql, kl):
+        return forward(q, k, v, b, m, ql, kl)
+
+    def core_fwd(q, k, v, b, m, ql, kl):
+        return forward(q, k, v, b, m, ql, kl), (q, k, v, b, m, ql, kl)
+
+    def core_bwd(saved, cts):
+        q, k, v, b, m, ql, kl = saved
+        d_out = cts[0]  # the residual's cotangent is dropped: it is stopped in _jax_forward
+        result = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v))
+        callback = functools.partial(_host_backward, **opts)
+        dq, dk, dv = jax.pure_callback(
+            callback, result, q, k, v, b, m, ql, kl, d_out, vmap_method="expand_dims"
+        )
+        return dq, dk, dv, None, None, None, None
+
+    core.defvjp(core_fwd, core_bwd)
+    return core
