@@ -20,7 +20,8 @@ extern "C" {
 
 enum fa_dtype { FA_F32 = 0, FA_F64 = 1, FA_F16 = 2, FA_BF16 = 3 };
 enum fa_mask_kind { FA_MASK_NONE = 0, FA_MASK_BOOL = 1, FA_MASK_F32 = 2, FA_MASK_F64 = 3 };
-enum fa_isa { FA_ISA_SCALAR = 0, FA_ISA_AVX2 = 1, FA_ISA_AVX512 = 2 };
+/* FA_ISA_AMX: AVX-512 for every call, plus the AMX tile kernel for bfloat16 prefill. */
+enum fa_isa { FA_ISA_SCALAR = 0, FA_ISA_AVX2 = 1, FA_ISA_AVX512 = 2, FA_ISA_AMX = 3 };
 enum fa_status { FA_OK = 0, FA_ENOMEM = 1, FA_EINVAL = 2 };
 
 typedef struct fa_params {
@@ -72,6 +73,7 @@ int fa_isa_set(int isa);             /* 0 ok, -1 when the CPU lacks it */
 const char *fa_isa_name(int isa);
 int fa_cpu_has_f16c(void);
 int fa_cpu_has_avx512bf16(void);
+int fa_cpu_has_amx(void);            /* AMX-BF16 usable: CPU, OS state and tile permission */
 
 /* OpenMP facts (attention.c). */
 int fa_openmp_enabled(void);

@@ -65,12 +65,16 @@ def set_num_threads(n: int | None) -> None:
 
 
 def get_isa() -> str:
-    """The instruction-set path float32 kernels run on: 'avx512', 'avx2' or 'scalar'."""
+    """The instruction-set path kernels run on: 'amx', 'avx512', 'avx2' or 'scalar'.
+
+    'amx' is the AVX-512 path plus the AMX tile kernel for bfloat16 query, key
+    and value with at least 32 stacked rows (query positions x GQA group) per
+    key/value head; it is the default where the CPU and OS allow AMX."""
     return _kernels.isa_get()
 
 
 def set_isa(isa: str) -> None:
-    """Force an ISA path ('avx512', 'avx2', 'scalar'); ValueError if the CPU lacks it."""
+    """Force an ISA path ('amx', 'avx512', 'avx2', 'scalar'); ValueError if the CPU lacks it."""
     if isa not in _kernels.ISA_NAMES:
         raise ValueError(f"isa must be one of {', '.join(_kernels.ISA_NAMES)}, got {isa!r}")
     if not _kernels.isa_set(isa):
@@ -117,6 +121,8 @@ def config() -> dict:
         "avx512_emulated (FASTATTN_EMULATE_AVX512, tests only)": getattr(
             _build_config, "EMULATE_AVX512", False
         ),
+        "amx_built (compiler has AMX)": getattr(_build_config, "AMX_BUILT", False),
+        "amx_emulated (FASTATTN_EMULATE_AMX, tests only)": getattr(_build_config, "EMULATE_AMX", False),
         "openmp": _kernels.openmp_enabled(),
         "cpu_features": _kernels.cpu_features(),
         "isa": get_isa(),

@@ -51,13 +51,15 @@ cdef extern from "fastattn.h":
     const char *fa_isa_name(int isa)
     int fa_cpu_has_f16c()
     int fa_cpu_has_avx512bf16()
+    int fa_cpu_has_amx()
     int fa_openmp_enabled()
     int fa_omp_max_threads()
     int fa_exp2_isa(int isa, const float *x, float *y, int64_t n) nogil
 
 import numpy as np
 
-ISA_NAMES = ("scalar", "avx2", "avx512")
+# Indexed by csrc/fastattn.h enum fa_isa; "amx" is AVX-512 plus AMX tiles for bfloat16 prefill.
+ISA_NAMES = ("scalar", "avx2", "avx512", "amx")
 
 
 class _DtypeCodes(dict):
@@ -203,7 +205,8 @@ def isa_set(str isa):
 
 def cpu_features():
     return {"avx2": bool(fa_cpu_has(1)), "avx512f": bool(fa_cpu_has(2)),
-            "f16c": bool(fa_cpu_has_f16c()), "avx512bf16": bool(fa_cpu_has_avx512bf16())}
+            "f16c": bool(fa_cpu_has_f16c()), "avx512bf16": bool(fa_cpu_has_avx512bf16()),
+            "amx_bf16": bool(fa_cpu_has_amx())}
 
 
 def openmp_enabled():

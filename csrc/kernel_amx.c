@@ -1,0 +1,440 @@
+/* kernel_amx.c: bfloat16 prefill on the AMX tile unit (built with -mamx-tile
+ * -mamx-bf16 -mavx512f -mavx512bw -mavx512bf16; or, for tests, emulated:
+ * FA_EMULATE_AMX + FA_EMULATE_AVX512 on AVX2, see amx_emu.h).
+ *
+ * Used for calls whose query, key and value are all bfloat16 with at least
+ * FA_AMX_MIN_ROWS stacked rows per key/value head (dispatch.c); decode keeps
+ * the AVX-512 kernel, which reads 16-bit K/V in place at memory speed.
+ *
+ * Same task contract and the same score transforms as kernel_impl.h.  Per task
+ * (up to AMX_BMR stacked rows) and tile of AMX_BN keys:
+ *   - K is packed into the tiles' B layout (row r of a tile = the bf16 pair
+ *     d = 2r, 2r+1 of 16 keys: a 16 x 16 transpose of 32-bit words) and V into
+ *     the VNNI pair layout (row r = keys 2r and 2r+1 interleaved) once per
+ *     tile, for all the task's rows;
+ *   - per group of 32 rows (two row tiles): S = Q.K^T by TDPBF16PS (2 x 2 C
+ *     tiles of 16 x 16 fp32), stored fp32; scale, masks and the online softmax
+ *     in fp32 (AVX-512, the exp2 of simd.h); P rounded to bf16 (as
+ *     flash-attention does); O += P.V by TDPBF16PS with O's fp32 rows loaded
+ *     into and stored from the C tiles (rescaled in memory only when a row's
+ *     max grows).
+ * Precision: products of bf16 are exact in fp32 and accumulate in fp32; the
+ * extra error against the fp32 path is the rounding of P to bf16 (the naive
+ * bf16 contract of the tests, tests/test_amx.py).
+ * Padding: rows to 32, d to 32, Dv to 32, keys to 32, all with zeros (scores
+ * of padded keys are -inf, so their P is 0, and padded V rows are 0). */
+#define FA_TARGET_AVX512 1
+#include <math.h>
+#include <string.h>
+#include "simd.h"
+#include "mask.h"
+#include "kernel.h"
+#include "amx_emu.h"
+
+#define AMX_BN 64         /* keys per tile (a multiple of 32) */
+#define AMX_BMR 256       /* stacked rows per task for L >= 1024 (attention.c) */
+#define AMX_BMR_SHORT 128 /* otherwise */
+#define AMX_RG 32         /* rows per group: two 16-row tiles */
+#define AMX_LOG2E 1.4426950408889634
+#define AMX_LN2 0.6931471805599453
+#define AMX_ALIGN 64
+
+static inline int64_t amx_rup(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+static inline size_t amx_al(size_t n) { return (n + AMX_ALIGN - 1) / AMX_ALIGN * AMX_ALIGN; }
+
+/* Rows a task may hold: attention.c gives G * ni <= max(block_rows, G). */
+static int64_t amx_rows_cap(const fa_params *p)
+{
+    int64_t G = p->Hk > 0 ? p->Hq / p->Hk : 1;
+    return amx_rup(G > AMX_BMR ? G : AMX_BMR, AMX_RG);
+}
+
+typedef struct amx_ws {
+    uint16_t *Q; /* rows_cap x Dq   bf16 queries (unscaled), zero-padded      */
+    uint16_t *K; /* BN x Dq         packed K tiles                              */
+    uint16_t *V; /* BN x Dvq        V in VNNI pairs                             */
+    uint16_t *P; /* RG x BN         bf16 probabilities of one row group         */
+    float *S;    /* RG x BN         fp32 scores of one row group                */
+    float *O;    /* rows_cap x Dvq  unnormalised output                         */
+    float *m, *l;          /* rows_cap */
+    int64_t *lo, *hi;      /* rows_cap: visible key range of each row          */
+    int64_t *glo, *ghi, *gflo, *gfhi; /* per row group                         */
+} amx_ws;
+
+static size_t amx_scratch_bytes(const fa_params *p)
+{
+    const int64_t Dq = amx_rup(p->D, 32), Dvq = amx_rup(p->Dv, 32), RC = amx_rows_cap(p), NG = RC / AMX_RG;
+    return amx_al((size_t)(RC * Dq) * 2) + amx_al((size_t)(AMX_BN * Dq) * 2) + amx_al((size_t)(AMX_BN * Dvq) * 2) +
+           amx_al((size_t)(AMX_RG * AMX_BN) * 2) + amx_al((size_t)(AMX_RG * AMX_BN) * 4) +
+           amx_al((size_t)(RC * Dvq) * 4) + 2 * amx_al((size_t)RC * 4) + 2 * amx_al((size_t)RC * 8) +
+           4 * amx_al((size_t)NG * 8) + AMX_ALIGN;
+}
+
+static void amx_carve(const fa_params *p, void *scratch, amx_ws *w)
+{
+    const int64_t Dq = amx_rup(p->D, 32), Dvq = amx_rup(p->Dv, 32), RC = amx_rows_cap(p), NG = RC / AMX_RG;
+    char *c = (char *)(((uintptr_t)scratch + AMX_ALIGN - 1) / AMX_ALIGN * AMX_ALIGN);
+    w->Q = (uint16_t *)c; c += amx_al((size_t)(RC * Dq) * 2);
+    w->K = (uint16_t *)c; c += amx_al((size_t)(AMX_BN * Dq) * 2);
+    w->V = (uint16_t *)c; c += amx_al((size_t)(AMX_BN * Dvq) * 2);
+    w->P = (uint16_t *)c; c += amx_al((size_t)(AMX_RG * AMX_BN) * 2);
+    w->S = (float *)c; c += amx_al((size_t)(AMX_RG * AMX_BN) * 4);
+    w->O = (float *)c; c += amx_al((size_t)(RC * Dvq) * 4);
+    w->m = (float *)c; c += amx_al((size_t)RC * 4);
+    w->l = (float *)c; c += amx_al((size_t)RC * 4);
+    w->lo = (int64_t *)c; c += amx_al((size_t)RC * 8);
+    w->hi = (int64_t *)c; c += amx_al((size_t)RC * 8);
+    w->glo = (int64_t *)c; c += amx_al((size_t)NG * 8);
+    w->ghi = (int64_t *)c; c += amx_al((size_t)NG * 8);
+    w->gflo = (int64_t *)c; c += amx_al((size_t)NG * 8);
+    w->gfhi = (int64_t *)c;
+}
+
+/* 16 fp32 values rounded to bf16 (nearest even) at dst. */
+static inline void amx_store_bf16(uint16_t *dst, vf x)
+{
+#if defined(FA_EMULATE_AVX512)
+    float t[16];
+    vf_store(t, x);
+    for (int i = 0; i < 16; i++) dst[i] = fa_f32_to_bf16(t[i]);
+#else
+    __m256bh h = _mm512_cvtneps_pbh(x);
+    memcpy(dst, &h, 32);
+#endif
+}
+
+#if !defined(FA_EMULATE_AVX512)
+/* dst row w (64 bytes) = 32-bit word w of each of 16 source rows (src + n * ld
+ * bf16): a 16 x 16 transpose of words in four stages, each swapping the
+ * off-diagonal blocks of size b (8, 4, 2, 1) between rows i and i + b. */
+static inline void amx_tr16(const uint16_t *src, int64_t ld, uint16_t *dst)
+{
+    __m512i r[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512((const void *)(src + i * ld));
+    for (int b = 8; b >= 1; b >>= 1) {
+        int lo_i[16], hi_i[16];
+        for (int k = 0; k < 16; k++) {
+            lo_i[k] = (k & b) ? 16 + k - b : k;
+            hi_i[k] = (k & b) ? 16 + k : k + b;
+        }
+        const __m512i lo = _mm512_loadu_si512((const void *)lo_i), hi = _mm512_loadu_si512((const void *)hi_i);
+        for (int i = 0; i < 16; i++)
+            if (!(i & b)) {
+                __m512i x = _mm512_permutex2var_epi32(r[i], lo, r[i + b]);
+                __m512i y = _mm512_permutex2var_epi32(r[i], hi, r[i + b]);
+                r[i] = x;
+                r[i + b] = y;
+            }
+    }
+    for (int i = 0; i < 16; i++) _mm512_storeu_si512((void *)(dst + i * 32), r[i]);
+}
+#endif
+
+/* K tile (kb, dc) at Kp + (kb * ndc + dc) * 512: row r holds the pair
+ * d = dc * 32 + 2r, 2r + 1 of keys kb * 16 + n, n < 16 (zeros past nj, D). */
+static void amx_pack_k(uint16_t *Kp, const uint16_t *K, int64_t ldk, int64_t nj, int64_t njp, int64_t D,
+                       int64_t Dq)
+{
+    const int64_t ndc = Dq / 32;
+    for (int64_t kb = 0; kb < njp / 16; kb++)
+        for (int64_t dc = 0; dc < ndc; dc++) {
+            uint16_t *t = Kp + (kb * ndc + dc) * 512;
+#if !defined(FA_EMULATE_AVX512)
+            if (kb * 16 + 16 <= nj && dc * 32 + 32 <= D) {
+                amx_tr16(K + kb * 16 * ldk + dc * 32, ldk, t);
+                continue;
+            }
+#endif
+            for (int r = 0; r < 16; r++)
+                for (int n = 0; n < 16; n++) {
+                    const int64_t key = kb * 16 + n, d = dc * 32 + 2 * r;
+                    const uint16_t *kr = K + key * ldk;
+                    t[r * 32 + 2 * n] = key < nj && d < D ? kr[d] : 0;
+                    t[r * 32 + 2 * n + 1] = key < nj && d + 1 < D ? kr[d + 1] : 0;
+                }
+        }
+}
+
+/* V tile (kc, cb) at Vp + (kc * ncb + cb) * 512: row r holds, for the columns
+ * c = cb * 16 + n, the pair (V[2r][c], V[2r + 1][c]) of keys kc * 32 + 2r, +1. */
+static void amx_pack_v(uint16_t *Vp, const uint16_t *V, int64_t ldv, int64_t nj, int64_t njp, int64_t Dv,
+                       int64_t Dvq)
+{
+    const int64_t ncb = Dvq / 16;
+#if !defined(FA_EMULATE_AVX512)
+    int16_t i0[32], i1[32];
+    for (int k = 0; k < 16; k++) {
+        i0[2 * k] = (int16_t)k; i0[2 * k + 1] = (int16_t)(32 + k);
+        i1[2 * k] = (int16_t)(16 + k); i1[2 * k + 1] = (int16_t)(48 + k);
+    }
+    const __m512i x0 = _mm512_loadu_si512((const void *)i0), x1 = _mm512_loadu_si512((const void *)i1);
+#endif
+    for (int64_t kc = 0; kc < njp / 32; kc++)
+        for (int r = 0; r < 16; r++) {
+            const int64_t key = kc * 32 + 2 * r;
+            const uint16_t *v0 = V + key * ldv, *v1 = v0 + ldv;
+            int64_t cb = 0;
+#if !defined(FA_EMULATE_AVX512)
+            if (key + 1 < nj)
+                for (; cb * 16 + 32 <= Dv; cb += 2) {
+                    __m512i a = _mm512_loadu_si512((const void *)(v0 + cb * 16));
+                    __m512i b = _mm512_loadu_si512((const void *)(v1 + cb * 16));
+                    _mm512_storeu_si512((void *)(Vp + (kc * ncb + cb) * 512 + r * 32), _mm512_permutex2var_epi16(a, x0, b));
+                    _mm512_storeu_si512((void *)(Vp + (kc * ncb + cb + 1) * 512 + r * 32), _mm512_permutex2var_epi16(a, x1, b));
+                }
+#endif
+            for (; cb < ncb; cb++) {
+                uint16_t *t = Vp + (kc * ncb + cb) * 512 + r * 32;
+                for (int n = 0; n < 16; n++) {
+                    const int64_t c = cb * 16 + n;
+                    t[2 * n] = key < nj && c < Dv ? v0[c] : 0;
+                    t[2 * n + 1] = key + 1 < nj && c < Dv ? v1[c] : 0;
+                }
+            }
+        }
+}
+
+/* S[0:32][0:njp] = Q[g0:g0+32] . K^T over the packed key tiles (2 x 2 C tiles). */
+static inline void amx_qk(const uint16_t *Q, int64_t Dq, const uint16_t *Kp, int64_t njp, float *S)
+{
+    const int64_t ndc = Dq / 32, ldq = Dq * 2, lds = AMX_BN * 4;
+    for (int64_t kb = 0; kb < njp / 16; kb += 2) {
+        FA_TILE_ZERO(0); FA_TILE_ZERO(1); FA_TILE_ZERO(2); FA_TILE_ZERO(3);
+        for (int64_t dc = 0; dc < ndc; dc++) {
+            FA_TILE_LOAD(4, Q + dc * 32, ldq);
+            FA_TILE_LOAD(5, Q + 16 * Dq + dc * 32, ldq);
+            FA_TILE_LOAD(6, Kp + (kb * ndc + dc) * 512, 64);
+            FA_TILE_LOAD(7, Kp + ((kb + 1) * ndc + dc) * 512, 64);
+            FA_TILE_DPBF16(0, 4, 6);
+            FA_TILE_DPBF16(1, 4, 7);
+            FA_TILE_DPBF16(2, 5, 6);
+            FA_TILE_DPBF16(3, 5, 7);
+        }
+        FA_TILE_STORE(0, S + kb * 16, lds);
+        FA_TILE_STORE(1, S + kb * 16 + 16, lds);
+        FA_TILE_STORE(2, S + 16 * AMX_BN + kb * 16, lds);
+        FA_TILE_STORE(3, S + 16 * AMX_BN + kb * 16 + 16, lds);
+    }
+}
+
+/* O[0:32][0:Dvq] += P[0:32][0:njp] . V over the packed V tiles. */
+static inline void amx_pv(const uint16_t *P, const uint16_t *Vp, int64_t njp, float *O, int64_t Dvq)
+{
+    const int64_t ncb = Dvq / 16, ldo = Dvq * 4, ldp = AMX_BN * 2;
+    for (int64_t cb = 0; cb < ncb; cb += 2) {
+        float *o0 = O + cb * 16, *o1 = O + 16 * Dvq + cb * 16;
+        FA_TILE_LOAD(0, o0, ldo);
+        FA_TILE_LOAD(1, o0 + 16, ldo);
+        FA_TILE_LOAD(2, o1, ldo);
+        FA_TILE_LOAD(3, o1 + 16, ldo);
+        for (int64_t kc = 0; kc < njp / 32; kc++) {
+            FA_TILE_LOAD(4, P + kc * 32, ldp);
+            FA_TILE_LOAD(5, P + 16 * AMX_BN + kc * 32, ldp);
+            FA_TILE_LOAD(6, Vp + (kc * ncb + cb) * 512, 64);
+            FA_TILE_LOAD(7, Vp + (kc * ncb + cb + 1) * 512, 64);
+            FA_TILE_DPBF16(0, 4, 6);
+            FA_TILE_DPBF16(1, 4, 7);
+            FA_TILE_DPBF16(2, 5, 6);
+            FA_TILE_DPBF16(3, 5, 7);
+        }
+        FA_TILE_STORE(0, o0, ldo);
+        FA_TILE_STORE(1, o0 + 16, ldo);
+        FA_TILE_STORE(2, o1, ldo);
+        FA_TILE_STORE(3, o1 + 16, ldo);
+    }
+}
+
+/* Row r of a task is query head hk*G + r/ni at position i0 + r%ni (kernel.h). */
+static void amx_run(const fa_params *p, const fa_task *t, void *scratch)
+{
+    const int64_t G = p->Hq / p->Hk, D = p->D, Dv = p->Dv, b = t->b;
+    const int64_t Dq = amx_rup(D, 32), Dvq = amx_rup(Dv, 32);
+    amx_ws w;
+    amx_carve(p, scratch, &w);
+    const fa_batch bi = fa_batch_info(p, b);
+    const int64_t delta = bi.Sb - bi.Lb;
+    int64_t ni = fa_min64(t->ni, bi.Lb - t->i0);
+    if (ni < 0) ni = 0;
+    const int64_t R = G * ni, Rp = amx_rup(R, AMX_RG), NG = Rp / AMX_RG;
+    const int use_log2 = p->softcap == 0.0;
+    const float qscale = (float)(p->scale * (use_log2 ? AMX_LOG2E : 1.0));
+    const uint16_t *kbase = (const uint16_t *)p->k + (b * p->k_sb + t->hk * p->k_sh + bi.koff * p->k_sl);
+    const uint16_t *vbase = (const uint16_t *)p->v + (b * p->v_sb + t->hk * p->v_sh + bi.koff * p->v_sl);
+    const int elem_always = p->mask_kind != FA_MASK_NONE || p->alibi || !use_log2 || p->bmask;
+
+    /* Queries (bf16, unscaled: the scale is applied to the fp32 scores), the
+     * running max / sum, the output accumulator and each row's key range. */
+    for (int64_t r = 0; r < Rp; r++) {
+        uint16_t *qd = w.Q + r * Dq;
+        w.m[r] = -INFINITY;
+        w.l[r] = 0;
+        if (r >= R) { memset(qd, 0, (size_t)Dq * 2); w.lo[r] = w.hi[r] = 0; continue; }
+        const int64_t h = t->hk * G + r / ni, i = t->i0 + r % ni;
+        memcpy(qd, (const uint16_t *)p->q + b * p->q_sb + h * p->q_sh + (bi.qoff + i) * p->q_sl, (size_t)D * 2);
+        memset(qd + D, 0, (size_t)(Dq - D) * 2);
+        fa_row_range(p, i + delta, bi.Sb, &w.lo[r], &w.hi[r]);
+        w.lo[r] = fa_max64(w.lo[r], t->j0);
+        w.hi[r] = fa_min64(w.hi[r], t->j1);
+    }
+    memset(w.O, 0, (size_t)(Rp * Dvq) * sizeof(float));
+    /* Per group of 32 rows: the keys any row sees [glo, ghi) and all see [gflo, gfhi). */
+    int64_t jlo = INT64_MAX, jhi = INT64_MIN;
+    for (int64_t g = 0; g < NG; g++) {
+        int64_t lo = INT64_MAX, hi = INT64_MIN, flo = INT64_MIN, fhi = INT64_MAX;
+        for (int64_t r = g * AMX_RG; r < fa_min64(R, (g + 1) * AMX_RG); r++) {
+            if (w.hi[r] <= w.lo[r]) { flo = INT64_MAX; fhi = INT64_MIN; continue; } /* sees nothing */
+            lo = fa_min64(lo, w.lo[r]); hi = fa_max64(hi, w.hi[r]);
+            flo = fa_max64(flo, w.lo[r]); fhi = fa_min64(fhi, w.hi[r]);
+        }
+        w.glo[g] = lo; w.ghi[g] = hi; w.gflo[g] = flo; w.gfhi[g] = fhi;
+        if (lo < hi) { jlo = fa_min64(jlo, lo); jhi = fa_max64(jhi, hi); }
+    }
+
+    fa_tilecfg cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) { cfg.rows[i] = 16; cfg.colsb[i] = 64; }
+    int cfg_loaded = 0;
+
+    for (int64_t jt = jlo; jt < jhi; jt += AMX_BN) {
+        const int64_t nj = fa_min64(AMX_BN, jhi - jt), njp = amx_rup(nj, 32);
+        if (p->bmask) {
+            int any = 0;
+            for (int64_t g = 0; g < G && !any; g++)
+                any = fa_bmask_any(p, b, t->hk * G + g, t->i0, t->i0 + ni, jt, jt + nj);
+            if (!any) continue;
+        }
+        int packed = 0;
+        for (int64_t g = 0; g < NG; g++) {
+            if (w.ghi[g] <= jt || w.glo[g] >= jt + nj || w.glo[g] >= w.ghi[g]) continue;
+            if (!packed) {
+                amx_pack_k(w.K, kbase + jt * p->k_sl, p->k_sl, nj, njp, D, Dq);
+                amx_pack_v(w.V, vbase + jt * p->v_sl, p->v_sl, nj, njp, Dv, Dvq);
+                if (!cfg_loaded) { FA_TILE_LOADCONFIG(&cfg); cfg_loaded = 1; }
+                packed = 1;
+            }
+            const int64_t g0 = g * AMX_RG, nr = fa_min64(AMX_RG, R - g0);
+            amx_qk(w.Q + g0 * Dq, Dq, w.K, njp, w.S);
+            /* ---- scale, masks, row max ---- */
+            const int partial = jt < w.gflo[g] || jt + nj > w.gfhi[g];
+            float mx[AMX_RG], arg[AMX_RG], alpha[AMX_RG];
+            const vf qs = vf_set1(qscale);
+            for (int64_t r = 0; r < AMX_RG; r++) {
+                float *s = w.S + r * AMX_BN;
+                arg[r] = 0;
+                if (r >= nr) continue;
+                for (int64_t jj = 0; jj < njp; jj += 16) vf_store(s + jj, vf_mul(vf_load(s + jj), qs));
+                for (int64_t jj = nj; jj < njp; jj++) s[jj] = -INFINITY;
+                const int64_t rr = g0 + r, lo = w.lo[rr], hi = w.hi[rr];
+                if (elem_always || partial) {
+                    const int64_t h = t->hk * G + rr / ni, i = t->i0 + rr % ni, ip = i + delta;
+                    if (!elem_always) {
+                        const int64_t a0 = fa_min64(fa_max64(lo - jt, 0), nj), a1 = fa_max64(fa_min64(hi - jt, nj), a0);
+                        for (int64_t jj = 0; jj < a0; jj++) s[jj] = -INFINITY;
+                        for (int64_t jj = a1; jj < nj; jj++) s[jj] = -INFINITY;
+                    } else {
+                        const char *mrow = p->mask ? (const char *)p->mask +
+                            (b * p->m_sb + h * p->m_sh + i * p->m_sl) * (p->mask_kind == FA_MASK_BOOL ? 1 : p->mask_kind == FA_MASK_F32 ? 4 : 8) : NULL;
+                        const double slope = p->alibi ? p->alibi[b * p->alibi_sb + h * p->alibi_sh] * AMX_LOG2E : 0.0;
+                        for (int64_t jj = 0; jj < nj; jj++) {
+                            const int64_t j = jt + jj;
+                            if (j < lo || j >= hi) { s[jj] = -INFINITY; continue; }
+                            double x = s[jj];
+                            if (!use_log2) {
+                                double y = x / p->softcap;
+                                x = (fabs(y) < 1e-6 ? x : p->softcap * tanh(y)) * AMX_LOG2E;
+                            }
+                            if (p->alibi) x -= slope * (double)(ip > j ? ip - j : j - ip);
+                            if (mrow) {
+                                const int64_t mo = j * p->m_ss;
+                                if (p->mask_kind == FA_MASK_BOOL) { if (!((const uint8_t *)mrow)[mo]) x = -INFINITY; }
+                                else if (p->mask_kind == FA_MASK_F32) x += ((const float *)mrow)[mo] * AMX_LOG2E;
+                                else x += ((const double *)mrow)[mo] * AMX_LOG2E;
+                            }
+                            if (p->bmask && !fa_bmask_at(p, b, h, i, j)) x = -INFINITY;
+                            s[jj] = (float)x;
+                        }
+                    }
+                }
+                vf mv = vf_set1(-INFINITY);
+                for (int64_t jj = 0; jj < njp; jj += 16) mv = vf_max(mv, vf_load(s + jj));
+                const float m1 = vf_hmax(mv), mold = w.m[rr];
+                float mnew = m1 > mold ? m1 : mold;
+                if (m1 != m1) mnew = m1; /* NaN poisons the row */
+                mx[r] = mnew;
+                if (mnew > mold && mold != -INFINITY) arg[r] = mold - mnew;
+            }
+            /* ---- the rescale factors of the 32 rows at once (exp2(0) = 1) ---- */
+            vf_store(alpha, vf_exp2(vf_load(arg)));
+            vf_store(alpha + 16, vf_exp2(vf_load(arg + 16)));
+            /* ---- P = exp2(s - m) rounded to bf16; l from the fp32 values ---- */
+            for (int64_t r = 0; r < AMX_RG; r++) {
+                uint16_t *pr = w.P + r * AMX_BN;
+                if (r >= nr) { memset(pr, 0, (size_t)njp * 2); continue; }
+                const int64_t rr = g0 + r;
+                float *s = w.S + r * AMX_BN;
+                const float mnew = mx[r];
+                if (mnew == -INFINITY) { /* nothing visible yet; NaN scores still poison the row */
+                    for (int64_t jj = 0; jj < nj; jj++) if (s[jj] != s[jj]) w.l[rr] = NAN;
+                    memset(pr, 0, (size_t)njp * 2);
+                    continue;
+                }
+                if (alpha[r] != 1.0f) {
+                    float *o = w.O + rr * Dvq;
+                    const vf av = vf_set1(alpha[r]);
+                    for (int64_t c = 0; c < Dvq; c += 16) vf_store(o + c, vf_mul(av, vf_load(o + c)));
+                    w.l[rr] *= alpha[r];
+                }
+                if (mnew > w.m[rr]) w.m[rr] = mnew;
+                const vf mn = vf_set1(mnew);
+                vf sum = vf_zero();
+                for (int64_t jj = 0; jj < njp; jj += 16) {
+                    vf e = vf_exp2_neg(vf_sub(vf_load(s + jj), mn));
+                    sum = vf_add(sum, e);
+                    amx_store_bf16(pr + jj, e);
+                }
+                w.l[rr] += vf_hsum(sum);
+            }
+            amx_pv(w.P, w.V, njp, w.O + g0 * Dvq, Dvq);
+        }
+    }
+    if (cfg_loaded) FA_TILE_RELEASE();
+
+    /* ---- normalise once and write (rows past L_b: zeros, LSE -inf), as kernel_impl.h ---- */
+    for (int64_t r = 0; r < G * t->ni; r++) {
+        const int64_t g = r / t->ni, ii = r % t->ni, h = t->hk * G + g, i = t->i0 + ii;
+        if (p->cu_q && i >= bi.Lb) continue; /* packed varlen: the row belongs to the next sequence */
+        const int64_t ra = g * ni + ii;
+        double mm = -INFINITY, ll = 0.0, f = 0.0;
+        const int valid = ii < ni;
+        if (valid) {
+            mm = w.m[ra];
+            ll = w.l[ra];
+            f = 1.0;
+            if (p->sinks) {
+                double sk = p->sinks[h] * AMX_LOG2E, M = mm > sk ? mm : sk;
+                f = mm == -INFINITY ? 0.0 : exp2(mm - M);
+                ll = ll * f + exp2(sk - M);
+                mm = M;
+            }
+        }
+        double lse = 0.0;
+        if (t->part_o || p->lse)
+            lse = ll != ll ? NAN : (mm == -INFINITY || ll == 0.0) ? -INFINITY : (mm + log2(ll)) * AMX_LN2;
+        const double inv = ll != ll ? NAN : (valid && mm != -INFINITY && ll > 0.0) ? f / ll : 0.0;
+        const float *o = w.O + ra * Dvq;
+        if (t->part_o) {
+            float *dst = (float *)t->part_o + r * Dv;
+            const float s = (float)inv;
+            for (int64_t c = 0; c < Dv; c++) dst[c] = valid ? o[c] * s : 0.0f;
+            ((float *)t->part_lse)[r] = (float)lse;
+        } else {
+            const int64_t oo = b * p->o_sb + h * p->o_sh + (bi.qoff + i) * p->o_sl;
+            for (int64_t c = 0; c < Dv; c++) fa_store_elem(p->o, p->o_dtype, oo + c, valid ? o[c] * inv : 0.0);
+            if (p->lse)
+                fa_store_elem(p->lse, FA_F32, b * p->lse_sb + h * p->lse_sh + (bi.qoff + i) * p->lse_sl, lse);
+        }
+    }
+}
+
+const fa_kernel fa_kernel_bf16_amx = { amx_scratch_bytes, amx_run, AMX_BMR, AMX_BMR_SHORT, AMX_BN };

@@ -1,0 +1,45 @@
+"""The naive bfloat16 attention that the 16-bit compute paths are held to
+(flash-attention's precision contract): scores and softmax at full precision,
+the probabilities P rounded to bfloat16, P.V accumulated in float32 and the
+output rounded to the query's dtype.
+
+P comes from the float64 reference itself (``fastattn.reference`` applied to an
+identity value matrix), so every option (masks, ALiBi, softcap, sinks, lengths,
+windows, block masks) is covered by the same code as the reference output.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from fastattn import reference as ref
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def naive_bf16(q, k, v, **kw):
+    """(naive output, float64 reference output) for sdpa arguments in bhsd layout."""
+    kw = dict(kw)
+    kw.pop("num_threads", None)
+    S = np.asarray(k).shape[-2]
+    Hk = np.asarray(k).shape[-3]
+    lead = np.asarray(k).shape[:-3]
+    eye = np.broadcast_to(np.eye(S), lead + (Hk, S, S))
+    p = np.asarray(ref.scaled_dot_product_attention(q, k, eye, **kw), dtype=np.float64)  # (..., Hq, L, S)
+    expected = np.asarray(ref.scaled_dot_product_attention(q, k, v, **kw), dtype=np.float64)
+    p16 = p.astype(np.float32).astype(BF16).astype(np.float32)
+    vv = np.asarray(v).astype(np.float32)
+    Hq = p.shape[-3]
+    vv = np.repeat(vv, Hq // Hk, axis=-3)
+    o = np.matmul(p16, vv).astype(np.float32)
+    out_dt = np.asarray(q).dtype
+    return o.astype(out_dt).astype(np.float64), expected
+
+
+def naive_bf16_error(q, k, v, **kw):
+    """(max |naive - reference|, reference): the error the contract scales."""
+    o, expected = naive_bf16(q, k, v, **kw)
+    fin = np.isfinite(expected)
+    err = float(np.max(np.abs(o[fin] - expected[fin]), initial=0.0))
+    return err, expected

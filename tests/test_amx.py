@@ -1,0 +1,212 @@
+"""The AMX bfloat16 path (``isa="amx"``): bfloat16 query, key and value with at
+least 32 stacked rows per key/value head run on the tile kernel
+(csrc/kernel_amx.c), real tiles where the CPU has AMX-BF16, emulated ones in
+the test-only build (tools/emulate_amx.sh).  Skipped where neither.
+
+Precision contract (flash-attention's): the error against the float64
+reference is at most twice that of the naive bfloat16 computation (float
+softmax, P rounded to bfloat16, float32 accumulation; tests/naive_bf16.py).
+Tile geometry: 16 x 16 fp32 score tiles, 32 bf16 of d per tile row, row groups
+of 32, key tiles of 64: sizes probe 1, tile - 1, tile, tile + 1 and primes.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import ISAS
+from naive_bf16 import naive_bf16_error
+
+import fastattn
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+sdpa = fastattn.scaled_dot_product_attention
+pytestmark = pytest.mark.skipif("amx" not in ISAS, reason="no AMX path (real or emulated) on this CPU/build")
+
+
+@pytest.fixture(autouse=True)
+def amx():
+    before = fastattn.get_isa()
+    fastattn.set_isa("amx")
+    try:
+        yield
+    finally:
+        fastattn.set_isa(before)
+
+
+def rnd(rng, shape, dtype=BF16, mag=1.0):
+    return (rng.standard_normal(shape) * mag).astype(np.float32).astype(dtype)
+
+
+def check_contract(q, k, v, *, factor=2.0, **kw):
+    """Kernel output within ``factor`` x the naive bf16 error (plus float32 slack)."""
+    copies = [a.copy() for a in (q, k, v)]
+    o = sdpa(q, k, v, **kw)
+    naive_err, expected = naive_bf16_error(q, k, v, **kw)
+    assert o.dtype == q.dtype and o.shape == expected.shape
+    o64 = o.astype(np.float64)
+    fin = np.isfinite(expected)
+    np.testing.assert_array_equal(np.isnan(o64), np.isnan(expected))
+    err = float(np.max(np.abs(o64[fin] - expected[fin]), initial=0.0))
+    scale = max(1.0, float(np.abs(expected[fin]).max(initial=0.0)))
+    allowed = factor * naive_err + 1e-5 * scale
+    assert err <= allowed, f"error {err:.3e} > {factor} x naive bf16 error {naive_err:.3e}"
+    for a, c in zip((q, k, v), copies):
+        np.testing.assert_array_equal(a, c)
+    return o, expected
+
+
+LS = [
+    (32, 1),
+    (32, 31),
+    (33, 32),
+    (47, 33),
+    (64, 64),
+    (65, 65),
+    (100, 127),
+    (129, 128),
+    (131, 300),
+    (257, 97),
+]
+
+
+@pytest.mark.parametrize("L,S", LS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_edges(rng, L, S, causal):
+    q, k, v = rnd(rng, (1, 2, L, 40)), rnd(rng, (1, 2, S, 40)), rnd(rng, (1, 2, S, 24))
+    check_contract(q, k, v, is_causal=causal)
+
+
+@pytest.mark.parametrize(
+    "D,Dv", [(1, 1), (8, 8), (31, 33), (32, 32), (33, 31), (64, 64), (80, 48), (128, 128), (256, 96)]
+)
+def test_head_dims(rng, D, Dv):
+    q, k, v = rnd(rng, (1, 2, 70, D)), rnd(rng, (1, 2, 90, D)), rnd(rng, (1, 2, 90, Dv))
+    check_contract(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("mkind", ["bool", "float32", "float64"])
+def test_masks_gqa(rng, mkind):
+    q, k, v = rnd(rng, (2, 4, 45, 33)), rnd(rng, (2, 2, 131, 33)), rnd(rng, (2, 2, 131, 33))
+    if mkind == "bool":
+        m = rng.random((4, 45, 131)) > 0.3
+        m[1, 3] = False  # a fully masked row: zeros
+    else:
+        m = rng.standard_normal((4, 1, 131)).astype(mkind)
+    o, _ = check_contract(q, k, v, attn_mask=m, is_causal=True, enable_gqa=True)
+    if mkind == "bool":
+        assert np.all(o[:, 1, 3].astype(np.float32) == 0)
+
+
+@pytest.mark.parametrize(
+    "opt",
+    ["window", "window_right", "alibi", "softcap", "sinks", "key_lengths", "query_lengths", "block_mask"],
+)
+def test_options(rng, opt):
+    B, Hq, Hk, L, S, D = 2, 4, 2, 70, 150, 64
+    q, k, v = rnd(rng, (B, Hq, L, D)), rnd(rng, (B, Hk, S, D)), rnd(rng, (B, Hk, S, D))
+    kw = {
+        "window": {"window": (40, 0), "is_causal": True},
+        "window_right": {"window": (20, 9)},
+        "alibi": {"alibi_slopes": np.linspace(0.01, 0.2, Hq)},
+        "softcap": {"softcap": 3.0, "scale": 1.0},
+        "sinks": {"sinks": np.linspace(-1.0, 2.0, Hq)},
+        "key_lengths": {"key_lengths": np.array([150, 0]), "is_causal": True},
+        "query_lengths": {
+            "query_lengths": np.array([3, 70]),
+            "key_lengths": np.array([100, 41]),
+            "is_causal": True,
+        },
+        "block_mask": {"block_mask": rng.random((B, Hq, 3, 5)) > 0.4, "block_size": (32, 32)},
+    }[opt]
+    check_contract(q, k, v, enable_gqa=True, **kw)
+
+
+@pytest.mark.parametrize("G,L", [(8, 4), (4, 8), (16, 2), (2, 16)])
+def test_gqa_stacked_rows(rng, G, L):
+    """Few query positions of a large group still fill the 32-row groups."""
+    q, k, v = rnd(rng, (1, 2 * G, L, 64)), rnd(rng, (1, 2, 200, 64)), rnd(rng, (1, 2, 200, 64))
+    check_contract(q, k, v, enable_gqa=True, is_causal=True)
+
+
+def test_fully_masked_rows_and_lse(rng):
+    q, k, v = rnd(rng, (1, 2, 40, 32)), rnd(rng, (1, 2, 60, 32)), rnd(rng, (1, 2, 60, 32))
+    m = np.ones((1, 2, 40, 60), dtype=bool)
+    m[0, 0, 5:9] = False
+    o, lse = sdpa(q, k, v, attn_mask=m, return_lse=True)
+    assert np.all(o[0, 0, 5:9].astype(np.float32) == 0)
+    assert np.all(np.isneginf(lse[0, 0, 5:9]))
+    assert np.all(np.isfinite(o.astype(np.float32)))
+    from fastattn import reference as ref
+
+    _, rlse = ref.scaled_dot_product_attention(q, k, v, attn_mask=m, return_lse=True)
+    fin = np.isfinite(rlse)
+    np.testing.assert_allclose(lse[fin], rlse[fin], rtol=1e-5, atol=1e-4)
+
+
+def test_split_kv(rng):
+    """One key/value head, few row blocks: the driver splits the keys (partial outputs)."""
+    q, k, v = rnd(rng, (1, 1, 40, 64)), rnd(rng, (1, 1, 2500, 64)), rnd(rng, (1, 1, 2500, 64))
+    check_contract(q, k, v, is_causal=True)
+
+
+def test_long_query_blocks(rng):
+    """From L = 1024 tasks take 256 rows; 1031 = 4 x 256 + 7."""
+    q, k, v = rnd(rng, (1, 1, 1031, 64)), rnd(rng, (1, 1, 1040, 64)), rnd(rng, (1, 1, 1040, 64))
+    check_contract(q, k, v, is_causal=True)
+
+
+def test_varlen(rng):
+    cu = np.array([0, 40, 41, 140])
+    q, k, v = rnd(rng, (140, 4, 48)), rnd(rng, (140, 2, 48)), rnd(rng, (140, 2, 48))
+    o = fastattn.varlen_attention(q, k, v, cu, cu, is_causal=True, enable_gqa=True)
+    for b in range(3):
+        sl = slice(cu[b], cu[b + 1])
+        qb, kb, vb = (np.swapaxes(a[sl], 0, 1)[None] for a in (q, k, v))
+        err, expected = naive_bf16_error(qb, kb, vb, is_causal=True, enable_gqa=True)
+        got = np.swapaxes(o[sl], 0, 1)[None].astype(np.float64)
+        assert np.max(np.abs(got - expected)) <= 2 * err + 1e-5
+
+
+def test_large_scores_nan_and_inf(rng):
+    q, k, v = rnd(rng, (1, 2, 33, 16), mag=30.0), rnd(rng, (1, 2, 50, 16), mag=30.0), rnd(rng, (1, 2, 50, 16))
+    check_contract(q, k, v, scale=1.0)
+    q2 = q.copy()
+    q2[0, 1, 7, 3] = np.nan
+    o = sdpa(q2, k, v)
+    o32 = o.astype(np.float32)
+    assert np.all(np.isnan(o32[0, 1, 7])) and np.all(np.isfinite(np.delete(o32[0, 1], 7, axis=0)))
+
+
+def test_thread_counts_bit_identical(rng):
+    q, k, v = rnd(rng, (2, 4, 300, 64)), rnd(rng, (2, 2, 300, 64)), rnd(rng, (2, 2, 300, 64))
+    a = sdpa(q, k, v, is_causal=True, enable_gqa=True, num_threads=1)
+    b = sdpa(q, k, v, is_causal=True, enable_gqa=True, num_threads=2)
+    c = sdpa(q, k, v, is_causal=True, enable_gqa=True, num_threads=3)
+    np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+    np.testing.assert_array_equal(a.view(np.uint16), c.view(np.uint16))
+
+
+def test_tile_path_taken_and_decode_unchanged(rng):
+    """bf16 prefill takes the tiles (P is rounded to bf16, so the result differs
+    from the float32-compute AVX-512 path); decode (< 32 rows) is that path bit for bit."""
+    q, k, v = rnd(rng, (1, 2, 64, 64)), rnd(rng, (1, 2, 256, 64)), rnd(rng, (1, 2, 256, 64))
+    a = sdpa(q, k, v).view(np.uint16)
+    fastattn.set_isa("avx512")
+    b = sdpa(q, k, v).view(np.uint16)
+    d1 = sdpa(q[:, :, :1], k, v).view(np.uint16)
+    fastattn.set_isa("amx")
+    d2 = sdpa(q[:, :, :1], k, v).view(np.uint16)
+    assert np.any(a != b)
+    np.testing.assert_array_equal(d1, d2)
+
+
+def test_float32_and_mixed_inputs_use_the_float32_kernel(rng):
+    q = rng.standard_normal((1, 2, 64, 32)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 80, 32)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 80, 32)).astype(np.float32)
+    a = sdpa(q, k.astype(BF16), v.astype(BF16))
+    fastattn.set_isa("avx512")
+    b = sdpa(q, k.astype(BF16), v.astype(BF16))
+    np.testing.assert_array_equal(a, b)
