@@ -54,7 +54,7 @@ cdef extern from "family.h":
 # importing fastattn does not import ml_dtypes).
 from fastattn._kernels import DTYPE_CODES
 
-ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
+ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "amx": 3}  # amx: the AVX-512 kernels here
 
 
 cdef inline const void *_ptr(object a):
