@@ -126,3 +126,29 @@ def test_unbuilt_source_tree_without_an_installed_copy_says_how_to_fix_it(unbuil
     r = run([sys.executable, "-S", "-c", "import fastattn"], cwd=unbuilt_tree)
     assert r.returncode != 0
     assert "ImportError" in r.stderr and "source tree" in r.stderr and "pip install ." in r.stderr, r.stderr
+
+
+def test_packaging_metadata():
+    """LICENSE (MIT, PEP 639) in the metadata, the version written once, the console script."""
+    from importlib import metadata
+
+    try:
+        md = metadata.metadata("fastattn")
+        dist = metadata.distribution("fastattn")
+    except metadata.PackageNotFoundError:
+        pytest.skip("fastattn is not installed (an in-place build has no metadata)")
+    assert md["Version"] == fastattn.__version__
+    assert md["License-Expression"] == "MIT"
+    assert any(str(f).endswith("LICENSE") for f in dist.files or ())
+    assert any(ep.name == "fastattn" and ep.value == "fastattn.cli:main" for ep in dist.entry_points)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tomllib = pytest.importorskip("tomllib")
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)
+    p = project["project"]
+    assert p["license"] == "MIT" and p["license-files"] == ["LICENSE"] and "version" not in p
+    assert p["dynamic"] == ["version"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "fastattn.__version__"}
+    assert os.path.exists(os.path.join(root, "LICENSE"))
+    build = project["tool"]["cibuildwheel"]["build"].split()
+    assert {"cp310-*", "cp311-*", "cp312-*", "cp313-*", "cp314-*", "cp314t-*"} <= set(build)
