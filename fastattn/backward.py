@@ -56,7 +56,8 @@ def scaled_dot_product_attention_backward(
     for the same inputs and options; ``grad_out`` is the gradient of the loss
     with respect to ``out`` (same shape and dtype).  Every other argument means
     what it means for the forward (same checks, same order of transforms:
-    scale, softcap, ALiBi, mask, causal / window / length restrictions).
+    scale, softcap, ALiBi, mask, causal / window / length restrictions); a
+    bool ``attn_mask`` is True = may attend, a float one is added.
 
     Returns ``(dq, dk, dv)`` shaped and typed as query, key and value; with
     ``sinks``, ``(dq, dk, dv, dsinks)`` with ``dsinks`` a float64 ``(Hq,)``

@@ -2,7 +2,8 @@
 
 Same signature and semantics as :func:`fastattn.scaled_dot_product_attention`,
 computed the obvious way: materialise the (..., Hq, L, S) scores in float64,
-transform, softmax, multiply.  Kept simple enough to check by eye.  Returns
+transform, softmax, multiply.  Masks as in the functional API: bool True = may
+attend, float masks added to the scores.  Kept simple enough to check by eye.  Returns
 float64 (the caller compares at the precision of its inputs).
 """
 

@@ -60,7 +60,8 @@ def attention_weights(
     """The softmax weights ``(..., Hq, len(rows), S)`` of
     :func:`fastattn.scaled_dot_product_attention` called with the same score
     options (attn_mask, is_causal, scale, enable_gqa, layout, window,
-    alibi_slopes, softcap, sinks, key_lengths, query_lengths, block_mask).
+    alibi_slopes, softcap, sinks, key_lengths, query_lengths, block_mask);
+    a bool ``attn_mask`` is True = may attend, a float one is added.
 
     The kernel computes each row's log-sum-exp; the weights are then
     ``exp(score - lse)`` computed one tile of rows at a time (scores in
