@@ -35,7 +35,7 @@ step "sdist contents"
 tar -tzf "$sdist" | sed 's|^[^/]*/||' | sort >"$work/sdist.txt"
 for f in setup.py pyproject.toml fastattn/_kernels.pyx csrc/fastattn.h csrc/kernel_impl.h csrc/simd.h \
          csrc/kernel_scalar.c csrc/kernel_avx2.c csrc/kernel_avx512.c csrc/kernel_f64.c \
-         csrc/attention.c csrc/dispatch.c tests/conftest.py; do
+         csrc/attention.c csrc/dispatch.c tests/conftest.py LICENSE; do
     grep -qx "$f" "$work/sdist.txt" || { echo "sdist lacks $f"; exit 1; }
 done
 echo "sdist has csrc/, the .pyx, setup files and tests ($(wc -l <"$work/sdist.txt") entries)"
@@ -48,6 +48,10 @@ z = zipfile.ZipFile(whl)
 names = z.namelist()
 for need in ("fastattn/__init__.py", "fastattn/py.typed", "fastattn/_kernels.pyi"):
     assert need in names, f"wheel lacks {need}"
+lic = [n for n in names if re.match(r"fastattn-[^/]*\.dist-info/licenses/LICENSE$", n)]
+assert lic, "wheel lacks the LICENSE file"
+meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+assert "License-Expression: MIT" in meta, "wheel metadata lacks License-Expression: MIT"
 so = [n for n in names if re.match(r"fastattn/_kernels\..*\.so$", n)]
 assert len(so) == 1, so
 z.extractall(dest)
