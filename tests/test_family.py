@@ -83,7 +83,7 @@ def test_additive_masks_and_dead_rows(isa, rng, dtype):
     bm[2] = False  # fully masked row -> zeros
     fm = np.where(rng.random((2, 1, 70)) > 0.5, 0.0, -np.inf).astype(dtype) + randn(rng, (2, 9, 70), dtype)
     fm[1, 4] = -np.inf
-    for mask in (bm, fm, bm[None], np.ones((1, 70), bool)):
+    for mask in (bm, fm, bm[None], np.ones((1, 70), bool), fm.astype(F64), fm.astype(np.float16)):
         o, wts = fastattn.additive_attention(q, k, v, wq, wk, w, bias=b, attn_mask=mask, return_weights=True)
         ro, rw = ref.additive_attention(q, k, v, wq, wk, w, bias=b, attn_mask=mask, return_weights=True)
         assert_close(o, ro, dtype)
