@@ -170,7 +170,9 @@ const fa_kernel *fa_select_kernel(const fa_params *p)
     switch (fa_isa_get()) {
     case FA_ISA_AMX:
 #if defined(FA_HAVE_AMX)
-        if (p->q_dtype == FA_BF16 && p->k_dtype == FA_BF16 && p->v_dtype == FA_BF16 &&
+        if (((p->q_dtype == FA_BF16 && p->k_dtype == FA_BF16 && p->v_dtype == FA_BF16) ||
+             (p->q_dtype == FA_F32 && p->k_dtype == FA_F32 && p->v_dtype == FA_F32 &&
+              (p->precision == FA_PRECISION_HIGH || p->precision == FA_PRECISION_MEDIUM))) &&
             p->L * (p->Hq / p->Hk) >= FA_AMX_MIN_ROWS)
             return &fa_kernel_bf16_amx;
 #endif

@@ -22,6 +22,8 @@ enum fa_dtype { FA_F32 = 0, FA_F64 = 1, FA_F16 = 2, FA_BF16 = 3 };
 enum fa_mask_kind { FA_MASK_NONE = 0, FA_MASK_BOOL = 1, FA_MASK_F32 = 2, FA_MASK_F64 = 3 };
 /* FA_ISA_AMX: AVX-512 for every call, plus the AMX tile kernel for bfloat16 prefill. */
 enum fa_isa { FA_ISA_SCALAR = 0, FA_ISA_AVX2 = 1, FA_ISA_AVX512 = 2, FA_ISA_AMX = 3 };
+/* torch's float32 matmul precision levels (fa_params.precision). */
+enum fa_precision { FA_PRECISION_HIGHEST = 0, FA_PRECISION_HIGH = 1, FA_PRECISION_MEDIUM = 2 };
 enum fa_status { FA_OK = 0, FA_ENOMEM = 1, FA_EINVAL = 2 };
 
 typedef struct fa_params {
@@ -60,6 +62,9 @@ typedef struct fa_params {
     const uint8_t *bmask; int64_t bm_sb, bm_sh, bm_si, bm_sj, bm_q, bm_k;
 
     int num_threads;         /* >= 1 */
+    /* enum fa_precision, float32 q, k, v only: "high" (bf16x3) and "medium" (bf16)
+     * run on the AMX kernel where the ISA is amx; elsewhere float32 ("highest"). */
+    int precision;
 } fa_params;
 
 /* Runs the attention described by p.  Returns enum fa_status. */

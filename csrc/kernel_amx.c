@@ -31,7 +31,7 @@
 #include "kernel.h"
 #include "amx_emu.h"
 
-#define AMX_BN 64         /* keys per tile (a multiple of 32) */
+#define AMX_BN 128        /* keys per tile (a multiple of 32) */
 #define AMX_BMR 256       /* stacked rows per task for L >= 1024 (attention.c) */
 #define AMX_BMR_SHORT 128 /* otherwise */
 #define AMX_RG 32         /* rows per group: two 16-row tiles */
@@ -53,21 +53,25 @@ typedef struct amx_ws {
     uint16_t *Q; /* rows_cap x Dq   bf16 queries (unscaled), zero-padded      */
     uint16_t *K; /* BN x Dq         packed K tiles                              */
     uint16_t *V; /* BN x Dvq        V in VNNI pairs                             */
-    uint16_t *P; /* RG x BN         bf16 probabilities of one row group         */
-    float *S;    /* RG x BN         fp32 scores of one row group                */
+    uint16_t *P; /* 2 x RG x BN     bf16 probabilities of two row groups        */
+    float *S;    /* 2 x RG x BN     fp32 scores of two row groups               */
     float *O;    /* rows_cap x Dvq  unnormalised output                         */
     float *m, *l;          /* rows_cap */
     int64_t *lo, *hi;      /* rows_cap: visible key range of each row          */
-    int64_t *glo, *ghi, *gflo, *gfhi; /* per row group                         */
+    int64_t *glo, *ghi, *gflo, *gfhi, *act; /* per row group                   */
+    /* float32 inputs at precision "high" / "medium" (fa_params.precision): */
+    uint16_t *Ql, *Kl, *Vl, *Pl; /* low bf16 parts (bf16x3, "high") of Q, K, V, P  */
+    uint16_t *Kc, *Kcl, *Vc, *Vcl; /* a tile's K, V rows in bf16 (hi, lo), before packing */
 } amx_ws;
 
 static size_t amx_scratch_bytes(const fa_params *p)
 {
     const int64_t Dq = amx_rup(p->D, 32), Dvq = amx_rup(p->Dv, 32), RC = amx_rows_cap(p), NG = RC / AMX_RG;
     return amx_al((size_t)(RC * Dq) * 2) + amx_al((size_t)(AMX_BN * Dq) * 2) + amx_al((size_t)(AMX_BN * Dvq) * 2) +
-           amx_al((size_t)(AMX_RG * AMX_BN) * 2) + amx_al((size_t)(AMX_RG * AMX_BN) * 4) +
+           amx_al((size_t)(2 * AMX_RG * AMX_BN) * 2) + amx_al((size_t)(2 * AMX_RG * AMX_BN) * 4) +
            amx_al((size_t)(RC * Dvq) * 4) + 2 * amx_al((size_t)RC * 4) + 2 * amx_al((size_t)RC * 8) +
-           4 * amx_al((size_t)NG * 8) + AMX_ALIGN;
+           5 * amx_al((size_t)NG * 8) + amx_al((size_t)(RC * Dq) * 2) + 3 * amx_al((size_t)(AMX_BN * Dq) * 2) +
+           3 * amx_al((size_t)(AMX_BN * Dvq) * 2) + amx_al((size_t)(2 * AMX_RG * AMX_BN) * 2) + AMX_ALIGN;
 }
 
 static void amx_carve(const fa_params *p, void *scratch, amx_ws *w)
@@ -77,8 +81,8 @@ static void amx_carve(const fa_params *p, void *scratch, amx_ws *w)
     w->Q = (uint16_t *)c; c += amx_al((size_t)(RC * Dq) * 2);
     w->K = (uint16_t *)c; c += amx_al((size_t)(AMX_BN * Dq) * 2);
     w->V = (uint16_t *)c; c += amx_al((size_t)(AMX_BN * Dvq) * 2);
-    w->P = (uint16_t *)c; c += amx_al((size_t)(AMX_RG * AMX_BN) * 2);
-    w->S = (float *)c; c += amx_al((size_t)(AMX_RG * AMX_BN) * 4);
+    w->P = (uint16_t *)c; c += amx_al((size_t)(2 * AMX_RG * AMX_BN) * 2);
+    w->S = (float *)c; c += amx_al((size_t)(2 * AMX_RG * AMX_BN) * 4);
     w->O = (float *)c; c += amx_al((size_t)(RC * Dvq) * 4);
     w->m = (float *)c; c += amx_al((size_t)RC * 4);
     w->l = (float *)c; c += amx_al((size_t)RC * 4);
@@ -87,7 +91,16 @@ static void amx_carve(const fa_params *p, void *scratch, amx_ws *w)
     w->glo = (int64_t *)c; c += amx_al((size_t)NG * 8);
     w->ghi = (int64_t *)c; c += amx_al((size_t)NG * 8);
     w->gflo = (int64_t *)c; c += amx_al((size_t)NG * 8);
-    w->gfhi = (int64_t *)c;
+    w->gfhi = (int64_t *)c; c += amx_al((size_t)NG * 8);
+    w->act = (int64_t *)c; c += amx_al((size_t)NG * 8);
+    w->Ql = (uint16_t *)c; c += amx_al((size_t)(RC * Dq) * 2);
+    w->Kl = (uint16_t *)c; c += amx_al((size_t)(AMX_BN * Dq) * 2);
+    w->Kc = (uint16_t *)c; c += amx_al((size_t)(AMX_BN * Dq) * 2);
+    w->Kcl = (uint16_t *)c; c += amx_al((size_t)(AMX_BN * Dq) * 2);
+    w->Vl = (uint16_t *)c; c += amx_al((size_t)(AMX_BN * Dvq) * 2);
+    w->Vc = (uint16_t *)c; c += amx_al((size_t)(AMX_BN * Dvq) * 2);
+    w->Vcl = (uint16_t *)c; c += amx_al((size_t)(AMX_BN * Dvq) * 2);
+    w->Pl = (uint16_t *)c;
 }
 
 /* 16 fp32 values rounded to bf16 (nearest even) at dst. */
@@ -101,6 +114,35 @@ static inline void amx_store_bf16(uint16_t *dst, vf x)
     __m256bh h = _mm512_cvtneps_pbh(x);
     memcpy(dst, &h, 32);
 #endif
+}
+
+/* 32 fp32 values (lo: the first 16) rounded to bf16 at dst. */
+static inline void amx_store_bf16x2(uint16_t *dst, vf lo, vf hi)
+{
+#if defined(FA_EMULATE_AVX512)
+    amx_store_bf16(dst, lo);
+    amx_store_bf16(dst + 16, hi);
+#else
+    __m512bh h = _mm512_cvtne2ps_pbh(hi, lo);
+    memcpy(dst, &h, 64);
+#endif
+}
+
+/* 2^x for x <= 0 or NaN as simd.h's vf_exp2_neg, with a degree-5 polynomial:
+ * truncation < 2e-6 relative, far below the bf16 rounding of P (2^-9). */
+static inline vf amx_exp2_neg(vf x)
+{
+    const vf magic = vf_set1(12583039.0f); /* 1.5 * 2^23 + 127 */
+    vf xc = vf_max(vf_set1(-127.0f), x);
+    vf t = vf_add(xc, magic);
+    vf f = vf_sub(xc, vf_sub(t, magic));
+    vf p = vf_set1(FA_EXP2_C5);
+    p = vf_fma(p, f, vf_set1(FA_EXP2_C4));
+    p = vf_fma(p, f, vf_set1(FA_EXP2_C3));
+    p = vf_fma(p, f, vf_set1(FA_EXP2_C2));
+    p = vf_fma(p, f, vf_set1(FA_EXP2_C1));
+    p = vf_fma(p, f, vf_set1(1.0f));
+    return vf_mul(p, vf_shl23(t));
 }
 
 #if !defined(FA_EMULATE_AVX512)
@@ -244,6 +286,204 @@ static inline void amx_pv(const uint16_t *P, const uint16_t *Vp, int64_t njp, fl
     }
 }
 
+/* n float32 values x split into bf16 hi = bf16(x) and (when lo) lo = bf16(x - hi),
+ * the bf16x3 split (hi + lo carries ~16 mantissa bits); zeros from n to npad.
+ * An infinite x has lo = 0 (x - hi would be NaN); NaN stays in hi. */
+static void amx_split_row(uint16_t *hi, uint16_t *lo, const float *x, int64_t n, int64_t npad)
+{
+    int64_t i = 0;
+#if !defined(FA_EMULATE_AVX512)
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        __m256bh h = _mm512_cvtneps_pbh(v);
+        memcpy(hi + i, &h, 32);
+        if (lo) {
+            __m512 hv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(hi + i))), 16));
+            __m512 d = _mm512_sub_ps(v, hv);
+            d = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, d, _CMP_ORD_Q), d);
+            __m256bh l = _mm512_cvtneps_pbh(d);
+            memcpy(lo + i, &l, 32);
+        }
+    }
+#endif
+    for (; i < n; i++) {
+        hi[i] = fa_f32_to_bf16(x[i]);
+        if (lo) {
+            float d = x[i] - fa_bf16_to_f32(hi[i]);
+            lo[i] = d == d ? fa_f32_to_bf16(d) : 0;
+        }
+    }
+    for (; i < npad; i++) {
+        hi[i] = 0;
+        if (lo) lo[i] = 0;
+    }
+}
+
+/* amx_qk for bf16x3: S = Qh.Kh^T + Qh.Kl^T + Ql.Kh^T (the lo.lo product, ~2^-16
+ * relative, is left out as in torch's "high"). */
+static inline void amx_qk3(const uint16_t *Q, const uint16_t *Ql, int64_t Dq, const uint16_t *Kp,
+                           const uint16_t *Kpl, int64_t njp, float *S)
+{
+    const int64_t ndc = Dq / 32, ldq = Dq * 2, lds = AMX_BN * 4;
+    for (int64_t kb = 0; kb < njp / 16; kb += 2) {
+        FA_TILE_ZERO(0); FA_TILE_ZERO(1); FA_TILE_ZERO(2); FA_TILE_ZERO(3);
+        for (int64_t dc = 0; dc < ndc; dc++) {
+            const int64_t k0 = (kb * ndc + dc) * 512, k1 = ((kb + 1) * ndc + dc) * 512;
+            FA_TILE_LOAD(4, Q + dc * 32, ldq);
+            FA_TILE_LOAD(5, Q + 16 * Dq + dc * 32, ldq);
+            FA_TILE_LOAD(6, Kpl + k0, 64);
+            FA_TILE_LOAD(7, Kpl + k1, 64);
+            FA_TILE_DPBF16(0, 4, 6); FA_TILE_DPBF16(1, 4, 7); FA_TILE_DPBF16(2, 5, 6); FA_TILE_DPBF16(3, 5, 7);
+            FA_TILE_LOAD(6, Kp + k0, 64);
+            FA_TILE_LOAD(7, Kp + k1, 64);
+            FA_TILE_DPBF16(0, 4, 6); FA_TILE_DPBF16(1, 4, 7); FA_TILE_DPBF16(2, 5, 6); FA_TILE_DPBF16(3, 5, 7);
+            FA_TILE_LOAD(4, Ql + dc * 32, ldq);
+            FA_TILE_LOAD(5, Ql + 16 * Dq + dc * 32, ldq);
+            FA_TILE_DPBF16(0, 4, 6); FA_TILE_DPBF16(1, 4, 7); FA_TILE_DPBF16(2, 5, 6); FA_TILE_DPBF16(3, 5, 7);
+        }
+        FA_TILE_STORE(0, S + kb * 16, lds);
+        FA_TILE_STORE(1, S + kb * 16 + 16, lds);
+        FA_TILE_STORE(2, S + 16 * AMX_BN + kb * 16, lds);
+        FA_TILE_STORE(3, S + 16 * AMX_BN + kb * 16 + 16, lds);
+    }
+}
+
+/* amx_pv for bf16x3: O += Ph.Vh + Ph.Vl + Pl.Vh. */
+static inline void amx_pv3(const uint16_t *P, const uint16_t *Pl, const uint16_t *Vp, const uint16_t *Vpl,
+                           int64_t njp, float *O, int64_t Dvq)
+{
+    const int64_t ncb = Dvq / 16, ldo = Dvq * 4, ldp = AMX_BN * 2;
+    for (int64_t cb = 0; cb < ncb; cb += 2) {
+        float *o0 = O + cb * 16, *o1 = O + 16 * Dvq + cb * 16;
+        FA_TILE_LOAD(0, o0, ldo);
+        FA_TILE_LOAD(1, o0 + 16, ldo);
+        FA_TILE_LOAD(2, o1, ldo);
+        FA_TILE_LOAD(3, o1 + 16, ldo);
+        for (int64_t kc = 0; kc < njp / 32; kc++) {
+            const int64_t v0 = (kc * ncb + cb) * 512, v1 = (kc * ncb + cb + 1) * 512;
+            FA_TILE_LOAD(4, P + kc * 32, ldp);
+            FA_TILE_LOAD(5, P + 16 * AMX_BN + kc * 32, ldp);
+            FA_TILE_LOAD(6, Vpl + v0, 64);
+            FA_TILE_LOAD(7, Vpl + v1, 64);
+            FA_TILE_DPBF16(0, 4, 6); FA_TILE_DPBF16(1, 4, 7); FA_TILE_DPBF16(2, 5, 6); FA_TILE_DPBF16(3, 5, 7);
+            FA_TILE_LOAD(6, Vp + v0, 64);
+            FA_TILE_LOAD(7, Vp + v1, 64);
+            FA_TILE_DPBF16(0, 4, 6); FA_TILE_DPBF16(1, 4, 7); FA_TILE_DPBF16(2, 5, 6); FA_TILE_DPBF16(3, 5, 7);
+            FA_TILE_LOAD(4, Pl + kc * 32, ldp);
+            FA_TILE_LOAD(5, Pl + 16 * AMX_BN + kc * 32, ldp);
+            FA_TILE_DPBF16(0, 4, 6); FA_TILE_DPBF16(1, 4, 7); FA_TILE_DPBF16(2, 5, 6); FA_TILE_DPBF16(3, 5, 7);
+        }
+        FA_TILE_STORE(0, o0, ldo);
+        FA_TILE_STORE(1, o0 + 16, ldo);
+        FA_TILE_STORE(2, o1, ldo);
+        FA_TILE_STORE(3, o1 + 16, ldo);
+    }
+}
+
+/* Scale, masks and the online softmax of row group g over the scores S of
+ * keys [jt, jt + nj) (padded to njp): P = exp2(s - m) rounded to bf16, the
+ * running max m and sum l (from the fp32 values), O rows rescaled when m grows. */
+static void amx_softmax(const fa_params *p, const fa_task *t, const amx_ws *w, int64_t g, int64_t jt, int64_t nj,
+                        int64_t njp, float *S, uint16_t *P, uint16_t *Pl, int64_t ni, int64_t delta, int elem_always,
+                        int use_log2, float qscale, int64_t R, int64_t Dvq)
+{
+    const int64_t G = p->Hq / p->Hk, b = t->b, g0 = g * AMX_RG, nr = fa_min64(AMX_RG, R - g0);
+    const int partial = jt < w->gflo[g] || jt + nj > w->gfhi[g];
+    const int64_t nfull = elem_always || partial ? 0 : nj / 16 * 16; /* vectors scaled in the max pass */
+    float mx[AMX_RG], arg[AMX_RG], alpha[AMX_RG];
+    const vf qs = vf_set1(qscale);
+    for (int64_t r = 0; r < AMX_RG; r++) {
+        float *s = S + r * AMX_BN;
+        arg[r] = 0;
+        if (r >= nr) continue;
+        const int64_t rr = g0 + r, lo = w->lo[rr], hi = w->hi[rr];
+        vf mv = vf_set1(-INFINITY);
+        for (int64_t jj = 0; jj < nfull; jj += 16) {
+            vf x = vf_mul(vf_load(s + jj), qs);
+            vf_store(s + jj, x);
+            mv = vf_max(mv, x);
+        }
+        for (int64_t jj = nfull; jj < njp; jj++) s[jj] = jj < nj ? s[jj] * qscale : -INFINITY;
+        if (elem_always || partial) {
+            const int64_t h = t->hk * G + rr / ni, i = t->i0 + rr % ni, ip = i + delta;
+            if (!elem_always) {
+                const int64_t a0 = fa_min64(fa_max64(lo - jt, 0), nj), a1 = fa_max64(fa_min64(hi - jt, nj), a0);
+                for (int64_t jj = 0; jj < a0; jj++) s[jj] = -INFINITY;
+                for (int64_t jj = a1; jj < nj; jj++) s[jj] = -INFINITY;
+            } else {
+                const char *mrow = p->mask ? (const char *)p->mask +
+                    (b * p->m_sb + h * p->m_sh + i * p->m_sl) * (p->mask_kind == FA_MASK_BOOL ? 1 : p->mask_kind == FA_MASK_F32 ? 4 : 8) : NULL;
+                const double slope = p->alibi ? p->alibi[b * p->alibi_sb + h * p->alibi_sh] * AMX_LOG2E : 0.0;
+                for (int64_t jj = 0; jj < nj; jj++) {
+                    const int64_t j = jt + jj;
+                    if (j < lo || j >= hi) { s[jj] = -INFINITY; continue; }
+                    double x = s[jj];
+                    if (!use_log2) {
+                        double y = x / p->softcap;
+                        x = (fabs(y) < 1e-6 ? x : p->softcap * tanh(y)) * AMX_LOG2E;
+                    }
+                    if (p->alibi) x -= slope * (double)(ip > j ? ip - j : j - ip);
+                    if (mrow) {
+                        const int64_t mo = j * p->m_ss;
+                        if (p->mask_kind == FA_MASK_BOOL) { if (!((const uint8_t *)mrow)[mo]) x = -INFINITY; }
+                        else if (p->mask_kind == FA_MASK_F32) x += ((const float *)mrow)[mo] * AMX_LOG2E;
+                        else x += ((const double *)mrow)[mo] * AMX_LOG2E;
+                    }
+                    if (p->bmask && !fa_bmask_at(p, b, h, i, j)) x = -INFINITY;
+                    s[jj] = (float)x;
+                }
+            }
+        }
+        for (int64_t jj = nfull; jj < njp; jj += 16) mv = vf_max(mv, vf_load(s + jj));
+        const float m1 = vf_hmax(mv), mold = w->m[rr];
+        float mnew = m1 > mold ? m1 : mold;
+        if (m1 != m1) mnew = m1; /* NaN poisons the row */
+        mx[r] = mnew;
+        if (mnew > mold && mold != -INFINITY) arg[r] = mold - mnew;
+    }
+    /* ---- the rescale factors of the 32 rows at once (exp2(0) = 1) ---- */
+    vf_store(alpha, vf_exp2(vf_load(arg)));
+    vf_store(alpha + 16, vf_exp2(vf_load(arg + 16)));
+    /* ---- P = exp2(s - m) rounded to bf16; l from the fp32 values ---- */
+    for (int64_t r = 0; r < AMX_RG; r++) {
+        uint16_t *pr = P + r * AMX_BN;
+        uint16_t *pl = Pl ? Pl + r * AMX_BN : NULL;
+        if (r >= nr || mx[r] == -INFINITY) {
+            if (pl) memset(pl, 0, (size_t)njp * 2);
+        }
+        if (r >= nr) { memset(pr, 0, (size_t)njp * 2); continue; }
+        const int64_t rr = g0 + r;
+        const float *s = S + r * AMX_BN;
+        const float mnew = mx[r];
+        if (mnew == -INFINITY) { /* nothing visible yet; NaN scores still poison the row */
+            for (int64_t jj = 0; jj < nj; jj++) if (s[jj] != s[jj]) w->l[rr] = NAN;
+            memset(pr, 0, (size_t)njp * 2);
+            continue;
+        }
+        if (alpha[r] != 1.0f) {
+            float *o = w->O + rr * Dvq;
+            const vf av = vf_set1(alpha[r]);
+            for (int64_t c = 0; c < Dvq; c += 16) vf_store(o + c, vf_mul(av, vf_load(o + c)));
+            w->l[rr] *= alpha[r];
+        }
+        if (mnew > w->m[rr]) w->m[rr] = mnew;
+        const vf mn = vf_set1(mnew);
+        vf sum0 = vf_zero(), sum1 = vf_zero();
+        for (int64_t jj = 0; jj < njp; jj += 32) {
+            vf e0 = amx_exp2_neg(vf_sub(vf_load(s + jj), mn));
+            vf e1 = amx_exp2_neg(vf_sub(vf_load(s + jj + 16), mn));
+            sum0 = vf_add(sum0, e0);
+            sum1 = vf_add(sum1, e1);
+            amx_store_bf16x2(pr + jj, e0, e1);
+            if (pl) { /* the low parts: e - bf16(e) */
+                vf h0 = vf_load_bf16(pr + jj), h1 = vf_load_bf16(pr + jj + 16);
+                amx_store_bf16x2(pl + jj, vf_sub(e0, h0), vf_sub(e1, h1));
+            }
+        }
+        w->l[rr] += vf_hsum(vf_add(sum0, sum1));
+    }
+}
+
 /* Row r of a task is query head hk*G + r/ni at position i0 + r%ni (kernel.h). */
 static void amx_run(const fa_params *p, const fa_task *t, void *scratch)
 {
@@ -258,8 +498,11 @@ static void amx_run(const fa_params *p, const fa_task *t, void *scratch)
     const int64_t R = G * ni, Rp = amx_rup(R, AMX_RG), NG = Rp / AMX_RG;
     const int use_log2 = p->softcap == 0.0;
     const float qscale = (float)(p->scale * (use_log2 ? AMX_LOG2E : 1.0));
-    const uint16_t *kbase = (const uint16_t *)p->k + (b * p->k_sb + t->hk * p->k_sh + bi.koff * p->k_sl);
-    const uint16_t *vbase = (const uint16_t *)p->v + (b * p->v_sb + t->hk * p->v_sh + bi.koff * p->v_sl);
+    /* float32 inputs (dispatch.c sends them only at precision "high" or "medium"):
+     * rounded to bf16 on the way in; "high" also keeps the low parts (bf16x3). */
+    const int f32in = p->q_dtype == FA_F32, x3 = f32in && p->precision == FA_PRECISION_HIGH;
+    const char *kbase = (const char *)p->k + (b * p->k_sb + t->hk * p->k_sh + bi.koff * p->k_sl) * (f32in ? 4 : 2);
+    const char *vbase = (const char *)p->v + (b * p->v_sb + t->hk * p->v_sh + bi.koff * p->v_sl) * (f32in ? 4 : 2);
     const int elem_always = p->mask_kind != FA_MASK_NONE || p->alibi || !use_log2 || p->bmask;
 
     /* Queries (bf16, unscaled: the scale is applied to the fp32 scores), the
@@ -268,10 +511,20 @@ static void amx_run(const fa_params *p, const fa_task *t, void *scratch)
         uint16_t *qd = w.Q + r * Dq;
         w.m[r] = -INFINITY;
         w.l[r] = 0;
-        if (r >= R) { memset(qd, 0, (size_t)Dq * 2); w.lo[r] = w.hi[r] = 0; continue; }
+        if (r >= R) {
+            memset(qd, 0, (size_t)Dq * 2);
+            if (x3) memset(w.Ql + r * Dq, 0, (size_t)Dq * 2);
+            w.lo[r] = w.hi[r] = 0;
+            continue;
+        }
         const int64_t h = t->hk * G + r / ni, i = t->i0 + r % ni;
-        memcpy(qd, (const uint16_t *)p->q + b * p->q_sb + h * p->q_sh + (bi.qoff + i) * p->q_sl, (size_t)D * 2);
-        memset(qd + D, 0, (size_t)(Dq - D) * 2);
+        const int64_t qo = b * p->q_sb + h * p->q_sh + (bi.qoff + i) * p->q_sl;
+        if (f32in) {
+            amx_split_row(qd, x3 ? w.Ql + r * Dq : NULL, (const float *)p->q + qo, D, Dq);
+        } else {
+            memcpy(qd, (const uint16_t *)p->q + qo, (size_t)D * 2);
+            memset(qd + D, 0, (size_t)(Dq - D) * 2);
+        }
         fa_row_range(p, i + delta, bi.Sb, &w.lo[r], &w.hi[r]);
         w.lo[r] = fa_max64(w.lo[r], t->j0);
         w.hi[r] = fa_min64(w.hi[r], t->j1);
@@ -304,100 +557,48 @@ static void amx_run(const fa_params *p, const fa_task *t, void *scratch)
                 any = fa_bmask_any(p, b, t->hk * G + g, t->i0, t->i0 + ni, jt, jt + nj);
             if (!any) continue;
         }
-        int packed = 0;
-        for (int64_t g = 0; g < NG; g++) {
-            if (w.ghi[g] <= jt || w.glo[g] >= jt + nj || w.glo[g] >= w.ghi[g]) continue;
-            if (!packed) {
-                amx_pack_k(w.K, kbase + jt * p->k_sl, p->k_sl, nj, njp, D, Dq);
-                amx_pack_v(w.V, vbase + jt * p->v_sl, p->v_sl, nj, njp, Dv, Dvq);
-                if (!cfg_loaded) { FA_TILE_LOADCONFIG(&cfg); cfg_loaded = 1; }
-                packed = 1;
+        int64_t na = 0; /* the row groups that see a key of this tile */
+        for (int64_t g = 0; g < NG; g++)
+            if (!(w.ghi[g] <= jt || w.glo[g] >= jt + nj || w.glo[g] >= w.ghi[g])) w.act[na++] = g;
+        if (na == 0) continue;
+        if (f32in) { /* rows to bf16 (hi, lo) first, then packed like bf16 inputs */
+            for (int64_t jj = 0; jj < nj; jj++) {
+                amx_split_row(w.Kc + jj * Dq, x3 ? w.Kcl + jj * Dq : NULL,
+                              (const float *)(kbase + (jt + jj) * p->k_sl * 4), D, Dq);
+                amx_split_row(w.Vc + jj * Dvq, x3 ? w.Vcl + jj * Dvq : NULL,
+                              (const float *)(vbase + (jt + jj) * p->v_sl * 4), Dv, Dvq);
             }
-            const int64_t g0 = g * AMX_RG, nr = fa_min64(AMX_RG, R - g0);
-            amx_qk(w.Q + g0 * Dq, Dq, w.K, njp, w.S);
-            /* ---- scale, masks, row max ---- */
-            const int partial = jt < w.gflo[g] || jt + nj > w.gfhi[g];
-            float mx[AMX_RG], arg[AMX_RG], alpha[AMX_RG];
-            const vf qs = vf_set1(qscale);
-            for (int64_t r = 0; r < AMX_RG; r++) {
-                float *s = w.S + r * AMX_BN;
-                arg[r] = 0;
-                if (r >= nr) continue;
-                for (int64_t jj = 0; jj < njp; jj += 16) vf_store(s + jj, vf_mul(vf_load(s + jj), qs));
-                for (int64_t jj = nj; jj < njp; jj++) s[jj] = -INFINITY;
-                const int64_t rr = g0 + r, lo = w.lo[rr], hi = w.hi[rr];
-                if (elem_always || partial) {
-                    const int64_t h = t->hk * G + rr / ni, i = t->i0 + rr % ni, ip = i + delta;
-                    if (!elem_always) {
-                        const int64_t a0 = fa_min64(fa_max64(lo - jt, 0), nj), a1 = fa_max64(fa_min64(hi - jt, nj), a0);
-                        for (int64_t jj = 0; jj < a0; jj++) s[jj] = -INFINITY;
-                        for (int64_t jj = a1; jj < nj; jj++) s[jj] = -INFINITY;
-                    } else {
-                        const char *mrow = p->mask ? (const char *)p->mask +
-                            (b * p->m_sb + h * p->m_sh + i * p->m_sl) * (p->mask_kind == FA_MASK_BOOL ? 1 : p->mask_kind == FA_MASK_F32 ? 4 : 8) : NULL;
-                        const double slope = p->alibi ? p->alibi[b * p->alibi_sb + h * p->alibi_sh] * AMX_LOG2E : 0.0;
-                        for (int64_t jj = 0; jj < nj; jj++) {
-                            const int64_t j = jt + jj;
-                            if (j < lo || j >= hi) { s[jj] = -INFINITY; continue; }
-                            double x = s[jj];
-                            if (!use_log2) {
-                                double y = x / p->softcap;
-                                x = (fabs(y) < 1e-6 ? x : p->softcap * tanh(y)) * AMX_LOG2E;
-                            }
-                            if (p->alibi) x -= slope * (double)(ip > j ? ip - j : j - ip);
-                            if (mrow) {
-                                const int64_t mo = j * p->m_ss;
-                                if (p->mask_kind == FA_MASK_BOOL) { if (!((const uint8_t *)mrow)[mo]) x = -INFINITY; }
-                                else if (p->mask_kind == FA_MASK_F32) x += ((const float *)mrow)[mo] * AMX_LOG2E;
-                                else x += ((const double *)mrow)[mo] * AMX_LOG2E;
-                            }
-                            if (p->bmask && !fa_bmask_at(p, b, h, i, j)) x = -INFINITY;
-                            s[jj] = (float)x;
-                        }
-                    }
-                }
-                vf mv = vf_set1(-INFINITY);
-                for (int64_t jj = 0; jj < njp; jj += 16) mv = vf_max(mv, vf_load(s + jj));
-                const float m1 = vf_hmax(mv), mold = w.m[rr];
-                float mnew = m1 > mold ? m1 : mold;
-                if (m1 != m1) mnew = m1; /* NaN poisons the row */
-                mx[r] = mnew;
-                if (mnew > mold && mold != -INFINITY) arg[r] = mold - mnew;
+            amx_pack_k(w.K, w.Kc, Dq, nj, njp, D, Dq);
+            amx_pack_v(w.V, w.Vc, Dvq, nj, njp, Dv, Dvq);
+            if (x3) {
+                amx_pack_k(w.Kl, w.Kcl, Dq, nj, njp, D, Dq);
+                amx_pack_v(w.Vl, w.Vcl, Dvq, nj, njp, Dv, Dvq);
             }
-            /* ---- the rescale factors of the 32 rows at once (exp2(0) = 1) ---- */
-            vf_store(alpha, vf_exp2(vf_load(arg)));
-            vf_store(alpha + 16, vf_exp2(vf_load(arg + 16)));
-            /* ---- P = exp2(s - m) rounded to bf16; l from the fp32 values ---- */
-            for (int64_t r = 0; r < AMX_RG; r++) {
-                uint16_t *pr = w.P + r * AMX_BN;
-                if (r >= nr) { memset(pr, 0, (size_t)njp * 2); continue; }
-                const int64_t rr = g0 + r;
-                float *s = w.S + r * AMX_BN;
-                const float mnew = mx[r];
-                if (mnew == -INFINITY) { /* nothing visible yet; NaN scores still poison the row */
-                    for (int64_t jj = 0; jj < nj; jj++) if (s[jj] != s[jj]) w.l[rr] = NAN;
-                    memset(pr, 0, (size_t)njp * 2);
-                    continue;
-                }
-                if (alpha[r] != 1.0f) {
-                    float *o = w.O + rr * Dvq;
-                    const vf av = vf_set1(alpha[r]);
-                    for (int64_t c = 0; c < Dvq; c += 16) vf_store(o + c, vf_mul(av, vf_load(o + c)));
-                    w.l[rr] *= alpha[r];
-                }
-                if (mnew > w.m[rr]) w.m[rr] = mnew;
-                const vf mn = vf_set1(mnew);
-                vf sum = vf_zero();
-                for (int64_t jj = 0; jj < njp; jj += 16) {
-                    vf e = vf_exp2_neg(vf_sub(vf_load(s + jj), mn));
-                    sum = vf_add(sum, e);
-                    amx_store_bf16(pr + jj, e);
-                }
-                w.l[rr] += vf_hsum(sum);
-            }
-            amx_pv(w.P, w.V, njp, w.O + g0 * Dvq, Dvq);
+        } else {
+            amx_pack_k(w.K, (const uint16_t *)kbase + jt * p->k_sl, p->k_sl, nj, njp, D, Dq);
+            amx_pack_v(w.V, (const uint16_t *)vbase + jt * p->v_sl, p->v_sl, nj, njp, Dv, Dvq);
+        }
+        if (!cfg_loaded) { FA_TILE_LOADCONFIG(&cfg); cfg_loaded = 1; }
+        /* Software pipeline over the groups: the next group's Q.K^T is issued
+         * before this group's softmax (double-buffered S and P), so that the
+         * tile unit works while the vector units do the softmax. */
+#define AMX_QK(grp, Sbuf) do { \
+            if (x3) amx_qk3(w.Q + (grp) * AMX_RG * Dq, w.Ql + (grp) * AMX_RG * Dq, Dq, w.K, w.Kl, njp, (Sbuf)); \
+            else amx_qk(w.Q + (grp) * AMX_RG * Dq, Dq, w.K, njp, (Sbuf)); \
+        } while (0)
+        AMX_QK(w.act[0], w.S);
+        for (int64_t a = 0; a < na; a++) {
+            const int64_t g = w.act[a];
+            float *S = w.S + (a & 1) * AMX_RG * AMX_BN;
+            uint16_t *P = w.P + (a & 1) * AMX_RG * AMX_BN;
+            uint16_t *Pl = x3 ? w.Pl + (a & 1) * AMX_RG * AMX_BN : NULL;
+            if (a + 1 < na) AMX_QK(w.act[a + 1], w.S + ((a + 1) & 1) * AMX_RG * AMX_BN);
+            amx_softmax(p, t, &w, g, jt, nj, njp, S, P, Pl, ni, delta, elem_always, use_log2, qscale, R, Dvq);
+            if (x3) amx_pv3(P, Pl, w.V, w.Vl, njp, w.O + g * AMX_RG * Dvq, Dvq);
+            else amx_pv(P, w.V, njp, w.O + g * AMX_RG * Dvq, Dvq);
         }
     }
+#undef AMX_QK
     if (cfg_loaded) FA_TILE_RELEASE();
 
     /* ---- normalise once and write (rows past L_b: zeros, LSE -inf), as kernel_impl.h ---- */

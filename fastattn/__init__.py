@@ -63,7 +63,15 @@ def _installed_copy():
 
 if _installed_copy() is None:  # else sys.modules["fastattn"] is the installed copy: nothing more here
     from . import reference, sparse
-    from ._config import get_isa, get_num_threads, set_isa, set_num_threads, show_config
+    from ._config import (
+        get_float32_matmul_precision,
+        get_isa,
+        get_num_threads,
+        set_float32_matmul_precision,
+        set_isa,
+        set_num_threads,
+        show_config,
+    )
     from .additive import additive_attention
     from .backward import scaled_dot_product_attention_backward
     from .functional import scaled_dot_product_attention, varlen_attention
@@ -99,6 +107,8 @@ __all__ = [
     "get_isa",
     "set_isa",
     "show_config",
+    "get_float32_matmul_precision",
+    "set_float32_matmul_precision",
 ]
 
 

@@ -12,7 +12,16 @@ import sys
 
 from . import _build_config, _kernels
 
-__all__ = ["get_num_threads", "set_num_threads", "show_config", "get_isa", "set_isa", "config"]
+__all__ = [
+    "get_num_threads",
+    "set_num_threads",
+    "show_config",
+    "get_isa",
+    "set_isa",
+    "config",
+    "get_float32_matmul_precision",
+    "set_float32_matmul_precision",
+]
 
 # Read by the CUDA launcher itself at each call (see the module docstring); reported here.
 _CUDA_LAUNCH_KNOBS = ("FASTATTN_CUDA_MMA", "FASTATTN_CUDA_DECODE", "FASTATTN_CUDA_SPLITS")
@@ -62,6 +71,48 @@ def set_num_threads(n: int | None) -> None:
     if n < 1:
         raise ValueError(f"num_threads must be >= 1, got {n}")
     _thread_override = n
+
+
+# torch's float32 matmul precision levels (codes shared with csrc/fastattn.h).
+PRECISIONS = {"highest": 0, "high": 1, "medium": 2}
+_f32_precision = "highest"
+
+
+def precision_code(precision: str | None) -> int:
+    """The kernel code of a ``precision=`` argument (None: the process default)."""
+    if precision is None:
+        return PRECISIONS[_f32_precision]
+    if not isinstance(precision, str):
+        raise TypeError(
+            f"precision must be a str ('highest', 'high' or 'medium'), got {type(precision).__name__}"
+        )
+    try:
+        return PRECISIONS[precision]
+    except KeyError:
+        raise ValueError(f"precision must be 'highest', 'high' or 'medium', got {precision!r}") from None
+
+
+def set_float32_matmul_precision(precision: str) -> None:
+    """Process default for float32 inputs, with torch's names.
+
+    ``"highest"`` (the default): float32 arithmetic.  ``"high"``: each float32 of
+    Q, K, V and P split into two bfloat16 parts with three bf16 products (bf16x3,
+    ~16 mantissa bits), accumulated in float32.  ``"medium"``: Q, K, V and P rounded
+    to bfloat16.  The lower levels are permissions, as in torch: they take effect
+    on the ``amx`` path (float32 query, key and value, >= 32 rows per key/value head)
+    and elsewhere compute as ``"highest"``.  float64 and float16 inputs ignore the
+    level (float16 is never rounded to bfloat16).  Per call: ``precision=``.
+    """
+    global _f32_precision
+    precision_code(precision)  # TypeError / ValueError on bad values; None is not a level
+    if precision is None:
+        raise TypeError("precision must be a str ('highest', 'high' or 'medium'), got NoneType")
+    _f32_precision = precision
+
+
+def get_float32_matmul_precision() -> str:
+    """The process default set by :func:`set_float32_matmul_precision` ("highest" at start)."""
+    return _f32_precision
 
 
 def get_isa() -> str:
@@ -128,6 +179,7 @@ def config() -> dict:
         "isa": get_isa(),
         "isa_best": _kernels.isa_best(),
         "FASTATTN_ISA": _ENV_ISA,
+        "float32_matmul_precision": _f32_precision,
         "num_threads": get_num_threads(),
         "FASTATTN_NUM_THREADS": _ENV_THREADS,
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),

@@ -39,6 +39,7 @@ def attention(
     num_threads: int,
     seq_q: int = ...,
     seq_k: int = ...,
+    precision: int = ...,
 ) -> None:
     """Run the fused kernel on 4-D ``(B, H, L, D)`` views; every argument is trusted."""
 

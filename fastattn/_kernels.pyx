@@ -42,6 +42,7 @@ cdef extern from "fastattn.h":
         const uint8_t *bmask
         int64_t bm_sb, bm_sh, bm_si, bm_sj, bm_q, bm_k
         int num_threads
+        int precision
 
     int fa_attention(const fa_params *p) nogil
     int fa_cpu_has(int isa)
@@ -98,7 +99,7 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, obje
               int64_t window_left, int64_t window_right, double softcap,
               object alibi, object sinks, object q_lens, object k_lens,
               object cu_q, object cu_k, object bmask, int64_t bm_q, int64_t bm_k,
-              int num_threads, int64_t seq_q=-1, int64_t seq_k=-1):
+              int num_threads, int64_t seq_q=-1, int64_t seq_k=-1, int precision=0):
     """Run the fused kernel.  Every argument is trusted (checked by the caller)."""
     cdef fa_params p
     cdef int64_t s[3]
@@ -166,6 +167,7 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, obje
     p.bm_q = bm_q
     p.bm_k = bm_k
     p.num_threads = num_threads
+    p.precision = precision
     with nogil:
         rc = fa_attention(&p)
     if rc == 1:

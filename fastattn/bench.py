@@ -669,6 +669,30 @@ def measure_gemm(threads: int, n: int = 2048, repeat: int = 5) -> float:
     return 2.0 * n**3 / best / 1e9
 
 
+def measure_gemm_bf16(threads: int, n: int = 2048, repeat: int = 5) -> float | None:
+    """bfloat16 GEMM rate (GFLOP/s) of ``torch.mm``, n×n×n: the machine's 16-bit
+    limit (oneDNN uses AMX or AVX512-BF16 where present); None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(n, n, generator=g).to(torch.bfloat16)
+        b = torch.randn(n, n, generator=g).to(torch.bfloat16)
+        torch.mm(a, b)
+        best = math.inf
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(prev)
+    return 2.0 * n**3 / best / 1e9
+
+
 def numpy_attention(q, k, v, add=None):
     """The plain NumPy baseline: softmax(q k^T / sqrt(D) + add) v in float32,
     materialising the scores; GQA by reshaping q (no copy of K/V)."""
@@ -917,7 +941,7 @@ def print_case(case: Case, records: list, machine: dict, out) -> None:
             peak = r.get("read_gbps") or machine.get("bandwidth_gbps")
         else:
             rate = f"{r['gflops']:7.1f} GFLOP/s"
-            peak = machine.get("gemm_gflops")
+            peak = machine.get("gemm_bf16_gflops") or machine.get("gemm_gflops")
         what = ("kv-read" if r.get("read_gbps") else "bw") if case.kind == "decode" else "gemm"
         pct = (
             f"{100 * (r['gbps'] or r['gflops']) / peak:5.0f}% of {what:4s}"
@@ -988,8 +1012,9 @@ def markdown_table(records: list, machine: dict) -> str:
             rate = "-"
         else:
             rate = f"{fa['gflops']:.1f} GFLOP/s"
-            if machine.get("gemm_gflops"):
-                rate += f" ({100 * fa['gflops'] / machine['gemm_gflops']:.0f}% gemm)"
+            peak = machine.get("gemm_bf16_gflops") or machine.get("gemm_gflops")
+            if peak:
+                rate += f" ({100 * fa['gflops'] / peak:.0f}% gemm)"
         cells = []
         for i in impls:
             r = by.get((c, i))
@@ -1112,6 +1137,16 @@ def run(args: argparse.Namespace) -> int:
             file=out,
         )
     machine = machine_info(args.threads, gemm, bw)
+    if not args.no_machine and args.dtype == "bfloat16":
+        gemm16 = measure_gemm_bf16(args.threads)
+        if gemm16 is not None:
+            # 16-bit cases are compared with the 16-bit limit, printed beside the fp32 one.
+            machine["gemm_bf16_gflops"] = gemm16
+            print(
+                f"machine: bf16 GEMM (torch.mm 2048^3) {gemm16:.1f} GFLOP/s "
+                f"({gemm16 / gemm:.1f}x the fp32 GEMM; bfloat16 cases are compared with it)",
+                file=out,
+            )
     records = []
     t_start = time.perf_counter()
     for case in cases:
@@ -1132,6 +1167,10 @@ def run(args: argparse.Namespace) -> int:
         )
         machine["gemm_gflops"] = max(gemm, gemm2)
         machine["bandwidth_gbps"] = max(bw, bw2)
+        if machine.get("gemm_bf16_gflops"):
+            g16 = measure_gemm_bf16(args.threads) or 0.0
+            print(f"bf16 GEMM again at the end: {g16:.1f} GFLOP/s", file=out)
+            machine["gemm_bf16_gflops"] = max(machine["gemm_bf16_gflops"], g16)
     print(
         f"\n(time = median of {args.repeat} interleaved rounds (fewer for calls over "
         f"{args.budget / args.repeat:.0f} s); speedup = peer time / fastattn time; "

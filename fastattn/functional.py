@@ -24,7 +24,7 @@ from ._checks import (
     scale_value,
     threads_value,
 )
-from ._config import get_num_threads
+from ._config import get_num_threads, precision_code
 
 __all__ = ["scaled_dot_product_attention", "varlen_attention"]
 
@@ -240,6 +240,7 @@ def _attention(qh, kh, vh, mask, oh, lseh, opts):
         opts["bm_q"],
         opts["bm_k"],
         opts["threads"],
+        precision=opts["precision"],
     )
 
 
@@ -266,6 +267,7 @@ def scaled_dot_product_attention(
     block_mask=None,
     block_size=None,
     device=None,
+    precision=None,
 ):
     """softmax(query @ key^T * scale + mask) @ value, fused and tiled.
 
@@ -306,6 +308,14 @@ def scaled_dot_product_attention(
     Order of score transforms: scale, softcap, ALiBi, attn_mask, then the
     causal / window / length / block restrictions.
 
+    precision: float32 inputs only, torch's names: "highest" (float32 arithmetic),
+        "high" (bf16x3: three bfloat16 products per float32 product, ~16 mantissa
+        bits) or "medium" (Q, K, V and P rounded to bfloat16); None uses
+        ``fastattn.get_float32_matmul_precision()`` ("highest" unless set).  The lower
+        levels take effect on the ``amx`` path (>= 32 rows per key/value head) and
+        compute as "highest" elsewhere; float64 and float16 ignore it.  bfloat16
+        inputs on the ``amx`` path always use bf16 products (P rounded to bf16).
+
     device: None or "cpu" (this kernel), or "cuda": run
         :func:`fastattn.cuda.scaled_dot_product_attention` (NumPy or
         ``__cuda_array_interface__`` inputs; RuntimeError when fastattn was
@@ -317,6 +327,7 @@ def scaled_dot_product_attention(
             raise TypeError(f"dropout_p must be a number, got {type(dropout_p).__name__}")
     if dropout_p != 0:
         raise NotImplementedError("dropout_p must be 0: fastattn is an inference library")
+    prec = precision_code(precision)
     if device is not None and device != "cpu":
         if device != "cuda":
             raise ValueError(f"device must be None, 'cpu' or 'cuda', got {device!r}")
@@ -441,6 +452,7 @@ def scaled_dot_product_attention(
         "bm_q": bm_q,
         "bm_k": bm_k,
         "threads": threads,
+        "precision": prec,
     }
     if lead == ():
         qh, kh, vh, oh = qh[None], kh[None], vh[None], oh[None]
@@ -473,6 +485,7 @@ def varlen_attention(
     return_lse=False,
     out=None,
     num_threads=None,
+    precision=None,
 ):
     """Attention over packed variable-length sequences (flash-attn's
     ``flash_attn_varlen_func`` convention).
@@ -482,7 +495,8 @@ def varlen_attention(
     ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and key rows
     ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``.  Nothing is computed across
     sequences and no padding is computed.  Causal alignment is bottom-right per
-    sequence.  Returns ``(Tq, Hq, Dv)`` and, with ``return_lse``, ``(Hq, Tq)``.
+    sequence.  ``precision``: as for :func:`scaled_dot_product_attention`.  Returns
+    ``(Tq, Hq, Dv)`` and, with ``return_lse``, ``(Hq, Tq)``.
     """
     qa, ka, va = as_array(q, "q"), as_array(k, "k"), as_array(v, "v")
     _check_dtypes(qa, ka, va)
@@ -522,6 +536,7 @@ def varlen_attention(
             f"cu_seqlens_q and cu_seqlens_k must have the same length, got {cq.shape[0]} and {ck.shape[0]}"
         )
     nb = cq.shape[0] - 1
+    prec = precision_code(precision)
     sc = scale_value(scale, D)
     threads = threads_value(num_threads, get_num_threads)
     wl, wr = _window(window)
@@ -578,6 +593,7 @@ def varlen_attention(
             threads,
             int(np.max(np.diff(cq))),
             int(np.max(np.diff(ck))),
+            precision=prec,
         )
     elif lse is not None:
         lse[...] = -np.inf

@@ -36,6 +36,7 @@ def scaled_dot_product_attention(
     block_mask: npt.ArrayLike | None = None,
     block_size: tuple[int, int] | None = None,
     device: Literal["cpu", "cuda"] | None = None,
+    precision: Literal["highest", "high", "medium"] | None = None,
 ) -> np.ndarray: ...
 @overload
 def scaled_dot_product_attention(
@@ -61,6 +62,7 @@ def scaled_dot_product_attention(
     block_mask: npt.ArrayLike | None = None,
     block_size: tuple[int, int] | None = None,
     device: Literal["cpu", "cuda"] | None = None,
+    precision: Literal["highest", "high", "medium"] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]: ...
 @overload
 def varlen_attention(
@@ -80,6 +82,7 @@ def varlen_attention(
     return_lse: Literal[False] = False,
     out: np.ndarray | None = None,
     num_threads: int | None = None,
+    precision: Literal["highest", "high", "medium"] | None = None,
 ) -> np.ndarray: ...
 @overload
 def varlen_attention(
@@ -99,4 +102,5 @@ def varlen_attention(
     return_lse: Literal[True],
     out: np.ndarray | None = None,
     num_threads: int | None = None,
+    precision: Literal["highest", "high", "medium"] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]: ...

@@ -85,3 +85,16 @@ def test_bandwidth_yardstick_reads_the_whole_array(threads):
     base = parts[0].base if parts[0].base is not None else parts[0]
     assert all(np.shares_memory(p, base) for p in parts)
     bench.mem_reader(threads, nbytes)()
+
+
+def test_bf16_gemm_yardstick():
+    """The 16-bit limit of --dtype bfloat16 runs: torch.mm in bf16 (None without torch)."""
+    from fastattn.bench import measure_gemm_bf16
+
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        assert measure_gemm_bf16(1, n=128, repeat=1) is None
+        return
+    rate = measure_gemm_bf16(1, n=256, repeat=2)
+    assert rate is not None and rate > 0
