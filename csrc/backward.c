@@ -18,6 +18,10 @@
 /* Split the keys of each (batch, kv head) into more tasks when there are
  * fewer than this (shape-only rule; each split adds one dQ-sized buffer). */
 #define FB_SPLIT_TASKS 32
+/* Splits stop adding dQ partial buffers beyond this many bytes in all (or one
+ * buffer, when that is larger): with few kv heads and long sequences (MQA)
+ * 32 dQ-sized buffers would be gigabytes.  A shape-only rule too. */
+#define FB_PART_BYTES ((size_t)512 << 20)
 /* Calls with less work than this (multiply-adds) run on the calling thread. */
 #define FB_SERIAL_MACS (1 << 19)
 
@@ -127,6 +131,8 @@ int fa_attention_backward(const fa_bwd_params *bp)
     if (base > 0 && base < FB_SPLIT_TASKS && nkt > 1) {
         nsplit = (FB_SPLIT_TASKS + base - 1) / base;
         if (nsplit > nkt) nsplit = nkt;
+        const size_t one = (size_t)nrow * (size_t)Dp * esz;
+        while (nsplit > 1 && (size_t)nsplit * one > FB_PART_BYTES) nsplit--;
         chunk = (nkt + nsplit - 1) / nsplit;
         nsplit = (nkt + chunk - 1) / chunk;
     }
