@@ -2,7 +2,9 @@
  * the shapes (never on the thread count, so results are bit-identical for any
  * number of threads), runs them on OpenMP threads, and merges split-KV
  * partial results with the log-sum-exp rule. */
+#include <fenv.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "kernel.h"
@@ -27,6 +29,15 @@
  * starting a thread team costs more than it saves.  Tasks do not depend on
  * the thread count, so neither do the results. */
 #define FA_SERIAL_MACS (1 << 19)
+/* The most threads one call uses (fastattn/_checks.py rejects more): far
+ * above any core count this library targets, far below what makes libgomp
+ * try to allocate a team it cannot hold. */
+#define FA_MAX_THREADS 1024
+/* Per-thread scratch up to this size is kept for the thread's next call;
+ * larger scratch (head dims in the thousands) is freed after the call, so one
+ * odd call does not pin hundreds of MiB per thread. */
+#define FA_WS_KEEP ((size_t)16 << 20)
+#define FA_WS_GUARD 64 /* debug builds: guard bytes after the scratch */
 
 /* Per-thread scratch, kept between calls (bounded by the tile sizes, freed
  * when the thread exits) so that small calls do not pay malloc/mmap and
@@ -42,9 +53,17 @@ static void fa_ws_key_init(void) { fa_ws_key_ok = pthread_key_create(&fa_ws_key,
 
 static void *fa_ws_get(size_t bytes)
 {
+#if defined(FA_DEBUG_SCRATCH)
+    /* Debug and sanitizer builds: a fresh block of exactly this size (so that
+     * ASan sees any overrun, which a larger cached block would hide) followed
+     * by a guard zone that fa_ws_put checks. */
+    unsigned char *g = (unsigned char *)malloc(bytes + FA_WS_GUARD);
+    if (g) memset(g + bytes, 0xA5, FA_WS_GUARD);
+    return g;
+#endif
 #if defined(FA_WS_CACHE)
     pthread_once(&fa_ws_once, fa_ws_key_init);
-    if (fa_ws_key_ok) {
+    if (fa_ws_key_ok && bytes <= FA_WS_KEEP) {
         fa_ws_hdr *h = (fa_ws_hdr *)pthread_getspecific(fa_ws_key);
         if (h && h->n >= bytes) return h + 1;
         free(h);
@@ -57,23 +76,106 @@ static void *fa_ws_get(size_t bytes)
     return malloc(bytes);
 }
 
-static void fa_ws_put(void *ws)
+static void fa_ws_put(void *ws, size_t bytes)
 {
-#if defined(FA_WS_CACHE)
-    if (fa_ws_key_ok) return; /* kept for the next call of this thread */
+#if defined(FA_DEBUG_SCRATCH)
+    for (size_t i = 0; i < FA_WS_GUARD; i++)
+        FA_DEBUG_CHECK(((unsigned char *)ws)[bytes + i] == 0xA5, "a kernel wrote past its scratch");
+    free(ws);
+    return;
 #endif
+#if defined(FA_WS_CACHE)
+    if (fa_ws_key_ok && bytes <= FA_WS_KEEP) return; /* kept for the next call of this thread */
+#endif
+    (void)bytes;
     free(ws);
 }
+
+/* The floating-point environment of a call.  Every thread that runs a part
+ * of it, the caller's included, computes in round-to-nearest with denormals
+ * flushed to zero (FTZ/DAZ) and restores its own mode afterwards: a worker
+ * thread never sees the caller's fesetround() mode, so the caller's thread
+ * switches to the workers' mode for the call, and the results do not depend
+ * on the thread count or on the caller's rounding mode. */
+typedef struct fa_fpenv { unsigned int csr; int round; } fa_fpenv;
+
+static void fa_fpenv_enter(fa_fpenv *e)
+{
+#if defined(FA_HAVE_X86)
+    e->csr = _mm_getcsr();
+    _mm_setcsr((e->csr & ~0x6000u) | 0x8040u); /* RC = nearest, FTZ, DAZ */
+    e->round = 0;
+#else
+    e->csr = 0;
+    e->round = fegetround();
+    if (e->round != FE_TONEAREST) fesetround(FE_TONEAREST);
+#endif
+}
+
+static void fa_fpenv_exit(const fa_fpenv *e)
+{
+#if defined(FA_HAVE_X86)
+    _mm_setcsr(e->csr);
+#else
+    if (e->round != FE_TONEAREST) fesetround(e->round);
+#endif
+}
+
+#if !defined(_WIN32)
+/* Fork safety.  libgomp's thread pool does not survive fork(): a child that
+ * asks for a team after its parent ran one waits for threads that do not
+ * exist.  A child of such a process (os.fork, multiprocessing's "fork" start
+ * method) therefore runs every call on its calling thread; results are the
+ * same, as they are for any thread count.  A process that never started a
+ * team (e.g. a fork before the first call) keeps its threads. */
+static volatile int fa_team_started, fa_forked;
+static void fa_atfork_child(void)
+{
+    if (fa_team_started) fa_forked = 1;
+}
+__attribute__((constructor)) static void fa_atfork_register(void)
+{
+    pthread_atfork(NULL, NULL, fa_atfork_child);
+}
+
+/* libgomp calls exit() when the OS refuses a team's threads.  Before the
+ * first team of a given size, the driver starts (and joins) that many threads
+ * itself, so that a refusal is reported as an error instead. */
+static int fa_team_ok = 1;
+static pthread_mutex_t fa_team_lock = PTHREAD_MUTEX_INITIALIZER;
+static void *fa_probe_thread(void *arg) { return arg; }
+
+static int fa_team_available(int nt)
+{
+    int ok;
+    if (nt <= __atomic_load_n(&fa_team_ok, __ATOMIC_ACQUIRE)) return 1; /* the usual case: no lock */
+    pthread_mutex_lock(&fa_team_lock);
+    ok = nt <= fa_team_ok;
+    if (!ok) {
+        pthread_t *th = (pthread_t *)malloc((size_t)nt * sizeof(pthread_t));
+        int made = 0;
+        ok = th != NULL;
+        for (; ok && made < nt - 1; made++)
+            if (pthread_create(&th[made], NULL, fa_probe_thread, NULL) != 0) { ok = 0; break; }
+        for (int i = 0; i < made; i++) pthread_join(th[i], NULL);
+        free(th);
+        if (ok) __atomic_store_n(&fa_team_ok, nt, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&fa_team_lock);
+    return ok;
+}
+#else
+static const int fa_forked = 0;
+static int fa_team_started;
+static int fa_team_available(int nt) { (void)nt; return 1; }
+#endif
 
 /* One thread's share of the tasks (all of them when called outside a team). */
 static void fa_run_tasks(const fa_kernel *kern, const fa_params *p, const fa_task *tasks, int64_t ntask,
                          size_t ws_bytes, int *failed)
 {
-#if defined(FA_HAVE_X86)
-    /* Flush denormals to zero inside the kernel only; restored below. */
-    unsigned int csr = _mm_getcsr();
-    _mm_setcsr(csr | 0x8040);
-#endif
+    fa_fpenv env;
+    fa_fpenv_enter(&env); /* nearest, FTZ/DAZ inside the kernel only; restored below */
     void *ws = fa_ws_get(ws_bytes);
     if (!ws) {
 #ifdef _OPENMP
@@ -86,10 +188,8 @@ static void fa_run_tasks(const fa_kernel *kern, const fa_params *p, const fa_tas
 #endif
     for (int64_t t = 0; t < ntask; t++)
         if (ws) kern->run(p, &tasks[t], ws);
-    if (ws) fa_ws_put(ws);
-#if defined(FA_HAVE_X86)
-    _mm_setcsr(csr);
-#endif
+    if (ws) fa_ws_put(ws, ws_bytes);
+    fa_fpenv_exit(&env);
 }
 
 int fa_openmp_enabled(void)
@@ -124,12 +224,18 @@ static void fa_merge_row(const fa_params *p, const fa_task *parts, int64_t nspli
         if (wgt[s] != wgt[s]) nan = 1;
         if (wgt[s] > M) M = wgt[s];
     }
+    /* The sink joins the denominator once, here (the parts leave it out), and
+     * only for rows within the valid query length, as in the kernel. */
+    const double sink = p->sinks && i < bi->Lb ? p->sinks[h] : -INFINITY;
+    if (sink > M) M = sink;
     const int live = !nan && M != -INFINITY;
-    if (live)
+    if (live) {
         for (int64_t s = 0; s < nsplit; s++) {
             wgt[s] = exp(wgt[s] - M); /* parts at -inf weigh exactly 0 */
             den += wgt[s];
         }
+        if (sink != -INFINITY) den += exp(sink - M);
+    }
     int64_t oo = parts[0].b * p->o_sb + h * p->o_sh + (bi->qoff + i) * p->o_sl;
     for (int64_t c = 0; c < Dv; c++) {
         double acc = nan ? NAN : 0.0;
@@ -149,8 +255,32 @@ static void fa_merge_row(const fa_params *p, const fa_task *parts, int64_t nspli
     }
 }
 
+/* Merge the split parts of task groups (each thread of a team takes a static
+ * share; the whole range outside a team). */
+static void fa_merge(const fa_params *p, const fa_task *tasks, int64_t ngroup, int64_t nsplit, int64_t G)
+{
+    fa_fpenv env;
+    fa_fpenv_enter(&env);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (int64_t gi = 0; gi < ngroup; gi++) {
+        const fa_task *parts = &tasks[gi * nsplit];
+        fa_batch bi = fa_batch_info(p, parts[0].b);
+        for (int64_t r = 0; r < G * parts[0].ni; r++) {
+            int64_t g = r / parts[0].ni, ii = r % parts[0].ni;
+            if (p->cu_q && parts[0].i0 + ii >= bi.Lb) continue; /* packed varlen: not ours */
+            fa_merge_row(p, parts, nsplit, r, parts[0].hk * G + g, parts[0].i0 + ii, &bi);
+        }
+    }
+    fa_fpenv_exit(&env);
+}
+
 int fa_attention(const fa_params *p)
 {
+    /* Empty work first: zero heads must not reach the divisions below. */
+    if (p->B <= 0 || p->Hq <= 0 || p->Hk <= 0 || p->L <= 0) return FA_OK;
+    if (p->Hq % p->Hk != 0 || p->D < 1 || p->Dv < 1) return FA_EINVAL;
     const fa_kernel *kern = fa_select_kernel(p);
     const int64_t G = p->Hq / p->Hk;
     /* Long sequences with D, Dv <= 128 take the kernel's larger row block. */
@@ -212,14 +342,24 @@ int fa_attention(const fa_params *p)
     }
 
     int failed = 0;
-    int nt = p->num_threads < 1 ? 1 : p->num_threads;
+    int nt = p->num_threads < 1 ? 1 : p->num_threads > FA_MAX_THREADS ? FA_MAX_THREADS : p->num_threads;
     if (nt > ntask) nt = (int)ntask;
+    if (fa_forked) nt = 1; /* a fork() child of a process with a thread team: see above */
     const size_t ws_bytes = kern->scratch_bytes(p);
     {
         double macs = (double)p->B * (double)p->Hq * (double)p->L * (double)p->S * (double)(p->D + p->Dv);
         if (p->causal) macs *= 0.5;
         if (macs < FA_SERIAL_MACS) nt = 1;
     }
+#ifdef _OPENMP
+    if (nt > 1 && !fa_team_available(nt)) {
+        free(tasks); free(part_o); free(part_lse);
+        return FA_ETHREADS;
+    }
+#else
+    nt = 1;
+#endif
+    if (nt > 1) fa_team_started = 1;
     if (nt == 1) {
         fa_run_tasks(kern, p, tasks, ntask, ws_bytes, &failed);
     } else {
@@ -229,18 +369,13 @@ int fa_attention(const fa_params *p)
         fa_run_tasks(kern, p, tasks, ntask, ws_bytes, &failed);
     }
     if (!failed && nsplit > 1) {
-        const int64_t ngroup = base;
+        if (nt == 1) {
+            fa_merge(p, tasks, base, nsplit, G);
+        } else {
 #ifdef _OPENMP
-#pragma omp parallel for num_threads(nt) schedule(static)
+#pragma omp parallel num_threads(nt)
 #endif
-        for (int64_t gi = 0; gi < ngroup; gi++) {
-            const fa_task *parts = &tasks[gi * nsplit];
-            fa_batch bi = fa_batch_info(p, parts[0].b);
-            for (int64_t r = 0; r < G * parts[0].ni; r++) {
-                int64_t g = r / parts[0].ni, ii = r % parts[0].ni;
-                if (p->cu_q && parts[0].i0 + ii >= bi.Lb) continue; /* packed varlen: not ours */
-                fa_merge_row(p, parts, nsplit, r, parts[0].hk * G + g, parts[0].i0 + ii, &bi);
-            }
+            fa_merge(p, tasks, base, nsplit, G);
         }
     }
     free(tasks); free(part_o); free(part_lse);

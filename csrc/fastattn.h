@@ -24,7 +24,8 @@ enum fa_mask_kind { FA_MASK_NONE = 0, FA_MASK_BOOL = 1, FA_MASK_F32 = 2, FA_MASK
 enum fa_isa { FA_ISA_SCALAR = 0, FA_ISA_AVX2 = 1, FA_ISA_AVX512 = 2, FA_ISA_AMX = 3 };
 /* torch's float32 matmul precision levels (fa_params.precision). */
 enum fa_precision { FA_PRECISION_HIGHEST = 0, FA_PRECISION_HIGH = 1, FA_PRECISION_MEDIUM = 2 };
-enum fa_status { FA_OK = 0, FA_ENOMEM = 1, FA_EINVAL = 2 };
+/* FA_ETHREADS: the OS refused to start the threads of a team (num_threads). */
+enum fa_status { FA_OK = 0, FA_ENOMEM = 1, FA_EINVAL = 2, FA_ETHREADS = 3 };
 
 typedef struct fa_params {
     int q_dtype, k_dtype, v_dtype, o_dtype; /* enum fa_dtype; FA_F64 only with all F64 */
@@ -61,7 +62,7 @@ typedef struct fa_params {
      * nonzero = block is computed. */
     const uint8_t *bmask; int64_t bm_sb, bm_sh, bm_si, bm_sj, bm_q, bm_k;
 
-    int num_threads;         /* >= 1 */
+    int num_threads;         /* >= 1; at most 1024 are used */
     /* enum fa_precision, float32 q, k, v only: "high" (bf16x3) and "medium" (bf16)
      * run on the AMX kernel where the ISA is amx; elsewhere float32 ("highest"). */
     int precision;

@@ -39,4 +39,17 @@ void fa_exp2_scalar(const float *x, float *y, int64_t n);
 
 const fa_kernel *fa_select_kernel(const fa_params *p); /* dispatch.c */
 
+/* Internal consistency checks, compiled in debug and sanitizer builds only
+ * (-DFA_DEBUG_SCRATCH, set by tools/sanitize.sh): a failed check aborts with a
+ * message, which the sanitizer run reports as a failure. */
+#if defined(FA_DEBUG_SCRATCH)
+#include <stdio.h>
+#include <stdlib.h>
+#define FA_DEBUG_CHECK(cond, msg) \
+    do { if (!(cond)) { fprintf(stderr, "fastattn: internal check failed at %s:%d: %s\n", \
+                                __FILE__, __LINE__, msg); abort(); } } while (0)
+#else
+#define FA_DEBUG_CHECK(cond, msg) ((void)0)
+#endif
+
 #endif

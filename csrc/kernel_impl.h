@@ -46,6 +46,7 @@ typedef struct fa_stream {
 } fa_stream;
 
 #define FA_LOG2E 1.4426950408889634
+#define FA_REAL_MAX (sizeof(REAL) == 8 ? 1.7976931348623157e308 : 3.4028234663852886e38)
 #define FA_LN2 0.6931471805599453
 
 static inline int64_t fa_rup(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -62,26 +63,39 @@ typedef struct fa_ws {
 #define FA_ALIGN 64
 static inline size_t fa_al(size_t n) { return (n + FA_ALIGN - 1) / FA_ALIGN * FA_ALIGN; }
 
+/* Rows of scratch per task.  The driver gives a task max(1, rows / G)
+ * query positions of all G = Hq / Hk heads of its kv head, with rows <= BMR,
+ * so a task stacks at most max(BMR, G) rows: a GQA group larger than the row
+ * block (multi-query attention with many heads) stacks all G heads of one
+ * position.  Sizing the scratch for that keeps K and V read once per task
+ * (rather than once per slice of the group), and the tasks still depend on the
+ * shapes only. */
+static inline int64_t FA_NAME(cap_rows)(const fa_params *p)
+{
+    const int64_t G = p->Hk > 0 ? p->Hq / p->Hk : 1;
+    return G > BMR ? G : BMR;
+}
+
 static size_t FA_NAME(scratch_bytes)(const fa_params *p)
 {
     int64_t Dp = fa_rup(p->D, VW), Dvp = fa_rup(p->Dv, VW), W = Dp > Dvp ? Dp : Dvp;
-    size_t e = sizeof(REAL);
-    return fa_al(BMR * Dp * e) + fa_al(BN * Dp * e) + fa_al(BN * Dvp * e) + fa_al(BMR * BN * e) +
-           fa_al(BMR * Dvp * e) + 2 * fa_al(BMR * e) + fa_al(W * e) + FA_ALIGN;
+    const size_t e = sizeof(REAL), R = (size_t)FA_NAME(cap_rows)(p);
+    return fa_al(R * Dp * e) + fa_al(BN * Dp * e) + fa_al(BN * Dvp * e) + fa_al(R * BN * e) +
+           fa_al(R * Dvp * e) + 2 * fa_al(R * e) + fa_al(W * e) + FA_ALIGN;
 }
 
 static void FA_NAME(carve)(const fa_params *p, void *scratch, fa_ws *w)
 {
     int64_t Dp = fa_rup(p->D, VW), Dvp = fa_rup(p->Dv, VW);
-    size_t e = sizeof(REAL);
+    const size_t e = sizeof(REAL), R = (size_t)FA_NAME(cap_rows)(p);
     char *c = (char *)(((uintptr_t)scratch + FA_ALIGN - 1) / FA_ALIGN * FA_ALIGN);
-    w->Qs = (REAL *)c; c += fa_al(BMR * Dp * e);
+    w->Qs = (REAL *)c; c += fa_al(R * Dp * e);
     w->K = (REAL *)c; c += fa_al(BN * Dp * e);
     w->V = (REAL *)c; c += fa_al(BN * Dvp * e);
-    w->S = (REAL *)c; c += fa_al(BMR * BN * e);
-    w->O = (REAL *)c; c += fa_al(BMR * Dvp * e);
-    w->m = (REAL *)c; c += fa_al(BMR * e);
-    w->l = (REAL *)c; c += fa_al(BMR * e);
+    w->S = (REAL *)c; c += fa_al(R * BN * e);
+    w->O = (REAL *)c; c += fa_al(R * Dvp * e);
+    w->m = (REAL *)c; c += fa_al(R * e);
+    w->l = (REAL *)c; c += fa_al(R * e);
     w->tmp = (REAL *)c;
 }
 
@@ -335,6 +349,9 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
     int64_t ni = fa_min64(t->ni, bi.Lb - t->i0);
     if (ni < 0) ni = 0;
     const int64_t R = G * ni;
+    /* Every buffer of the scratch holds cap_rows rows (attention.c checks the
+     * whole scratch with a guard zone in debug builds). */
+    FA_DEBUG_CHECK(G * t->ni <= FA_NAME(cap_rows)(p), "task stacks more rows than its scratch holds");
     const int use_log2 = p->softcap == 0.0;
     const REAL qscale = (REAL)(p->scale * (use_log2 ? FA_LOG2E : 1.0));
     const int64_t ksz = (int64_t)fa_dtype_size(p->k_dtype), vsz = (int64_t)fa_dtype_size(p->v_dtype);
@@ -478,14 +495,30 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
                     double y = x / p->softcap;
                     x = (fabs(y) < 1e-6 ? x : p->softcap * tanh(y)) * FA_LOG2E;
                 }
+                /* A finite logit stays finite: an HF-style padding mask of
+                 * finfo(float32).min overflows float32 once in log2 units (and
+                 * finfo(float64).min overflows double), and -inf would mask the
+                 * key outright (a row of only such keys gave zeros where the
+                 * softmax is uniform over them).  Only -inf / NaN inputs, a False
+                 * bool mask and the block mask remove a key. */
+                int fin = x - x == 0.0; /* finite (NaN and +-inf fail) */
                 if (p->alibi) x -= slope * (double)(ip > j ? ip - j : j - ip);
                 if (mrow) {
                     int64_t mo = j * p->m_ss;
-                    if (p->mask_kind == FA_MASK_BOOL) { if (!((const uint8_t *)mrow)[mo]) x = -INFINITY; }
-                    else if (p->mask_kind == FA_MASK_F32) x += ((const float *)mrow)[mo] * FA_LOG2E;
-                    else x += ((const double *)mrow)[mo] * FA_LOG2E;
+                    if (p->mask_kind == FA_MASK_BOOL) {
+                        if (!((const uint8_t *)mrow)[mo]) { x = -INFINITY; fin = 0; }
+                    } else {
+                        double mv = p->mask_kind == FA_MASK_F32 ? (double)((const float *)mrow)[mo]
+                                                                : ((const double *)mrow)[mo];
+                        if (mv - mv != 0.0) fin = 0; /* -inf / +inf / NaN in the mask act as given */
+                        x += mv * FA_LOG2E;
+                    }
                 }
-                if (p->bmask && !fa_bmask_at(p, b, h, i, j)) x = -INFINITY;
+                if (p->bmask && !fa_bmask_at(p, b, h, i, j)) { x = -INFINITY; fin = 0; }
+                if (fin) {
+                    if (x < -FA_REAL_MAX) x = -FA_REAL_MAX;
+                    else if (x > FA_REAL_MAX) x = FA_REAL_MAX;
+                }
                 s[jj] = (REAL)x;
             }
         }
@@ -613,7 +646,9 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
             mm = w.m[ra]; /* log2 domain */
             ll = w.l[ra];
             f = 1.0;
-            if (p->sinks) {
+            /* A split task's part leaves the sink out: the merge adds it to the
+             * denominator once (attention.c, fa_merge_row). */
+            if (p->sinks && !t->part_o) {
                 double sk = p->sinks[h] * FA_LOG2E, M = mm > sk ? mm : sk;
                 f = mm == -INFINITY ? 0.0 : exp2(mm - M);
                 ll = ll * f + exp2(sk - M);

@@ -25,14 +25,32 @@ static inline fa_batch fa_batch_info(const fa_params *p, int64_t b)
     return r;
 }
 
+/* a + b and a - b saturated to [INT64_MIN, INT64_MAX]: window bounds may be
+ * anything up to INT64_MAX (sys.maxsize means "unbounded" to a caller) and ip
+ * is negative for the first L - S queries when L > S, so i' - left and
+ * i' + right + 1 must not wrap around. */
+static inline int64_t fa_sat_add64(int64_t a, int64_t b)
+{
+    int64_t r;
+    if (__builtin_add_overflow(a, b, &r)) return b > 0 ? INT64_MAX : INT64_MIN;
+    return r;
+}
+
+static inline int64_t fa_sat_sub64(int64_t a, int64_t b)
+{
+    int64_t r;
+    if (__builtin_sub_overflow(a, b, &r)) return b < 0 ? INT64_MAX : INT64_MIN;
+    return r;
+}
+
 /* Visible key range [lo, hi) of the query at bottom-right position ip. */
 static inline void fa_row_range(const fa_params *p, int64_t ip, int64_t Sb,
                                 int64_t *lo, int64_t *hi)
 {
     int64_t l = 0, h = Sb;
     if (p->causal) h = fa_min64(h, ip + 1);
-    if (p->window_left >= 0) l = fa_max64(l, ip - p->window_left);
-    if (p->window_right >= 0) h = fa_min64(h, ip + p->window_right + 1);
+    if (p->window_left >= 0) l = fa_max64(l, fa_sat_sub64(ip, p->window_left));
+    if (p->window_right >= 0) h = fa_min64(h, fa_sat_add64(fa_sat_add64(ip, p->window_right), 1));
     *lo = l;
     *hi = h > l ? h : l;
 }

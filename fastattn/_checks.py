@@ -42,9 +42,22 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+# The most threads one call uses (csrc/attention.c, FA_MAX_THREADS).
+MAX_THREADS = 1024
+INT64_MAX = 2**63 - 1
+
+
 def as_array(x, name):
     """``np.asarray`` without copying when possible; rejects non-array-likes.
     Non-native byte order is converted to native (a copy)."""
+    if type(x) is np.ndarray:  # the common case
+        return x if x.dtype.isnative else x.astype(x.dtype.newbyteorder("="))
+    if isinstance(x, np.ma.MaskedArray):
+        # np.asarray would drop its mask silently: the masked entries would count.
+        raise TypeError(
+            f"{name} must not be a numpy.ma.MaskedArray (its mask would be ignored); "
+            f"pass {name}.filled(value) or a separate attn_mask"
+        )
     if isinstance(x, np.ndarray):
         return x if x.dtype.isnative else x.astype(x.dtype.newbyteorder("="))
     if x is None or isinstance(x, (str, bytes, dict, set)):
@@ -73,7 +86,15 @@ def kernel_ready(a):
     return b
 
 
-def scale_value(scale, D):
+# Largest |scale| whose product with log2(e) (the kernels fold it into the
+# queries) is finite in the compute dtype.
+_SCALE_MAX = {
+    F32: float(np.finfo(np.float32).max) / math.log2(math.e),
+    F64: 1.7976931348623157e308 / math.log2(math.e),
+}
+
+
+def scale_value(scale, D, compute_dtype=F32):
     if scale is None:
         return 1.0 / math.sqrt(D)
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
@@ -81,24 +102,43 @@ def scale_value(scale, D):
     s = float(scale)
     if not math.isfinite(s):
         raise ValueError(f"scale must be finite, got {scale!r}")
+    limit = _SCALE_MAX[F64 if compute_dtype == F64 else F32]
+    if abs(s) > limit:
+        prec = "float64" if compute_dtype == F64 else "float32"
+        raise ValueError(
+            f"scale must have magnitude at most {limit:.4g} for {prec} computation "
+            f"(it is applied in that precision), got {scale!r}"
+        )
     return s
+
+
+def flag_value(x, name):
+    """A bool argument: bool, NumPy bool, int or None (false); arrays are rejected
+    with the argument's name instead of NumPy's "truth value is ambiguous"."""
+    if x is None or isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    if isinstance(x, numbers.Integral):
+        return bool(x)
+    raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
 
 
 def threads_value(num_threads, default):
     if num_threads is None:
         return default()
-    if type(num_threads) is int and 1 <= num_threads <= 2**31 - 1:  # the fast path (no ABC check)
+    if type(num_threads) is int and 1 <= num_threads <= MAX_THREADS:  # the fast path (no ABC check)
         return num_threads
     if isinstance(num_threads, (bool, np.bool_)) or not isinstance(num_threads, numbers.Integral):
         raise TypeError(f"num_threads must be an int or None, got {type(num_threads).__name__}")
-    if not 1 <= num_threads <= 2**31 - 1:
-        raise ValueError(f"num_threads must be in [1, 2**31 - 1], got {num_threads}")
+    if not 1 <= num_threads <= MAX_THREADS:
+        raise ValueError(f"num_threads must be in [1, {MAX_THREADS}], got {num_threads}")
     return int(num_threads)
 
 
-def int_value(x, name, minimum=None):
+def int_value(x, name, minimum=None, maximum=None):
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(x).__name__}")
     if minimum is not None and x < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    if maximum is not None and x > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {x}")
     return int(x)

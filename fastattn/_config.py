@@ -11,6 +11,7 @@ import platform
 import sys
 
 from . import _build_config, _kernels
+from ._checks import MAX_THREADS
 
 __all__ = [
     "get_num_threads",
@@ -38,8 +39,8 @@ def _parse_threads(value: str | None) -> int | None:
         n = int(value)
     except ValueError:
         raise ValueError(f"FASTATTN_NUM_THREADS must be a positive integer, got {value!r}") from None
-    if n < 1:
-        raise ValueError(f"FASTATTN_NUM_THREADS must be a positive integer, got {value!r}")
+    if not 1 <= n <= MAX_THREADS:
+        raise ValueError(f"FASTATTN_NUM_THREADS must be an integer in [1, {MAX_THREADS}], got {value!r}")
     return n
 
 
@@ -57,7 +58,7 @@ def get_num_threads() -> int:
         return _thread_override
     if _env_threads is not None:
         return _env_threads
-    return max(1, _kernels.omp_max_threads())
+    return min(max(1, _kernels.omp_max_threads()), MAX_THREADS)
 
 
 def set_num_threads(n: int | None) -> None:
@@ -68,8 +69,8 @@ def set_num_threads(n: int | None) -> None:
         return
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"num_threads must be an int, got {type(n).__name__}")
-    if n < 1:
-        raise ValueError(f"num_threads must be >= 1, got {n}")
+    if not 1 <= n <= MAX_THREADS:
+        raise ValueError(f"num_threads must be in [1, {MAX_THREADS}], got {n}")
     _thread_override = n
 
 

@@ -172,6 +172,10 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, obje
         rc = fa_attention(&p)
     if rc == 1:
         raise MemoryError("fastattn: could not allocate kernel scratch memory")
+    if rc == 3:
+        raise RuntimeError(
+            f"fastattn: the operating system refused to start the threads of a team "
+            f"(num_threads={num_threads}); pass a smaller num_threads")
     if rc != 0:
         raise RuntimeError(f"fastattn: kernel failed with status {rc}")
 

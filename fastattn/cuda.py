@@ -506,7 +506,7 @@ def scaled_dot_product_attention(
     lead, (Hq, L, D), (Hk, S, Dv) = _check_shapes(q, k, v, layout, enable_gqa)
     if D > MAX_HEAD_DIM or Dv > MAX_HEAD_DIM:
         raise ValueError(f"head dims must be <= {MAX_HEAD_DIM} on the GPU, got query/key {D}, value {Dv}")
-    sc = scale_value(scale, D)
+    sc = scale_value(scale, D, F64 if q.dtype == F64 else F32)
     wl, wr = _window(window)
     cap = _softcap(softcap)
     B = math.prod(lead)

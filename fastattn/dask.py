@@ -251,7 +251,7 @@ def scaled_dot_product_attention(
     nlead = nd - 3
     h_ax, s_ax = (nd - 3, nd - 2) if layout == "bhsd" else (nd - 2, nd - 3)
     G = Hq // Hk if Hk else 1
-    sc = scale_value(scale, D)
+    sc = scale_value(scale, D, F64 if q.dtype == F64 else F32)
     if num_threads is not None:
         threads_value(num_threads, lambda: 1)
     wl, wr = _functional._window(window)

@@ -17,8 +17,10 @@ from . import _kernels
 from ._checks import (
     F32,
     F64,
+    INT64_MAX,
     as_array,
     check_float,
+    flag_value,
     int_value,
     kernel_ready,
     scale_value,
@@ -54,8 +56,9 @@ def _window(window):
         return -1, -1
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise TypeError(f"window must be a (left, right) pair of ints, got {window!r}")
-    left = int_value(window[0], "window[0]", -1)
-    right = int_value(window[1], "window[1]", -1)
+    # Up to 2**63 - 1 (sys.maxsize: "unbounded"); the kernel saturates i' +- bound.
+    left = int_value(window[0], "window[0]", -1, INT64_MAX)
+    right = int_value(window[1], "window[1]", -1, INT64_MAX)
     return left, right
 
 
@@ -67,6 +70,10 @@ def _softcap(softcap):
     c = float(softcap)
     if not (c > 0 and math.isfinite(c)):
         raise ValueError(f"softcap must be positive and finite, got {softcap!r}")
+    if c < 2.2250738585072014e-308:  # a denormal: the kernel reads it as 0 (DAZ)
+        raise ValueError(
+            f"softcap must be at least 2.2250738585072014e-308 (a normal float64), got {softcap!r}"
+        )
     return c
 
 
@@ -438,8 +445,10 @@ def scaled_dot_product_attention(
             softcap=softcap,
             key_lengths=key_lengths,
         )
-    if layout not in ("bhsd", "bshd"):
+    if not isinstance(layout, str) or layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    causal = flag_value(is_causal, "is_causal")
+    want_lse = flag_value(return_lse, "return_lse")
     q = as_array(query, "query")
     k = as_array(key, "key")
     v = as_array(value, "value")
@@ -451,11 +460,11 @@ def scaled_dot_product_attention(
         qh, kh, vh = q[None], k[None], v[None]
     else:
         qh, kh, vh = q, k, v
-    sc = scale_value(scale, D)
+    cdt = _compute_dtype(q)
+    sc = scale_value(scale, D, cdt)
     threads = threads_value(num_threads, get_num_threads)
     wl, wr = _window(window)
     cap = _softcap(softcap)
-    cdt = _compute_dtype(q)
     B = math.prod(lead)
 
     mask, mask_kind = _mask_value(attn_mask, lead + (Hq, L, S), cdt)
@@ -469,8 +478,8 @@ def scaled_dot_product_attention(
             raise ValueError("block_mask and block_size must be given together")
         if not isinstance(block_size, (tuple, list)) or len(block_size) != 2:
             raise TypeError(f"block_size must be a (bq, bk) pair of ints, got {block_size!r}")
-        bm_q = int_value(block_size[0], "block_size[0]", 1)
-        bm_k = int_value(block_size[1], "block_size[1]", 1)
+        bm_q = int_value(block_size[0], "block_size[0]", 1, INT64_MAX)
+        bm_k = int_value(block_size[1], "block_size[1]", 1, INT64_MAX)
         bm = as_array(block_mask, "block_mask")
         if bm.dtype != np.bool_:
             raise TypeError(f"block_mask must be a bool array, got dtype {bm.dtype}")
@@ -482,7 +491,11 @@ def scaled_dot_product_attention(
                 f"block_mask of shape {bm.shape} does not broadcast to "
                 f"{lead + (Hq, nbq, nbk)} (blocks of {bm_q}x{bm_k})"
             ) from None
-        bmask = np.ascontiguousarray(bm).reshape((B, Hq, nbq, nbk))
+        # Read in place through broadcasting strides (the kernel takes a stride per
+        # dim); a copy only when the leading dims cannot merge into one.
+        bmask = _merge_lead(bm, B) if bm.ndim > 4 else bm.reshape((B, Hq, nbq, nbk))
+        if bmask is None:
+            bmask = np.ascontiguousarray(bm).reshape((B, Hq, nbq, nbk))
 
     out_dtype = q.dtype
     out_shape = q.shape[:-1] + (Dv,)
@@ -495,8 +508,9 @@ def scaled_dot_product_attention(
             raise TypeError(f"out must have dtype {out_dtype}, got {out.dtype}")
         if not out.flags.writeable:
             raise ValueError("out must be writable")
-        for a, n in ((q, "query"), (k, "key"), (v, "value"), (attn_mask, "attn_mask")):
-            if isinstance(a, np.ndarray) and np.may_share_memory(out, a):
+        # The converted arrays (a torch tensor or other array-like mask included).
+        for a, n in ((q, "query"), (k, "key"), (v, "value"), (mask, "attn_mask"), (bmask, "block_mask")):
+            if a is not None and np.may_share_memory(out, a):
                 raise ValueError(f"out must not share memory with {n}")
         res = out
         direct = (
@@ -512,14 +526,14 @@ def scaled_dot_product_attention(
     else:
         oh = work
     lse = lseh = None
-    if return_lse:
+    if want_lse:
         lse = np.empty(lead + (Hq, L), dtype=cdt)
         lseh = lse
 
     opts = {
         "mask_kind": mask_kind,
         "scale": sc,
-        "causal": bool(is_causal),
+        "causal": causal,
         "wl": wl,
         "wr": wr,
         "softcap": cap,
@@ -540,7 +554,7 @@ def scaled_dot_product_attention(
     _attention(qh, kh, vh, mask, oh, lseh, opts)
     if work is not res:
         res[...] = work
-    if return_lse:
+    if want_lse:
         if q.ndim == 2:
             lse = lse[0]
         return res, lse
@@ -577,6 +591,8 @@ def varlen_attention(
     sequence.  ``precision``: as for :func:`scaled_dot_product_attention`.  Returns
     ``(Tq, Hq, Dv)`` and, with ``return_lse``, ``(Hq, Tq)``.
     """
+    causal = flag_value(is_causal, "is_causal")
+    want_lse = flag_value(return_lse, "return_lse")
     qa, ka, va = as_array(q, "q"), as_array(k, "k"), as_array(v, "v")
     _check_dtypes(qa, ka, va)
     for a, n in ((qa, "q"), (ka, "k"), (va, "v")):
@@ -616,7 +632,7 @@ def varlen_attention(
         )
     nb = cq.shape[0] - 1
     prec = precision_code(precision)
-    sc = scale_value(scale, D)
+    sc = scale_value(scale, D, _compute_dtype(qa))
     threads = threads_value(num_threads, get_num_threads)
     wl, wr = _window(window)
     cap = _softcap(softcap)
@@ -637,7 +653,7 @@ def varlen_attention(
         o = out
     else:
         o = np.empty((Tq, Hq, Dv), dtype=qa.dtype)
-    lse = np.empty((Hq, Tq), dtype=_compute_dtype(qa)) if return_lse else None
+    lse = np.empty((Hq, Tq), dtype=_compute_dtype(qa)) if want_lse else None
     if nb > 0 and Tq > 0:
 
         def batched(a):  # (T, H, X) -> (nb, H, T, X) with batch stride 0
@@ -656,7 +672,7 @@ def varlen_attention(
             None,
             _kernels.MASK_NONE,
             sc,
-            bool(is_causal),
+            causal,
             wl,
             wr,
             cap,
@@ -676,4 +692,4 @@ def varlen_attention(
         )
     elif lse is not None:
         lse[...] = -np.inf
-    return (o, lse) if return_lse else o
+    return (o, lse) if want_lse else o

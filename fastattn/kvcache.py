@@ -15,6 +15,7 @@ are the ``Lq`` newest cached positions, so query ``i`` of sequence ``b`` (with
 from __future__ import annotations
 
 import numbers
+import threading
 
 import numpy as np
 
@@ -23,6 +24,7 @@ from ._checks import (
     F64,
     as_array,
     bfloat16_dtype,
+    flag_value,
     int_value,
     is_bfloat16,
     is_storage_dtype,
@@ -203,10 +205,12 @@ class KVCache:
     to some sequences.  Generation loops: :meth:`crop` rolls back (speculative
     decoding), :meth:`reorder_cache` follows beam search, :meth:`get_seq_length`.
 
-    Thread safety: ``append``, ``reset``, ``crop`` and ``reorder_cache`` mutate
-    the cache and must not run concurrently with each other or with ``attend``
-    on the same cache;
-    concurrent ``attend`` calls (and reads of ``k``/``v``/``lengths``) are safe
+    Thread safety: ``append``, ``reset``, ``crop`` and ``reorder_cache`` hold
+    a per-cache lock, so concurrent calls of them from several threads each
+    take effect whole (no appended token is lost), in some order; they must
+    still not run concurrently with ``attend`` on the same sequences (an
+    ``attend`` may see new keys with an old length, or the reverse).
+    Concurrent ``attend`` calls (and reads of ``k``/``v``/``lengths``) are safe
     (the kernel releases the GIL and only reads the cache).
     """
 
@@ -235,6 +239,7 @@ class KVCache:
         self._k = np.zeros((B, Hk, S, D), dtype=dt)
         self._v = np.zeros((B, Hk, S, Dv), dtype=dt)
         self._len = np.zeros(B, dtype=np.int64)
+        self._lock = threading.Lock()  # append/reset/crop/reorder_cache (see the class doc)
         # Rotary (RoPE): keys rotated at their positions as they are appended, queries as they attend.
         self._rot = None
         if rotary_cos is not None or rotary_sin is not None:
@@ -321,6 +326,10 @@ class KVCache:
         unchanged.  A growing cache (``max_len=None``) doubles its capacity when
         needed.  Returns the new lengths of the selected sequences.
         """
+        with self._lock:  # the length checks and the writes as one step
+            return self._append(k_new, v_new, batch_index)
+
+    def _append(self, k_new, v_new, batch_index):
         idx = _batch_indices(batch_index, self.batch)
         n = self.batch if idx is None else idx.size
         allow_3d = isinstance(batch_index, numbers.Integral) and not isinstance(batch_index, bool)
@@ -399,7 +408,8 @@ class KVCache:
         n = int_value(n, "n")
         if n < 0:
             raise ValueError(f"n must be >= 0 (the tokens to keep per sequence), got {n}")
-        np.minimum(self._len, n, out=self._len)
+        with self._lock:
+            np.minimum(self._len, n, out=self._len)
 
     def reorder_cache(self, beam_idx):
         """Beam search: sequence ``b`` takes the contents and length of sequence ``beam_idx[b]``.
@@ -420,12 +430,13 @@ class KVCache:
                 f"beam_idx values must lie in [0, {self.batch}), got range [{a.min()}, {a.max()}]"
             )
         idx = a.astype(np.intp)
-        used = int(self._len[idx].max()) if idx.size else 0
-        if used:
-            # The fancy index copies first, so rows that read each other are safe.
-            self._k[:, :, :used] = self._k[idx, :, :used]
-            self._v[:, :, :used] = self._v[idx, :, :used]
-        self._len = self._len[idx]
+        with self._lock:
+            used = int(self._len[idx].max()) if idx.size else 0
+            if used:
+                # The fancy index copies first, so rows that read each other are safe.
+                self._k[:, :, :used] = self._k[idx, :, :used]
+                self._v[:, :, :used] = self._v[idx, :, :used]
+            self._len = self._len[idx]
 
     def get_seq_length(self):
         """Tokens in the cache: the longest sequence's length, an int (0 when empty)."""
@@ -434,10 +445,11 @@ class KVCache:
     def reset(self, batch_index=None):
         """Forget the tokens of the selected sequences (all when None): their lengths become 0."""
         idx = _batch_indices(batch_index, self.batch)
-        if idx is None:
-            self._len[:] = 0
-        else:
-            self._len[idx] = 0
+        with self._lock:
+            if idx is None:
+                self._len[:] = 0
+            else:
+                self._len[idx] = 0
 
     # -------------------------------------------------------------- attention
     def attend(
@@ -507,7 +519,9 @@ class KVCache:
             )
         # Scattered indices: one kernel call per sequence, each on a view of the cache.
         out = np.empty(qa.shape[:3] + (self.value_dim,), dtype=qa.dtype)
-        lse = np.empty(qa.shape[:3], dtype=F32) if return_lse else None
+        # The LSE dtype of the contiguous path: float64 for a float64 cache.
+        want_lse = flag_value(return_lse, "return_lse")
+        lse = np.empty(qa.shape[:3], dtype=F64 if qa.dtype == F64 else F32) if want_lse else None
         al = None if alibi_slopes is None else as_array(alibi_slopes, "alibi_slopes")
         for r, b in enumerate(idx.tolist()):
             slopes = None if al is None else (al[r : r + 1] if al.ndim == 2 else al)
@@ -577,8 +591,10 @@ def attention_with_kvcache(
     rotate-half by default, GPT-J pairs with ``rotary_interleaved=True``.
     q and k_new are not modified.
     """
-    if layout not in ("bhsd", "bshd"):
+    if not isinstance(layout, str) or layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    is_causal = flag_value(is_causal, "is_causal")
+    return_lse = flag_value(return_lse, "return_lse")
     qa = as_array(q, "q")
     if not isinstance(k_cache, np.ndarray):
         raise TypeError(f"k_cache must be a numpy.ndarray, got {type(k_cache).__name__}")
@@ -613,10 +629,14 @@ def attention_with_kvcache(
             f"v_cache must have the heads and length of k_cache, got {v_cache.shape} and {k_cache.shape}"
         )
     Dv = vc.shape[3]
+    if D == 0 or Dv == 0:
+        raise ValueError(f"head dims must be >= 1, got head_dim {D} and value_dim {Dv}")
     if Hk == 0 or Hq % Hk:
         raise ValueError(f"q heads ({Hq}) must be a multiple of the cache's kv heads ({Hk})")
 
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, (bool, np.bool_)):
+        if not 0 <= cache_seqlens <= S:  # before np.full: a value beyond int64 is OverflowError there
+            raise ValueError(f"cache_seqlens must lie in [0, {S}], got {cache_seqlens}")
         seq = np.full(B, int(cache_seqlens), dtype=np.int64)
     else:
         s = as_array(cache_seqlens, "cache_seqlens")
@@ -667,7 +687,7 @@ def attention_with_kvcache(
             "causal decoding needs cache_seqlens + new tokens >= query length "
             "(or pass is_causal=False)"
         )
-    _check_options(window, alibi_slopes, softcap, scale, num_threads, B, Hq, D)
+    _check_options(window, alibi_slopes, softcap, scale, num_threads, B, Hq, D, qa.dtype)
     rot = None
     if rotary_cos is not None or rotary_sin is not None:
         rot = _CacheRotary(rotary_cos, rotary_sin, rotary_interleaved, D, cdt)
@@ -727,11 +747,11 @@ def _as_new(x, name, layout):
     return a
 
 
-def _check_options(window, alibi_slopes, softcap, scale, num_threads, B, Hq, D):
+def _check_options(window, alibi_slopes, softcap, scale, num_threads, B, Hq, D, qdt):
     """The option checks of scaled_dot_product_attention, run before the caches are written."""
     _window(window)
     _softcap(softcap)
-    scale_value(scale, D)
+    scale_value(scale, D, F64 if qdt == F64 else F32)
     threads_value(num_threads, lambda: 1)
     if alibi_slopes is not None:
         _per_head(alibi_slopes, "alibi_slopes", (B,), Hq, True)

@@ -35,6 +35,10 @@ from .functional import scaled_dot_product_attention
 __all__ = ["MultiHeadAttention"]
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+# need_weights materialises (B, num_heads, L, S) weights (and temporaries of
+# that size): calls that would need more than this raise ValueError instead of
+# exhausting memory.  A module attribute, so that a caller can raise it.
+NEED_WEIGHTS_MAX_BYTES = 1 << 30
 
 
 def _pos_int(x, name):
@@ -449,6 +453,16 @@ class MultiHeadAttention:
         kernel_causal = is_causal and L == S
         tri = np.tri(L, S, dtype=bool) if is_causal and L != S else None
         mask = self._masks(key_padding_mask, attn_mask, B, L, S, tri)
+        if need_weights:
+            nbytes = B * self.num_heads * L * S * self.dtype.itemsize
+            if nbytes > NEED_WEIGHTS_MAX_BYTES:
+                raise ValueError(
+                    f"need_weights=True would allocate (B, num_heads, L, S) = "
+                    f"{(B, self.num_heads, L, S)} weights ({nbytes / 2**30:.1f} GiB, plus temporaries), "
+                    f"above fastattn.modules.NEED_WEIGHTS_MAX_BYTES = "
+                    f"{NEED_WEIGHTS_MAX_BYTES / 2**30:g} GiB; pass need_weights=False (the output "
+                    "does not need them) or raise the limit"
+                )
 
         H, Hk = self.num_heads, self.num_kv_heads
 

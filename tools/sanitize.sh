@@ -26,6 +26,11 @@ else
     trap 'rm -rf "$work"' EXIT
 fi
 san="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
+# -DFA_DEBUG_SCRATCH: exactly sized per-thread scratch (no cached, larger block
+# to hide an overrun from ASan), a guard zone after it checked after every call,
+# and the kernels' internal checks (rows per task <= scratch rows); a failed
+# check aborts with a message.
+dbg="-DFA_DEBUG_SCRATCH"
 # Reuse a kept build when no C/Cython source is newer than it.
 so=$(ls "$work"/src/fastattn/_kernels*.so 2>/dev/null | head -1 || true)
 if [ -z "$so" ] || [ -n "$(find "$src/csrc" "$src/fastattn/_kernels.pyx" "$src/setup.py" -newer "$so" -print -quit)" ]; then
@@ -34,7 +39,7 @@ if [ -z "$so" ] || [ -n "$(find "$src/csrc" "$src/fastattn/_kernels.pyx" "$src/s
     # tar, not rsync: rsync is missing on fresh machines.  No build outputs are copied.
     tar -C "$src" --exclude=./build --exclude="*.so" --exclude=./.git --exclude=./.venv --exclude=./.asv \
         --exclude=__pycache__ -cf - . | tar -C "$work/src" -xf -
-    (cd "$work/src" && CFLAGS="$san -g" LDFLAGS="$san" python setup.py -q build_ext --inplace \
+    (cd "$work/src" && CFLAGS="$san $dbg -g" LDFLAGS="$san" python setup.py -q build_ext --inplace \
         >"$work/build.log" 2>&1) || { cat "$work/build.log"; exit 1; }
     echo "sanitizers: built in $((SECONDS - t0)) s (log: $work/build.log)"
 else
