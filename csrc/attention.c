@@ -97,9 +97,7 @@ static void fa_ws_put(void *ws, size_t bytes)
  * thread never sees the caller's fesetround() mode, so the caller's thread
  * switches to the workers' mode for the call, and the results do not depend
  * on the thread count or on the caller's rounding mode. */
-typedef struct fa_fpenv { unsigned int csr; int round; } fa_fpenv;
-
-static void fa_fpenv_enter(fa_fpenv *e)
+void fa_fpenv_enter(fa_fpenv *e)
 {
 #if defined(FA_HAVE_X86)
     e->csr = _mm_getcsr();
@@ -112,7 +110,7 @@ static void fa_fpenv_enter(fa_fpenv *e)
 #endif
 }
 
-static void fa_fpenv_exit(const fa_fpenv *e)
+void fa_fpenv_exit(const fa_fpenv *e)
 {
 #if defined(FA_HAVE_X86)
     _mm_setcsr(e->csr);
@@ -190,6 +188,22 @@ static void fa_run_tasks(const fa_kernel *kern, const fa_params *p, const fa_tas
         if (ws) kern->run(p, &tasks[t], ws);
     if (ws) fa_ws_put(ws, ws_bytes);
     fa_fpenv_exit(&env);
+}
+
+int fa_team_size(int requested)
+{
+    int nt = requested < 1 ? 1 : requested > FA_MAX_THREADS ? FA_MAX_THREADS : requested;
+#ifdef _OPENMP
+    if (fa_forked) return 1; /* a fork() child of a process with a thread team: see above */
+    if (nt > 1) {
+        if (!fa_team_available(nt)) return 0;
+        fa_team_started = 1;
+    }
+    return nt;
+#else
+    (void)nt;
+    return 1;
+#endif
 }
 
 int fa_openmp_enabled(void)
@@ -344,22 +358,16 @@ int fa_attention(const fa_params *p)
     int failed = 0;
     int nt = p->num_threads < 1 ? 1 : p->num_threads > FA_MAX_THREADS ? FA_MAX_THREADS : p->num_threads;
     if (nt > ntask) nt = (int)ntask;
-    if (fa_forked) nt = 1; /* a fork() child of a process with a thread team: see above */
     const size_t ws_bytes = kern->scratch_bytes(p);
     {
         double macs = (double)p->B * (double)p->Hq * (double)p->L * (double)p->S * (double)(p->D + p->Dv);
         if (p->causal) macs *= 0.5;
         if (macs < FA_SERIAL_MACS) nt = 1;
     }
-#ifdef _OPENMP
-    if (nt > 1 && !fa_team_available(nt)) {
+    if (nt > 1 && (nt = fa_team_size(nt)) == 0) {
         free(tasks); free(part_o); free(part_lse);
         return FA_ETHREADS;
     }
-#else
-    nt = 1;
-#endif
-    if (nt > 1) fa_team_started = 1;
     if (nt == 1) {
         fa_run_tasks(kern, p, tasks, ntask, ws_bytes, &failed);
     } else {

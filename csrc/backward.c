@@ -42,11 +42,8 @@ static const fa_bwd_kernel *fa_select_bwd_kernel(const fa_params *p)
 static void fb_run_tasks(const fa_bwd_kernel *kern, const fa_bwd_params *p, const fa_bwd_task *tasks,
                          int64_t ntask, size_t ws_bytes, int *failed)
 {
-#if defined(FA_HAVE_X86)
-    /* Flush denormals to zero inside the kernel only (as the forward). */
-    unsigned int csr = _mm_getcsr();
-    _mm_setcsr(csr | 0x8040);
-#endif
+    fa_fpenv env;
+    fa_fpenv_enter(&env); /* as the forward: nearest, FTZ/DAZ inside the kernel only */
     void *ws = malloc(ws_bytes);
     if (!ws) {
 #ifdef _OPENMP
@@ -60,9 +57,7 @@ static void fb_run_tasks(const fa_bwd_kernel *kern, const fa_bwd_params *p, cons
     for (int64_t t = 0; t < ntask; t++)
         if (ws) kern->run(p, &tasks[t], ws);
     free(ws);
-#if defined(FA_HAVE_X86)
-    _mm_setcsr(csr);
-#endif
+    fa_fpenv_exit(&env);
 }
 
 int fa_attention_backward(const fa_bwd_params *bp)
@@ -72,7 +67,7 @@ int fa_attention_backward(const fa_bwd_params *bp)
     const int f64 = p->q_dtype == FA_F64;
     const int cdt = f64 ? FA_F64 : FA_F32;
     const size_t esz = f64 ? 8 : 4;
-    const int64_t G = p->Hq / p->Hk, BK = kern->block_keys;
+    const int64_t G = p->Hk > 0 ? p->Hq / p->Hk : 0, BK = kern->block_keys; /* zero heads: no division */
     const int64_t Dp = (p->D + kern->vw - 1) / kern->vw * kern->vw;
     const int64_t nrow = p->B * p->Hq * p->L;
     int nt = p->num_threads < 1 ? 1 : p->num_threads;
@@ -81,6 +76,8 @@ int fa_attention_backward(const fa_bwd_params *bp)
         if (p->causal) macs *= 0.5;
         if (macs < FB_SERIAL_MACS) nt = 1;
     }
+    /* Bound, fork safety, threads the OS will start (attention.c). */
+    if (nt > 1 && (nt = fa_team_size(nt)) == 0) return FA_ETHREADS;
 
     /* ---- per row: D_i = dO_i . O_i and LSE_i * log2(e) (+inf where the LSE is
      * -inf: a row that sees no key gets P = 0) ---- */
@@ -89,7 +86,13 @@ int fa_attention_backward(const fa_bwd_params *bp)
     char *delta = rows, *lse2 = rows + (size_t)nrow * esz;
     const int64_t nbh = p->B * p->Hq;
 #ifdef _OPENMP
-#pragma omp parallel for num_threads(nt) schedule(static)
+#pragma omp parallel num_threads(nt)
+#endif
+    {
+    fa_fpenv env;
+    fa_fpenv_enter(&env);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
 #endif
     for (int64_t bh = 0; bh < nbh; bh++) {
         const int64_t b = bh / p->Hq, h = bh % p->Hq;
@@ -107,6 +110,8 @@ int fa_attention_backward(const fa_bwd_params *bp)
             fa_store_elem(delta, cdt, bh * p->L + i, d);
             fa_store_elem(lse2, cdt, bh * p->L + i, l2);
         }
+    }
+    fa_fpenv_exit(&env);
     }
     /* d loss / d sink_h = -sum_i P_sink,i D_i, P_sink,i = exp(sink_h - LSE_i);
      * summed in row order (one thread). */
@@ -172,7 +177,13 @@ int fa_attention_backward(const fa_bwd_params *bp)
     /* ---- dQ = scale * sum over splits, in split order ---- */
     if (!failed) {
 #ifdef _OPENMP
-#pragma omp parallel for num_threads(nt) schedule(static)
+#pragma omp parallel num_threads(nt)
+#endif
+        {
+        fa_fpenv env;
+        fa_fpenv_enter(&env);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
 #endif
         for (int64_t r = 0; r < nrow; r++) {
             const int64_t b = r / (p->Hq * p->L), h = (r / p->L) % p->Hq, i = r % p->L;
@@ -193,6 +204,8 @@ int fa_attention_backward(const fa_bwd_params *bp)
                     dst[c] = acc * sc;
                 }
             }
+        }
+        fa_fpenv_exit(&env);
         }
     }
     (void)G;

@@ -39,6 +39,17 @@ void fa_exp2_scalar(const float *x, float *y, int64_t n);
 
 const fa_kernel *fa_select_kernel(const fa_params *p); /* dispatch.c */
 
+/* Threads and floating-point environment shared by the drivers (attention.c).
+ * fa_team_size: the team for a call that asks for `requested` threads, after
+ * the bound (1024), fork safety (1 in a fork() child of a process that ran a
+ * team) and a check that the OS will start that many threads; 0 when it will
+ * not (report FA_ETHREADS).  fa_fpenv_enter/exit: every thread that runs a part
+ * of a call computes in round-to-nearest with FTZ/DAZ and restores its mode. */
+typedef struct fa_fpenv { unsigned int csr; int round; } fa_fpenv;
+int fa_team_size(int requested);
+void fa_fpenv_enter(fa_fpenv *e);
+void fa_fpenv_exit(const fa_fpenv *e);
+
 /* Internal consistency checks, compiled in debug and sanitizer builds only
  * (-DFA_DEBUG_SCRATCH, set by tools/sanitize.sh): a failed check aborts with a
  * message, which the sanitizer run reports as a failure. */

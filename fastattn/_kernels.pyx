@@ -318,5 +318,9 @@ def attention_backward(cnp.ndarray dout, cnp.ndarray q, cnp.ndarray k, cnp.ndarr
         rc = fa_attention_backward(&bp)
     if rc == 1:
         raise MemoryError("fastattn: could not allocate backward scratch memory")
+    if rc == 3:
+        raise RuntimeError(
+            f"fastattn: the operating system refused to start the threads of a team "
+            f"(num_threads={num_threads}); pass a smaller num_threads")
     if rc != 0:
         raise RuntimeError(f"fastattn: backward kernel failed with status {rc}")

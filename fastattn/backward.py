@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from . import _kernels
-from ._checks import F64, as_array, check_float, kernel_ready, scale_value, threads_value
+from ._checks import F32, F64, as_array, check_float, kernel_ready, scale_value, threads_value
 from ._config import get_num_threads
 from .functional import (
     _check_dtypes,
@@ -79,7 +79,7 @@ def scaled_dot_product_attention_backward(
     v = as_array(value, "value")
     _check_dtypes(q, k, v)
     lead, (Hq, L, D), (Hk, S, Dv) = _check_shapes(q, k, v, layout, enable_gqa)
-    sc = scale_value(scale, D)
+    sc = scale_value(scale, D, F64 if q.dtype == F64 else F32)
     threads = threads_value(num_threads, get_num_threads)
     wl, wr = _window(window)
     cap = _softcap(softcap)

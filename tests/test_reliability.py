@@ -180,8 +180,13 @@ k = rng.standard_normal((1, 4, 2048, 32)).astype(np.float32)
 d = rng.standard_normal((1, 4, 1, 32)).astype(np.float32)
 
 def work(_=None):
-    return (fastattn.scaled_dot_product_attention(q, k, k, num_threads=2),
-            fastattn.scaled_dot_product_attention(d, k, k, num_threads=2))  # split-KV: two teams
+    res = (fastattn.scaled_dot_product_attention(q, k, k, num_threads=2),
+           fastattn.scaled_dot_product_attention(d, k, k, num_threads=2))  # split-KV: two teams
+    bwd = getattr(fastattn, "scaled_dot_product_attention_backward", None)
+    if bwd is not None:  # the backward driver's teams too
+        o, lse = fastattn.scaled_dot_product_attention(q, k, k, return_lse=True, num_threads=2)
+        res += tuple(bwd(o, q, k, k, o, lse, num_threads=2))
+    return res
 
 want = work()  # the parent has started a thread team
 pid = os.fork()
@@ -411,6 +416,27 @@ def test_bit_identical_under_rounding_modes(isa, rng):
             for (o, lse), (wo, wl) in zip(per_nt, want):
                 np.testing.assert_array_equal(o, wo)
                 np.testing.assert_array_equal(lse, wl)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 fenv constants")
+@pytest.mark.skipif(not hasattr(fastattn, "scaled_dot_product_attention_backward"), reason="no backward")
+def test_backward_bit_identical_under_rounding_modes(isa, rng):
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    bwd = fastattn.scaled_dot_product_attention_backward
+    q, k = randn(rng, (1, 4, 64, 32)), randn(rng, (1, 2, 300, 32))
+    o, lse = sdpa(q, k, k, return_lse=True, is_causal=True, enable_gqa=True)
+    want = bwd(o, q, k, k, o, lse, is_causal=True, enable_gqa=True, num_threads=1)
+    for mode in _FE.values():
+        assert libm.fesetround(mode) == 0
+        try:
+            got = [
+                bwd(o, q, k, k, o, lse, is_causal=True, enable_gqa=True, num_threads=nt) for nt in (1, 2, 3)
+            ]
+        finally:
+            libm.fesetround(0)
+        for g in got:
+            for a, b in zip(g, want):
+                np.testing.assert_array_equal(a, b)
 
 
 # ---------------------------------------------------------------- 11. smaller items
