@@ -533,7 +533,7 @@ def test_need_weights_memory_bound(monkeypatch):
     from fastattn import modules
 
     mha = fastattn.MultiHeadAttention(8, 2, seed=0)
-    x = np.ones((1, 5, 8), np.float32)
+    x = np.ones((5, 1, 8), np.float32)  # (L, B, E), torch's default layout
     limit = 1 * 2 * 5 * 5 * 4  # (B, H, L, S) float32
     monkeypatch.setattr(modules, "NEED_WEIGHTS_MAX_BYTES", limit)
     mha(x, need_weights=True)  # at the limit: fine
