@@ -422,14 +422,26 @@ static void amx_softmax(const fa_params *p, const fa_task *t, const amx_ws *w, i
                         double y = x / p->softcap;
                         x = (fabs(y) < 1e-6 ? x : p->softcap * tanh(y)) * AMX_LOG2E;
                     }
+                    /* A finite logit stays finite (see kernel_impl.h): only -inf/NaN
+                     * inputs, a False bool mask and the block mask remove a key. */
+                    int fin = x - x == 0.0;
                     if (p->alibi) x -= slope * (double)(ip > j ? ip - j : j - ip);
                     if (mrow) {
                         const int64_t mo = j * p->m_ss;
-                        if (p->mask_kind == FA_MASK_BOOL) { if (!((const uint8_t *)mrow)[mo]) x = -INFINITY; }
-                        else if (p->mask_kind == FA_MASK_F32) x += ((const float *)mrow)[mo] * AMX_LOG2E;
-                        else x += ((const double *)mrow)[mo] * AMX_LOG2E;
+                        if (p->mask_kind == FA_MASK_BOOL) {
+                            if (!((const uint8_t *)mrow)[mo]) { x = -INFINITY; fin = 0; }
+                        } else {
+                            double mv = p->mask_kind == FA_MASK_F32 ? (double)((const float *)mrow)[mo]
+                                                                    : ((const double *)mrow)[mo];
+                            if (mv - mv != 0.0) fin = 0;
+                            x += mv * AMX_LOG2E;
+                        }
                     }
-                    if (p->bmask && !fa_bmask_at(p, b, h, i, j)) x = -INFINITY;
+                    if (p->bmask && !fa_bmask_at(p, b, h, i, j)) { x = -INFINITY; fin = 0; }
+                    if (fin) {
+                        if (x < -3.4028234663852886e38) x = -3.4028234663852886e38;
+                        else if (x > 3.4028234663852886e38) x = 3.4028234663852886e38;
+                    }
                     s[jj] = (float)x;
                 }
             }
@@ -612,7 +624,7 @@ static void amx_run(const fa_params *p, const fa_task *t, void *scratch)
             mm = w.m[ra];
             ll = w.l[ra];
             f = 1.0;
-            if (p->sinks) {
+            if (p->sinks && !t->part_o) { /* split parts: the merge adds the sink once */
                 double sk = p->sinks[h] * AMX_LOG2E, M = mm > sk ? mm : sk;
                 f = mm == -INFINITY ? 0.0 : exp2(mm - M);
                 ll = ll * f + exp2(sk - M);

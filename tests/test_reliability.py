@@ -644,3 +644,21 @@ def test_finfo_min_masks_property(isa, frac, whole_row, mf64, f64, S, seed):
         assert_close(lse[..., ok], rl[..., ok], dt, what="lse")
     else:
         assert_close(lse, rl, dt, what="lse")
+
+
+@pytest.mark.parametrize("S", [1024, 4096])
+def test_sinks_and_finfo_min_bfloat16_prefill(isa, rng, S):
+    # bfloat16 prefill takes the AMX tile kernel under isa "amx" (elsewhere the float32 kernels):
+    # its split-KV parts must leave the sink to the merge, and finite masks must stay finite.
+    import ml_dtypes
+
+    bf = ml_dtypes.bfloat16
+    q, k, v = (randn(rng, s).astype(bf) for s in ((1, 8, 64, 32), (1, 1, S, 32), (1, 1, S, 32)))
+    m = np.zeros((64, S), np.float32)
+    m[0] = F32_MIN
+    m[1, ::2] = F32_MIN
+    kw = dict(sinks=np.linspace(-4, 8, 8), enable_gqa=True, return_lse=True)
+    o, lse = sdpa(q, k, v, m, **kw)
+    r, rl = ref.scaled_dot_product_attention(q, k, v, m, **kw)
+    assert_close(o.astype(np.float32), r, tol=2e-2)
+    assert_close(lse[:, :, 1:], rl[:, :, 1:], tol=2e-2, what="lse")
