@@ -30,6 +30,7 @@ from ._config import get_num_threads, precision_code
 
 __all__ = ["scaled_dot_product_attention", "varlen_attention"]
 
+_SCALE_MAX_F32 = float(np.finfo(np.float32).max) / math.log2(math.e)  # as _checks.scale_value
 _MASK_KINDS = {np.dtype(np.bool_): _kernels.MASK_BOOL, F32: _kernels.MASK_F32, F64: _kernels.MASK_F64}
 
 
@@ -341,12 +342,13 @@ def scaled_dot_product_attention(
         and type(key) is np.ndarray
         and type(value) is np.ndarray
         and attn_mask is None
+        and type(layout) is str  # an array layout would make the comparison below an array
         and layout == "bhsd"
         and (scale is None or type(scale) is float)
         and (is_causal is False or is_causal is True)
         and (dropout_p == 0 if type(dropout_p) is float or type(dropout_p) is int else False)
         and out is None
-        and not return_lse
+        and return_lse is False  # (not `not return_lse`: an array there must reach the named check)
         and device is None
         and window is None
         and alibi_slopes is None
@@ -379,7 +381,7 @@ def scaled_dot_product_attention(
             and query.flags.aligned
             and key.flags.aligned
             and value.flags.aligned
-            and (scale is None or math.isfinite(scale))
+            and (scale is None or abs(scale) <= _SCALE_MAX_F32)  # finite, and finite times log2(e)
         ):
             res = np.empty((B, Hq, L, Dv), dtype=F32)
             _kernels.attention(
