@@ -282,8 +282,11 @@ def flash_attn_kvpacked_func(
 
 # ------------------------------------------------------------ packed batches
 def _max_seqlen(m: Any, name: str, cu: np.ndarray, cu_name: str) -> None:
+    """flash-attn sizes its grid by max_seqlen: a smaller value would skip rows there."""
     m = int_value(m, name, 0)
-    longest = int(np.max(np.diff(cu))) if cu.size > 1 else 0
+    if cu.dtype.kind not in "iu" or cu.ndim != 1:
+        return  # varlen_attention reports the malformed cu_seqlens
+    longest = int(np.max(np.diff(cu.astype(np.int64)))) if cu.size > 1 else 0
     if m < longest:
         raise ValueError(f"{name} ({m}) is smaller than the longest sequence in {cu_name} ({longest})")
 
@@ -312,6 +315,8 @@ def _varlen(
     opts = _common(dropout_p, window_size, softcap, alibi_slopes, deterministic)
     ret = _flag(return_attn_probs, "return_attn_probs")
     cq, ck = _array(cu_seqlens_q, "cu_seqlens_q"), _array(cu_seqlens_k, "cu_seqlens_k")
+    _max_seqlen(max_seqlen_q, "max_seqlen_q", cq, "cu_seqlens_q")
+    _max_seqlen(max_seqlen_k, "max_seqlen_k", ck, "cu_seqlens_k")
     res = varlen_attention(
         q,
         k,
@@ -324,9 +329,6 @@ def _varlen(
         return_lse=ret,
         **opts,
     )
-    # (varlen_attention has validated cu_seqlens_*: 1-D integer arrays.)
-    _max_seqlen(max_seqlen_q, "max_seqlen_q", np.asarray(cq, dtype=np.int64), "cu_seqlens_q")
-    _max_seqlen(max_seqlen_k, "max_seqlen_k", np.asarray(ck, dtype=np.int64), "cu_seqlens_k")
     if not ret:
         return _wrap(torch_out, res)
     out, lse = res

@@ -209,6 +209,12 @@ def test_varlen_argument_checks(rng):
         fc.flash_attn_varlen_func(q, q, q, cu, cu, 6, 6, block_table=np.zeros((2, 1), np.int32))
     with pytest.raises(NotImplementedError, match="dropout"):
         fc.flash_attn_varlen_func(q, q, q, cu, cu, 6, 6, dropout_p=0.1)
+    with pytest.raises(TypeError, match="max_seqlen_q"):
+        fc.flash_attn_varlen_func(q, q, q, cu, cu, 6.0, 6)
+    with pytest.raises(TypeError, match="cu_seqlens_k"):
+        fc.flash_attn_varlen_func(q, q, q, cu, cu.astype(np.float32), 6, 6)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        fc.flash_attn_varlen_func(q, q, q, np.array([0, 4, 9]), cu, 6, 6)
 
 
 def test_flash_attn_func_bad_arguments(rng):
