@@ -99,3 +99,13 @@ def check_sdpa(q, k, v, *, lse_too=True, **kw):
     if mask is not None:
         np.testing.assert_array_equal(mask, mcopy)
     return o, lse
+
+
+def under_asan():
+    """True when AddressSanitizer's runtime is loaded (tools/sanitize.sh): its
+    quarantine holds freed memory back, so resident memory grows by design."""
+    try:
+        with open("/proc/self/maps") as f:
+            return "libasan" in f.read()
+    except OSError:
+        return False

@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import under_asan
 
 import fastattn
 from fastattn import reference
@@ -27,16 +28,6 @@ def _mem_available():
 # forced with FASTATTN_TEST_HUGE=1, disabled with FASTATTN_TEST_HUGE=0.
 _HUGE_ENV = os.environ.get("FASTATTN_TEST_HUGE")
 HUGE = _HUGE_ENV == "1" or (_HUGE_ENV != "0" and _mem_available() > 14 << 30)
-
-
-def _under_asan():
-    """True when AddressSanitizer's runtime is loaded (tools/sanitize.sh): its
-    quarantine holds freed memory back, so resident memory grows by design."""
-    try:
-        with open("/proc/self/maps") as f:
-            return "libasan" in f.read()
-    except OSError:
-        return False
 
 
 def _rss_bytes():
@@ -73,7 +64,7 @@ def test_no_leak_and_refcounts_over_10000_calls():
     before = _rss_bytes()
     one_round(2500)  # 10 000 calls, half of them on error paths
     grown = _rss_bytes() - before
-    if not _under_asan():  # ASan leaks are not checked here: tools/valgrind.sh counts definite leaks
+    if not under_asan():  # ASan leaks are not checked here: tools/valgrind.sh counts definite leaks
         assert grown < 1 << 20, f"resident memory grew by {grown} bytes"
     assert [sys.getrefcount(a) for a in (q, k, v, mask, out)] == refs
 
