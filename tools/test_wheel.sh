@@ -58,8 +58,9 @@ z.extractall(dest)
 cfg = z.read("fastattn/_build_config.py").decode()
 assert "-march=native" not in cfg and "NATIVE = False" in cfg, cfg
 assert "fast-math" not in cfg, cfg
-# Every function that touches ymm/zmm registers must belong to an AVX kernel:
-# the rest of the library runs on any x86-64 CPU.
+# Every function that touches ymm/zmm registers must belong to an AVX kernel
+# (or the AMX unit, kernel_amx.c, whose amx_* functions run only where cpuid
+# and the OS grant AMX): the rest of the library runs on any x86-64 CPU.
 dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", f"{dest}/{so[0]}"],
                      capture_output=True, text=True, check=True).stdout
 func, bad, avx_funcs = None, set(), set()
@@ -68,7 +69,7 @@ for line in dis.splitlines():
     if m:
         func = m.group(1)
     elif func and re.search(r"%[yz]mm\d", line):
-        (avx_funcs if re.search(r"avx2|avx512", func) else bad).add(func)
+        (avx_funcs if re.search(r"avx2|avx512|amx", func) else bad).add(func)
 assert avx_funcs, "no AVX kernel code found in the wheel"
 assert not bad, f"AVX registers used outside the AVX kernels: {sorted(bad)}"
 print(f"ok: {so[0]}; {len(avx_funcs)} AVX functions, all in *_avx2/*_avx512; flags: "
