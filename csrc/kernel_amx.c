@@ -236,6 +236,12 @@ static void amx_pack_v(uint16_t *Vp, const uint16_t *V, int64_t ldv, int64_t nj,
         }
 }
 
+/* The 2x2 block product every tile loop issues: accumulators 0-3 (rows 0-15 / 16-31 by
+   columns 0-15 / 16-31) += A tiles 4, 5 times B tiles 6, 7.  A macro, not a function:
+   tile numbers must be immediates. */
+#define AMX_DP_2X2() \
+    do { FA_TILE_DPBF16(0, 4, 6); FA_TILE_DPBF16(1, 4, 7); FA_TILE_DPBF16(2, 5, 6); FA_TILE_DPBF16(3, 5, 7); } while (0)
+
 /* S[0:32][0:njp] = Q[g0:g0+32] . K^T over the packed key tiles (2 x 2 C tiles). */
 static inline void amx_qk(const uint16_t *Q, int64_t Dq, const uint16_t *Kp, int64_t njp, float *S)
 {
@@ -247,10 +253,7 @@ static inline void amx_qk(const uint16_t *Q, int64_t Dq, const uint16_t *Kp, int
             FA_TILE_LOAD(5, Q + 16 * Dq + dc * 32, ldq);
             FA_TILE_LOAD(6, Kp + (kb * ndc + dc) * 512, 64);
             FA_TILE_LOAD(7, Kp + ((kb + 1) * ndc + dc) * 512, 64);
-            FA_TILE_DPBF16(0, 4, 6);
-            FA_TILE_DPBF16(1, 4, 7);
-            FA_TILE_DPBF16(2, 5, 6);
-            FA_TILE_DPBF16(3, 5, 7);
+            AMX_DP_2X2();
         }
         FA_TILE_STORE(0, S + kb * 16, lds);
         FA_TILE_STORE(1, S + kb * 16 + 16, lds);
@@ -274,10 +277,7 @@ static inline void amx_pv(const uint16_t *P, const uint16_t *Vp, int64_t njp, fl
             FA_TILE_LOAD(5, P + 16 * AMX_BN + kc * 32, ldp);
             FA_TILE_LOAD(6, Vp + (kc * ncb + cb) * 512, 64);
             FA_TILE_LOAD(7, Vp + (kc * ncb + cb + 1) * 512, 64);
-            FA_TILE_DPBF16(0, 4, 6);
-            FA_TILE_DPBF16(1, 4, 7);
-            FA_TILE_DPBF16(2, 5, 6);
-            FA_TILE_DPBF16(3, 5, 7);
+            AMX_DP_2X2();
         }
         FA_TILE_STORE(0, o0, ldo);
         FA_TILE_STORE(1, o0 + 16, ldo);
@@ -333,13 +333,13 @@ static inline void amx_qk3(const uint16_t *Q, const uint16_t *Ql, int64_t Dq, co
             FA_TILE_LOAD(5, Q + 16 * Dq + dc * 32, ldq);
             FA_TILE_LOAD(6, Kpl + k0, 64);
             FA_TILE_LOAD(7, Kpl + k1, 64);
-            FA_TILE_DPBF16(0, 4, 6); FA_TILE_DPBF16(1, 4, 7); FA_TILE_DPBF16(2, 5, 6); FA_TILE_DPBF16(3, 5, 7);
+            AMX_DP_2X2();
             FA_TILE_LOAD(6, Kp + k0, 64);
             FA_TILE_LOAD(7, Kp + k1, 64);
-            FA_TILE_DPBF16(0, 4, 6); FA_TILE_DPBF16(1, 4, 7); FA_TILE_DPBF16(2, 5, 6); FA_TILE_DPBF16(3, 5, 7);
+            AMX_DP_2X2();
             FA_TILE_LOAD(4, Ql + dc * 32, ldq);
             FA_TILE_LOAD(5, Ql + 16 * Dq + dc * 32, ldq);
-            FA_TILE_DPBF16(0, 4, 6); FA_TILE_DPBF16(1, 4, 7); FA_TILE_DPBF16(2, 5, 6); FA_TILE_DPBF16(3, 5, 7);
+            AMX_DP_2X2();
         }
         FA_TILE_STORE(0, S + kb * 16, lds);
         FA_TILE_STORE(1, S + kb * 16 + 16, lds);
@@ -365,13 +365,13 @@ static inline void amx_pv3(const uint16_t *P, const uint16_t *Pl, const uint16_t
             FA_TILE_LOAD(5, P + 16 * AMX_BN + kc * 32, ldp);
             FA_TILE_LOAD(6, Vpl + v0, 64);
             FA_TILE_LOAD(7, Vpl + v1, 64);
-            FA_TILE_DPBF16(0, 4, 6); FA_TILE_DPBF16(1, 4, 7); FA_TILE_DPBF16(2, 5, 6); FA_TILE_DPBF16(3, 5, 7);
+            AMX_DP_2X2();
             FA_TILE_LOAD(6, Vp + v0, 64);
             FA_TILE_LOAD(7, Vp + v1, 64);
-            FA_TILE_DPBF16(0, 4, 6); FA_TILE_DPBF16(1, 4, 7); FA_TILE_DPBF16(2, 5, 6); FA_TILE_DPBF16(3, 5, 7);
+            AMX_DP_2X2();
             FA_TILE_LOAD(4, Pl + kc * 32, ldp);
             FA_TILE_LOAD(5, Pl + 16 * AMX_BN + kc * 32, ldp);
-            FA_TILE_DPBF16(0, 4, 6); FA_TILE_DPBF16(1, 4, 7); FA_TILE_DPBF16(2, 5, 6); FA_TILE_DPBF16(3, 5, 7);
+            AMX_DP_2X2();
         }
         FA_TILE_STORE(0, o0, ldo);
         FA_TILE_STORE(1, o0 + 16, ldo);
