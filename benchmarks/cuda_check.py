@@ -6,7 +6,7 @@ Run on a machine with an NVIDIA GPU, from the repository root, after
     python benchmarks/cuda_check.py            # tests + timings (< 5 minutes)
     python benchmarks/cuda_check.py --no-tests # timings only
 
-1. runs ``pytest tests/test_cuda.py`` (the kernel against fastattn.reference);
+1. runs ``pytest tests/cuda/test_cuda.py`` (the kernel against fastattn.reference);
 2. times fastattn.cuda.scaled_dot_product_attention on device-resident data
    against torch.nn.functional.scaled_dot_product_attention (when torch with
    CUDA is installed) for prefill and decode shapes, checking that both agree,
@@ -40,11 +40,11 @@ CASES = [
 
 
 def run_tests():
-    print("== pytest tests/test_cuda.py", flush=True)
+    print("== pytest tests/cuda/test_cuda.py", flush=True)
     env = dict(os.environ)
     try:
         r = subprocess.run(
-            [sys.executable, "-m", "pytest", "tests/test_cuda.py", "-q", "-rs"],
+            [sys.executable, "-m", "pytest", "tests/cuda/test_cuda.py", "-q", "-rs"],
             cwd=ROOT,
             env=env,
             timeout=180,

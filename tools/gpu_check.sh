@@ -2,7 +2,7 @@
 # One prepared GPU check of the CUDA backend, for a machine with an NVIDIA GPU,
 # nvcc, and numpy/Cython/ml_dtypes/pytest already installed (no network needed).
 # Builds fastattn in place with FASTATTN_CUDA=1, then runs benchmarks/cuda_check.py
-# (tests/test_cuda.py against the reference, then timings against torch if present).
+# (tests/cuda/test_cuda.py against the reference, then timings against torch if present).
 #   bash tools/gpu_check.sh [ARCHS]        ARCHS default "90" (FASTATTN_CUDA_ARCHS)
 # Logs go to $OUT (default /tmp/fastattn_gpu) as build.log and check.log.
 set -o pipefail

@@ -4,7 +4,7 @@
 # arguments) against that build.  Any sanitizer report fails the run.
 #
 #   tools/sanitize.sh                 # whole suite
-#   tools/sanitize.sh tests/test_sdpa.py -k causal
+#   tools/sanitize.sh tests/kernel/test_sdpa.py -k causal
 #   FASTATTN_SAN_DIR=/tmp/fa-san tools/sanitize.sh ...   # keep (and reuse) the build there
 #
 # Every C file (kernels, driver, dispatch and the Cython-generated binding) is
@@ -52,7 +52,7 @@ fi
 cd "$work/src"
 preload="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)"
 # detect_leaks=0: the interpreter itself is not leak-clean; fastattn's own
-# leaks are covered by tests/test_hardening.py (RSS over 10 000 calls) and by
+# leaks are covered by tests/reliability/test_hardening.py (RSS over 10 000 calls) and by
 # tools/valgrind.sh (definite leaks with a fastattn frame).
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1:allocator_may_return_null=1
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
@@ -63,9 +63,9 @@ args=("$@")
 # memory limit on purpose, which ASan's shadow memory and quarantine exceed (the
 # nanny kills the worker); the nvcc build test builds CUDA code, not ours.
 [ ${#args[@]} -gt 0 ] || args=(tests -q -x -p no:cacheprovider
-    --deselect tests/test_dask.py::test_distributed_matches_in_memory
-    --deselect tests/test_dask.py::test_distributed_keys_larger_than_worker_memory
-    --deselect tests/test_cuda.py::test_build_extension_with_nvcc)
+    --deselect tests/api/test_dask.py::test_distributed_matches_in_memory
+    --deselect tests/api/test_dask.py::test_distributed_keys_larger_than_worker_memory
+    --deselect tests/cuda/test_cuda.py::test_build_extension_with_nvcc)
 t1=$SECONDS
 LD_PRELOAD="$preload" PYTHONPATH="$work/src" python -m pytest "${args[@]}"
 echo "sanitizers: no reports (tests ran in $((SECONDS - t1)) s)"

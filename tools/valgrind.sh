@@ -9,7 +9,7 @@
 # (tens to a couple of hundred contexts); those are counted but do not fail the run.
 #
 #   tools/valgrind.sh                     # default subset (test_valgrind_subset)
-#   tools/valgrind.sh tests/test_sdpa.py -k causal   # other pytest arguments
+#   tools/valgrind.sh tests/kernel/test_sdpa.py -k causal   # other pytest arguments
 #   tools/valgrind.sh --self-test         # check that the filter catches an injected error
 #
 # valgrind runs on the real interpreter (sys.executable), not a launcher
@@ -49,7 +49,7 @@ fastattn.scaled_dot_product_attention(np.ones((1, 1, 4, 16), np.float32), k, k, 
     expect=-1
 else
     args=("$@")
-    [ ${#args[@]} -gt 0 ] || args=("$src/tests/test_hardening.py" -q -p no:cacheprovider -k "valgrind_subset")
+    [ ${#args[@]} -gt 0 ] || args=("$src/tests/reliability/test_hardening.py" -q -p no:cacheprovider -k "valgrind_subset")
     if ls "$src"/fastattn/_kernels*.so >/dev/null 2>&1; then
         # an in-place build: test it
         cd "$src"

@@ -31,7 +31,7 @@ import fastattn
 import fastattn.cuda as fcuda
 from fastattn import reference
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILD_PY = os.path.join(ROOT, "csrc", "cuda", "build.py")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

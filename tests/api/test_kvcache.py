@@ -22,7 +22,7 @@ KVCache = fastattn.KVCache
 awk = fastattn.attention_with_kvcache
 BF16 = np.dtype(ml_dtypes.bfloat16)
 CACHE_DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BF16]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def out_tol(dtype):

@@ -470,7 +470,7 @@ def test_example_script_runs_small():
     """examples/dask_million_keys.py end to end, shrunk, with its in-memory check."""
     pytest.importorskip("distributed")
     path = os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "dask_million_keys.py"
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "dask_million_keys.py"
     )
     if not os.path.exists(path):
         pytest.skip("examples/ not available")

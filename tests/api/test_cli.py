@@ -141,7 +141,7 @@ def test_packaging_metadata():
     assert md["License-Expression"] == "MIT"
     assert any(str(f).endswith("LICENSE") for f in dist.files or ())
     assert any(ep.name == "fastattn" and ep.value == "fastattn.cli:main" for ep in dist.entry_points)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     tomllib = pytest.importorskip("tomllib")
     if not os.path.exists(os.path.join(root, "pyproject.toml")):
         # tools/test_wheel.sh and cibuildwheel run a copy of tests/ outside the checkout:

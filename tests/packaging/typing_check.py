@@ -1,5 +1,5 @@
 """A small user script for ``mypy --strict``: the public API is typed well
-enough that ordinary use type-checks (run by tests/test_packaging.py)."""
+enough that ordinary use type-checks (run by tests/packaging/test_packaging.py)."""
 
 from __future__ import annotations
 
