@@ -1,23 +1,16 @@
 """asv benchmarks: forward + backward (fastattn's fused backward, and torch's
 SDPA forward + backward when torch is installed), the cases of
-``python -m fastattn.bench_backward``."""
+``fastattn bench --backward`` (``fastattn/bench/cases.py``, :mod:`benchmarks.common`)."""
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 
 import fastattn
 
-THREADS = int(os.environ.get("FASTATTN_BENCH_THREADS", "0")) or (os.cpu_count() or 1)
+from .common import THREADS, cases
 
-# name: (B, H, L, D, causal)
-CASES = {
-    "B1 H8 L2048 D64": (1, 8, 2048, 64, False),
-    "B1 H8 L2048 D64 causal": (1, 8, 2048, 64, True),
-    "B4 H8 L512 D128 causal": (4, 8, 512, 128, True),
-}
+CASES = {c.name: c for c in cases.BACKWARD_CASES}
 
 
 class ForwardBackward:
@@ -30,9 +23,10 @@ class ForwardBackward:
     def setup(self, case, impl):
         if not hasattr(fastattn, "scaled_dot_product_attention_backward"):
             raise NotImplementedError("this commit has no backward pass")
-        B, H, L, D, causal = CASES[case]
+        c = CASES[case]
+        causal = c.causal
         rng = np.random.default_rng(0)
-        q, k, v, go = (rng.standard_normal((B, H, L, D), dtype=np.float32) for _ in range(4))
+        q, k, v, go = (rng.standard_normal((c.B, c.H, c.L, c.D), dtype=np.float32) for _ in range(4))
         if impl == "fastattn":
 
             def run():

@@ -1,7 +1,9 @@
 """asv benchmarks: fastattn and the plain NumPy softmax(Q Kᵀ) V over the cases of
-``python -m fastattn.bench`` (shapes reduced where a case is too big for asv's
-many repetitions).  Self-contained: uses only fastattn's public API, so older
-commits can be benchmarked too.
+``fastattn bench`` (shapes reduced where a case is too big for asv's many
+repetitions), and fastattn against torch's bfloat16 SDPA on the bfloat16 cases.
+The cases and the baseline are ``fastattn/bench/cases.py`` of this checkout
+(:mod:`benchmarks.common`); the fastattn timed is used through its public API only,
+so older commits can be benchmarked too.
 
 Run from the repository root (see asv.conf.json)::
 
@@ -10,59 +12,45 @@ Run from the repository root (see asv.conf.json)::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
 
 import fastattn
-from fastattn import bench as bench_cmd
 
-THREADS = int(os.environ.get("FASTATTN_BENCH_THREADS", "0")) or (os.cpu_count() or 1)
+from .common import THREADS, cases
 
-# name: (B, Hq, Hk, L, S, D, causal, window, kv dtype or None)
+_WINDOW = cases.by_name("B1 H8 L16384 D64 window512")
 PREFILL = {
-    "B1 H8 L1024 D64": (1, 8, 8, 1024, 1024, 64, False, None, None),
-    "B1 H8 L1024 D64 causal": (1, 8, 8, 1024, 1024, 64, True, None, None),
-    "B1 H8 L2048 D128": (1, 8, 8, 2048, 2048, 128, False, None, None),
-    "B4 H8 L512 D64 causal": (4, 8, 8, 512, 512, 64, True, None, None),
-    # reduced from L16384: the NumPy baseline materialises the L×L scores
-    "B1 H8 L4096 D64 window512": (1, 8, 8, 4096, 4096, 64, True, (512, 0), None),
-    "B1 H8 L16 D64": (1, 8, 8, 16, 16, 64, False, None, None),
+    c.name: c
+    for c in [
+        cases.by_name("B1 H8 L1024 D64"),
+        cases.by_name("B1 H8 L1024 D64 causal"),
+        cases.by_name("B1 H8 L2048 D128"),
+        cases.by_name("B4 H8 L512 D64 causal"),
+        # reduced from L16384: the NumPy baseline materialises the L×L scores
+        dataclasses.replace(_WINDOW, name="B1 H8 L4096 D64 window512", L=4096, S=4096),
+        cases.by_name("B1 H8 L16 D64"),
+    ]
 }
-DECODE = {
-    "B1 H32 S8192 D128 decode": (1, 32, 32, 1, 8192, 128, False, None, None),
-    "B1 H32/8 S8192 D128 decode": (1, 32, 8, 1, 8192, 128, False, None, None),
-    "B8 H32/8 S2048 D128 decode": (8, 32, 8, 1, 2048, 128, False, None, None),
-    "B1 H64/8 S8192 D128 decode": (1, 64, 8, 1, 8192, 128, False, None, None),
-    "B1 H32 S8192 D128 decode f16kv": (1, 32, 32, 1, 8192, 128, False, None, "float16"),
-    "B1 H32 S8192 D128 decode bf16kv": (1, 32, 32, 1, 8192, 128, False, None, "bfloat16"),
-    "B1 H32/8 S8192 D128 decode f16kv": (1, 32, 8, 1, 8192, 128, False, None, "float16"),
+DECODE = {c.name: c for c in cases.CASES if c.kind == "decode"}
+VARLEN = next(c for c in cases.CASES if c.kind == "varlen")
+# (case, dtype of the run): a bfloat16 prefill (Q, K and V in bfloat16) and a bfloat16 KV
+# cache (Q float32; torch gets Q in bfloat16 too: its SDPA takes one dtype)
+BF16 = {
+    "B1 H8 L1024 D64 bf16": (cases.by_name("B1 H8 L1024 D64"), "bfloat16"),
+    "B1 H32 S8192 D128 decode bf16kv": (cases.by_name("B1 H32 S8192 D128 decode bf16kv"), "float32"),
 }
-VARLEN_LENGTHS = (1300, 257, 2048, 700, 128, 1024, 512, 1800)
 
 
-def _dtype(name):
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
-def _inputs(B, Hq, Hk, L, S, D, kv_dtype, seed=0):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, Hq, L, D), dtype=np.float32)
-    k = rng.standard_normal((B, Hk, S, D), dtype=np.float32)
-    v = rng.standard_normal((B, Hk, S, D), dtype=np.float32)
-    if kv_dtype:
-        k, v = k.astype(_dtype(kv_dtype)), v.astype(_dtype(kv_dtype))
-    return q, k, v
+def _inputs(case, dtype="float32"):
+    return cases.random_inputs(case, dtype)
 
 
 def _mask(L, S, causal, window):
     """Additive float32 (L, S) mask (bottom-right aligned), or None."""
-    ok = bench_cmd.bool_mask(L, S, causal, window)
-    return None if ok is None else np.where(ok, 0.0, -np.inf).astype(np.float32)
+    return cases.additive_mask(L, S, causal, window)
 
 
 def _blas_limit(n):
@@ -89,17 +77,16 @@ class _Cases:
     param_names = ["case", "impl"]
 
     def setup(self, case, impl):
-        B, Hq, Hk, L, S, D, causal, window, kv = self.cases[case]
-        q, k, v = _inputs(B, Hq, Hk, L, S, D, kv)
+        c = self.cases[case]
+        q, k, v = _inputs(c)
         if impl == "fastattn":
-            gqa = Hq != Hk
             self.fn = lambda: fastattn.scaled_dot_product_attention(
-                q, k, v, is_causal=causal, window=window, enable_gqa=gqa, num_threads=THREADS
+                q, k, v, is_causal=c.causal, window=c.window, enable_gqa=c.gqa, num_threads=THREADS
             )
         else:
-            add = _mask(L, S, causal, window)
+            add = _mask(c.L, c.S, c.causal, c.window)
             self.limits = _blas_limit(THREADS)
-            self.fn = lambda: bench_cmd.numpy_attention(q, k, v, add)
+            self.fn = lambda: cases.numpy_attention(q, k, v, add)
 
     def teardown(self, case, impl):
         limits = getattr(self, "limits", None)
@@ -129,22 +116,62 @@ class Decode(_Cases):
         self.fn()
 
 
+class Bfloat16:
+    """fastattn against torch's SDPA in bfloat16 (when torch is installed): the bfloat16
+    prefill B1 H8 L1024 D64 and the bfloat16-KV decode B1 H32 S8192 D128."""
+
+    params = (list(BF16), ["fastattn", "torch"])
+    param_names = ["case", "impl"]
+    timeout = 120
+
+    def setup(self, case, impl):
+        c, dtype = BF16[case]
+        q, k, v = _inputs(c, dtype)
+        if impl == "fastattn":
+            self.fn = lambda: fastattn.scaled_dot_product_attention(
+                q, k, v, is_causal=c.causal, enable_gqa=c.gqa, num_threads=THREADS
+            )
+            try:
+                self.fn()
+            except (TypeError, ValueError) as e:  # a commit without bfloat16 inputs: not timed
+                raise NotImplementedError(f"bfloat16 inputs: {e}") from None
+            return
+        try:
+            import torch
+        except ImportError:
+            raise NotImplementedError("torch is not installed") from None
+        torch.set_num_threads(THREADS)
+        bf16 = cases.np_dtype("bfloat16")
+        tq, tk, tv = (
+            torch.from_numpy(np.ascontiguousarray(a.astype(bf16)).view(np.int16)).view(torch.bfloat16)
+            for a in (q, k, v)
+        )
+
+        def run():
+            with torch.inference_mode():
+                torch.nn.functional.scaled_dot_product_attention(
+                    tq, tk, tv, is_causal=c.causal, enable_gqa=c.gqa
+                )
+
+        self.fn = run
+
+    def time_attention(self, case, impl):
+        self.fn()
+
+
 class Varlen:
-    """8 packed causal sequences (H8 D64): one varlen call against a per-sequence loop."""
+    """The varlen case of ``fastattn bench`` (8 packed causal sequences, H8 D64): one varlen
+    call against a per-sequence loop."""
 
     params = (["fastattn varlen", "fastattn loop", "numpy loop"],)
     param_names = ["impl"]
 
     def setup(self, impl):
-        rng = np.random.default_rng(0)
-        T = sum(VARLEN_LENGTHS)
-        self.q, self.k, self.v = (rng.standard_normal((T, 8, 64), dtype=np.float32) for _ in range(3))
-        self.cu = np.concatenate([[0], np.cumsum(VARLEN_LENGTHS)]).astype(np.int64)
-        self.seqs = [
-            tuple(np.ascontiguousarray(a[s:e].transpose(1, 0, 2)) for a in (self.q, self.k, self.v))
-            for s, e in zip(self.cu[:-1], self.cu[1:])
-        ]
-        self.masks = [_mask(n, n, True, None) for n in VARLEN_LENGTHS]
+        qs, ks, vs = _inputs(VARLEN)  # per sequence (1, H, n, D)
+        self.seqs = [(q[0], k[0], v[0]) for q, k, v in zip(qs, ks, vs)]
+        self.q, self.k, self.v = (np.concatenate([a[0].transpose(1, 0, 2) for a in x]) for x in (qs, ks, vs))
+        self.cu = np.concatenate([[0], np.cumsum(VARLEN.seqlens)]).astype(np.int64)
+        self.masks = [_mask(n, n, True, None) for n in VARLEN.seqlens]
 
     def time_varlen(self, impl):
         if impl == "fastattn varlen":
@@ -156,7 +183,7 @@ class Varlen:
                 fastattn.scaled_dot_product_attention(q, k, v, is_causal=True, num_threads=THREADS)
         else:
             for (q, k, v), m in zip(self.seqs, self.masks):
-                bench_cmd.numpy_attention(q[None], k[None], v[None], m)
+                cases.numpy_attention(q[None], k[None], v[None], m)
 
 
 class Memory:
@@ -171,14 +198,14 @@ class Memory:
     def setup(self, L, impl):
         if impl == "numpy" and L > 8192:
             raise NotImplementedError("the NumPy baseline would materialise 4 GiB of scores")
-        self.q, self.k, self.v = _inputs(1, 1, 1, L, L, 64, None)
+        self.q, self.k, self.v = _inputs(cases.Case(f"B1 H1 L{L} D64", 1, 1, 1, L, L, 64))
         self.out = np.zeros_like(self.q)
 
     def _call(self, impl):
         if impl == "fastattn":
             fastattn.scaled_dot_product_attention(self.q, self.k, self.v, out=self.out, num_threads=THREADS)
         else:
-            self.out[...] = bench_cmd.numpy_attention(self.q, self.k, self.v)
+            self.out[...] = cases.numpy_attention(self.q, self.k, self.v)
 
     def peakmem_attention(self, L, impl):
         """Whole-process peak RSS (includes the interpreter and the inputs)."""

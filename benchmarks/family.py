@@ -29,7 +29,13 @@ import numpy as np
 
 import fastattn
 
-THREADS = int(os.environ.get("FASTATTN_BENCH_THREADS", "0")) or (os.cpu_count() or 1)
+try:
+    from .common import THREADS, cases
+except ImportError:  # run as a script: python benchmarks/family.py
+    from common import THREADS, cases  # type: ignore[no-redef]
+
+# the rotary decode step: the f16 KV cache case of ``fastattn bench``
+DECODE = cases.by_name("B1 H32/8 S8192 D128 decode f16kv")
 
 
 # ------------------------------------------------------------------ inputs
@@ -66,7 +72,9 @@ def torch_additive(threads):
     return run
 
 
-def decode_inputs(B=1, Hq=32, Hk=8, S=8192, D=128, dtype=np.float16, seed=0):
+def decode_inputs(case=DECODE, seed=0):
+    B, Hq, Hk, S, D = case.B, case.Hq, case.Hk, case.S, case.D
+    dtype = cases.np_dtype(case.kv_dtype)
     rng = np.random.default_rng(seed)
     kc = rng.standard_normal((B, Hk, S, D), dtype=np.float32).astype(dtype)
     vc = rng.standard_normal((B, Hk, S, D), dtype=np.float32).astype(dtype)

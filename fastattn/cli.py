@@ -9,7 +9,8 @@ point that works from any directory), ``python -m fastattn`` and
   NumPy ``softmax(Q Kᵀ) V`` (float32) on typical shapes;
 - ``check``: the check only;
 - ``info``: :func:`fastattn.show_config`;
-- ``bench ARGS``: the benchmark suite (:mod:`fastattn.bench`).
+- ``bench ARGS``: the benchmark suite (:mod:`fastattn.bench`; ``bench --backward``: forward +
+  backward).
 
 Every command takes ``--help`` (which only prints help) and ``--version``.
 """
@@ -20,11 +21,15 @@ import argparse
 import math
 import sys
 import time
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 # (label, q shape, k shape, v shape, dtype, kwargs, mask shape or None)
-CHECKS = [
+CHECKS: list[tuple[str, Any, Any, Any, Any, dict[str, Any], Any]] = [
     (
         "f32 B2 H4 L97 S97 D64 causal",
         (2, 4, 97, 64),
@@ -73,7 +78,7 @@ CHECKS = [
 ]
 
 
-def _max_rel_err(a, b):
+def _max_rel_err(a: npt.ArrayLike, b: npt.ArrayLike) -> float:
     a = np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)
     if not np.array_equal(np.isnan(a), np.isnan(b)) or not np.array_equal(a[np.isinf(b)], b[np.isinf(b)]):
@@ -103,7 +108,8 @@ def self_check() -> bool:
         tol = 1e-4 if dt == np.float32 else 1e-10
         try:
             o, lse = fastattn.scaled_dot_product_attention(q, k, v, return_lse=True, **kw)
-            ro, rlse = reference.scaled_dot_product_attention(q, k, v, return_lse=True, **kw)
+            # the oracle has no annotations (yet)
+            ro, rlse = reference.scaled_dot_product_attention(q, k, v, return_lse=True, **kw)  # type: ignore[no-untyped-call, unused-ignore]
             err = max(_max_rel_err(o, ro), _max_rel_err(lse, rlse))
             ok = err <= tol
             detail = f"max error {err:.1e} (tolerance {tol:.0e})"
@@ -114,46 +120,18 @@ def self_check() -> bool:
     return ok_all
 
 
-def _numpy_attention(q, k, v, causal):
-    """The plain NumPy baseline: materialise the scores, softmax, multiply."""
-    s = (q @ np.swapaxes(k, -1, -2)) * np.float32(1.0 / math.sqrt(q.shape[-1]))
-    if causal:
-        L, S = s.shape[-2:]
-        s = np.where(np.arange(S)[None, :] <= np.arange(L)[:, None] + (S - L), s, np.float32(-np.inf))
-    s -= s.max(axis=-1, keepdims=True)
-    np.exp(s, out=s)
-    s /= s.sum(axis=-1, keepdims=True)
-    return s @ v
-
-
-def _flops(B, H, L, S, D, causal):
-    """Useful multiply-adds x 2 of QKᵀ and PV over the visible (query, key) pairs."""
-    if causal:
-        pairs = sum(max(0, min(S, i + S - L + 1)) for i in range(L))
-    else:
-        pairs = L * S
-    return 4.0 * B * H * pairs * D
-
-
-def _progress(msg):
+def _progress(msg: str) -> None:
     if sys.stderr.isatty():
         print(f"\r{msg:70s}", end="\r", file=sys.stderr, flush=True)
 
 
 def benchmark(budget_s: float = 1.0) -> None:
-    """Time fastattn against the NumPy baseline, interleaving the repetitions."""
+    """Time fastattn against the NumPy baseline on :data:`fastattn.bench.cases.TABLE_CASES`,
+    interleaving the repetitions (the baseline, the cases and the FLOP count are the
+    benchmark suite's)."""
     import fastattn
+    from fastattn.bench.cases import TABLE_CASES, additive_mask, case_flops, numpy_attention
 
-    shapes = [  # (B, H, L, S, D, causal)
-        (1, 8, 512, 512, 64, False),
-        (1, 8, 512, 512, 64, True),
-        (1, 8, 1024, 1024, 64, False),
-        (1, 8, 1024, 1024, 64, True),
-        (1, 8, 2048, 2048, 64, False),
-        (1, 8, 2048, 2048, 64, True),
-        (1, 8, 1, 4096, 64, False),  # decode
-        (4, 32, 1, 2048, 128, False),  # batched decode, larger heads
-    ]
     rng = np.random.default_rng(1)
     print(
         f"\nfloat32 timings, best of interleaved runs (fastattn: {fastattn.get_num_threads()} threads, "
@@ -166,12 +144,14 @@ def benchmark(budget_s: float = 1.0) -> None:
     )
     print(hdr)
     print("-" * len(hdr))
-    for n, (B, H, L, S, D, causal) in enumerate(shapes, 1):
-        label = f"B{B} H{H} L{L} S{S} D{D}{' causal' if causal else ''}"
-        _progress(f"[{n}/{len(shapes)}] measuring {label} ...")
+    for n, case in enumerate(TABLE_CASES, 1):
+        B, H, L, S, D, causal = case.B, case.Hq, case.L, case.S, case.D, case.causal
+        label = case.name
+        _progress(f"[{n}/{len(TABLE_CASES)}] measuring {label} ...")
         q = rng.standard_normal((B, H, L, D), dtype=np.float32)
         k = rng.standard_normal((B, H, S, D), dtype=np.float32)
         v = rng.standard_normal((B, H, S, D), dtype=np.float32)
+        add = additive_mask(L, S, causal, None)
         out = np.empty_like(q)
         best = [math.inf, math.inf]
         start = time.perf_counter()
@@ -180,13 +160,13 @@ def benchmark(budget_s: float = 1.0) -> None:
             t0 = time.perf_counter()
             fastattn.scaled_dot_product_attention(q, k, v, is_causal=causal, out=out)
             t1 = time.perf_counter()
-            _numpy_attention(q, k, v, causal)
+            numpy_attention(q, k, v, add)
             t2 = time.perf_counter()
             best = [min(best[0], t1 - t0), min(best[1], t2 - t1)]
             reps += 1
             if time.perf_counter() - start > 1.0:
-                _progress(f"[{n}/{len(shapes)}] measuring {label} ... {reps} runs")
-        fl = _flops(B, H, L, S, D, causal)
+                _progress(f"[{n}/{len(TABLE_CASES)}] measuring {label} ... {reps} runs")
+        fl = case_flops(case)
         _progress("")
         print(
             f"{label:30s} {best[0] * 1e3:12.3f} {fl / best[0] / 1e9:8.1f} {best[1] * 1e3:10.3f} "
@@ -224,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the build and run-time configuration",
         description="Print the build and run-time configuration: compiler, flags, ISA path, OpenMP, threads.",
     )
+    bench: ModuleType | None
     try:
         from fastattn import bench
     except ImportError as e:
@@ -246,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -265,7 +246,8 @@ def main(argv=None) -> int:
                 file=sys.stderr,
             )
             return 2
-        return bench.run(bench.finish_args(parser, args)) or 0
+        status: int = bench.run(bench.finish_args(parser, args))
+        return status or 0
     if not self_check():
         print("\nFAIL: the kernel disagrees with the reference (see above)")
         return 1

@@ -45,18 +45,18 @@ def test_kv_reader_reads_every_byte_once(dtype, threads):
     v = rng.standard_normal((1, 2, 4099, 8)).astype(dtype)
     inp = bench.Inputs(None, None, k, v)
     seen = []
-    real = bench.np.ones
+    real = np.ones
 
     class Spy(np.ndarray):
         def __rmatmul__(self, other):
             seen.append(np.array(other, copy=True))
             return other @ np.asarray(self)
 
-    bench.np.ones = lambda *a, **kw: real(*a, **kw).view(Spy)
+    np.ones = lambda *a, **kw: real(*a, **kw).view(Spy)
     try:
         bench.kv_reader(inp, threads)()
     finally:
-        bench.np.ones = real
+        np.ones = real
     got = np.sort(np.concatenate([s.reshape(-1).view(np.uint32) for s in seen]))
     want = np.sort(
         np.concatenate([a.reshape(-1).view(np.uint8)[: a.nbytes // 4 * 4].view(np.uint32) for a in (k, v)])
@@ -79,7 +79,7 @@ def test_decode_case_reports_kv_read(tmp_path):
 def test_bandwidth_yardstick_reads_the_whole_array(threads):
     # the decode cases' bw: every thread gets a share, the shares cover all nbytes once
     nbytes = (1 << 20) + 3 * 4096 * 4
-    parts = bench._read_parts(threads, nbytes)
+    parts = bench.read_parts(threads, nbytes)
     assert len(parts) == threads and all(p.shape[1] == 4096 for p in parts)
     assert sum(p.nbytes for p in parts) == nbytes
     base = parts[0].base if parts[0].base is not None else parts[0]

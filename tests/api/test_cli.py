@@ -27,11 +27,12 @@ def run(args, cwd, **kw):
 def unbuilt_tree(tmp_path):
     """A copy of the package's Python files without the compiled extension: what a fresh
     clone's root holds."""
-    src = tmp_path / "fastattn"
-    src.mkdir()
-    for name in os.listdir(PKG):
-        if name.endswith(".py") and name != "_build_config.py":
-            shutil.copy(os.path.join(PKG, name), src / name)
+    for sub in ("", "bench"):  # the package and its subpackage fastattn.bench
+        src = tmp_path / "fastattn" / sub
+        src.mkdir(parents=True, exist_ok=True)
+        for name in os.listdir(os.path.join(PKG, sub)):
+            if name.endswith(".py") and name != "_build_config.py":
+                shutil.copy(os.path.join(PKG, sub, name), src / name)
     return tmp_path
 
 

@@ -1,0 +1,285 @@
+"""The benchmark cases, their FLOP and byte counts, masks and the NumPy baseline: written once.
+
+Used by ``fastattn bench`` (forward and ``--backward`` case sets), by the timing table of
+``python -m fastattn`` (:data:`TABLE_CASES`) and by the asv benchmarks in ``benchmarks/``.
+
+This module needs NumPy only (ml_dtypes for bfloat16, imported when asked for) and imports
+nothing else of fastattn: the asv benchmarks load this file from the checkout that runs
+them, so that every commit they time (older ones too) meets the same cases and the same
+baseline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+Array = npt.NDArray[Any]
+
+SCORES_LIMIT = 2 * 10**9  # implementations that materialise the scores skip cases above this
+MASK_LIMIT = 1024**3  # peers get an explicit (L, S) mask only below this many bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One benchmark shape.  ``kind`` is prefill, decode, varlen or small."""
+
+    name: str
+    B: int
+    Hq: int
+    Hk: int
+    L: int
+    S: int
+    D: int
+    causal: bool = False
+    window: tuple[int, int] | None = None
+    kv_dtype: str | None = None  # None: the --dtype of the run
+    kind: str = "prefill"
+    seqlens: tuple[int, ...] = ()
+
+    @property
+    def gqa(self) -> bool:
+        return self.Hq != self.Hk
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardCase:
+    """One forward + backward shape (``fastattn bench --backward``): float32, Hq = Hk, L = S."""
+
+    name: str
+    B: int
+    H: int
+    L: int
+    D: int
+    causal: bool = False
+
+    def quick(self) -> BackwardCase:
+        """The ``--quick`` smoke-test shape: 2 heads, L / 8 (at least 16)."""
+        return dataclasses.replace(self, H=2, L=max(self.L // 8, 16))
+
+
+def _varlen_lengths() -> tuple[int, ...]:
+    rng = np.random.default_rng(1234)
+    return tuple(int(x) for x in rng.integers(128, 2049, size=8))
+
+
+CASES = [
+    Case("B1 H8 L1024 D64", 1, 8, 8, 1024, 1024, 64),
+    Case("B1 H8 L4096 D64", 1, 8, 8, 4096, 4096, 64),
+    Case("B1 H8 L1024 D64 causal", 1, 8, 8, 1024, 1024, 64, causal=True),
+    Case("B1 H8 L4096 D64 causal", 1, 8, 8, 4096, 4096, 64, causal=True),
+    Case("B1 H8 L2048 D128", 1, 8, 8, 2048, 2048, 128),
+    Case("B4 H8 L512 D64 causal", 4, 8, 8, 512, 512, 64, causal=True),
+    Case("B1 H32 S8192 D128 decode", 1, 32, 32, 1, 8192, 128, kind="decode"),
+    Case("B1 H32/8 S8192 D128 decode", 1, 32, 8, 1, 8192, 128, kind="decode"),
+    Case("B8 H32/8 S2048 D128 decode", 8, 32, 8, 1, 2048, 128, kind="decode"),
+    Case("B1 H64/8 S8192 D128 decode", 1, 64, 8, 1, 8192, 128, kind="decode"),  # GQA groups of 8
+    Case("B1 H32 S8192 D128 decode f16kv", 1, 32, 32, 1, 8192, 128, kv_dtype="float16", kind="decode"),
+    Case("B1 H32 S8192 D128 decode bf16kv", 1, 32, 32, 1, 8192, 128, kv_dtype="bfloat16", kind="decode"),
+    Case("B1 H32/8 S8192 D128 decode f16kv", 1, 32, 8, 1, 8192, 128, kv_dtype="float16", kind="decode"),
+    Case("B1 H8 L16384 D64 window512", 1, 8, 8, 16384, 16384, 64, causal=True, window=(512, 0)),
+    Case(
+        "varlen 8 seqs 128..2048 H8 D64 causal",
+        8,
+        8,
+        8,
+        0,
+        0,
+        64,
+        causal=True,
+        kind="varlen",
+        seqlens=_varlen_lengths(),
+    ),
+    Case("B1 H8 L16 D64", 1, 8, 8, 16, 16, 64, kind="small"),
+]
+
+QUICK_CASES = (
+    "B1 H8 L1024 D64",
+    "B1 H8 L1024 D64 causal",
+    "B1 H32/8 S8192 D128 decode",
+    "B1 H32 S8192 D128 decode f16kv",
+    "B1 H8 L16 D64",
+)
+
+# The pairs of the causal / non-causal summary of a forward run.
+CAUSAL_PAIRS = (
+    ("B1 H8 L1024 D64", "B1 H8 L1024 D64 causal"),
+    ("B1 H8 L4096 D64", "B1 H8 L4096 D64 causal"),
+)
+
+SWEEP_LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
+
+BACKWARD_CASES = [
+    BackwardCase("B1 H8 L2048 D64", 1, 8, 2048, 64),
+    BackwardCase("B1 H8 L2048 D64 causal", 1, 8, 2048, 64, causal=True),
+    BackwardCase("B4 H8 L512 D128 causal", 4, 8, 512, 128, causal=True),
+]
+
+
+def _table_case(B: int, H: int, L: int, S: int, D: int, causal: bool = False) -> Case:
+    kind = "decode" if L == 1 else "prefill"
+    return Case(f"B{B} H{H} L{L} S{S} D{D}{' causal' if causal else ''}", B, H, H, L, S, D, causal, kind=kind)
+
+
+# The float32 timing table of ``python -m fastattn`` (fastattn against numpy_attention).
+TABLE_CASES = [
+    _table_case(1, 8, 512, 512, 64),
+    _table_case(1, 8, 512, 512, 64, causal=True),
+    _table_case(1, 8, 1024, 1024, 64),
+    _table_case(1, 8, 1024, 1024, 64, causal=True),
+    _table_case(1, 8, 2048, 2048, 64),
+    _table_case(1, 8, 2048, 2048, 64, causal=True),
+    _table_case(1, 8, 1, 4096, 64),  # decode
+    _table_case(4, 32, 1, 2048, 128),  # batched decode, larger heads
+]
+
+
+def sweep_cases() -> list[Case]:
+    """Non-causal B1 H8 D64 cases over L (the ``--sweep`` option)."""
+    return [Case(f"B1 H8 L{n} D64", 1, 8, 8, n, n, 64) for n in SWEEP_LENGTHS]
+
+
+def by_name(name: str) -> Case:
+    """The case of :data:`CASES` called ``name`` (KeyError if none)."""
+    for c in CASES:
+        if c.name == name:
+            return c
+    raise KeyError(name)
+
+
+def select_cases(patterns: Sequence[str] | None, cases: Sequence[Any]) -> list[Any]:
+    """The cases named in ``patterns`` exactly, or whose names contain one (any case);
+    SystemExit with the list of names when none matches."""
+    if not patterns:
+        return list(cases)
+    names = {c.name for c in cases}
+    exact = [p for p in patterns if p in names]
+    loose = [p.lower() for p in patterns if p not in names]
+    chosen = [c for c in cases if c.name in exact or any(p in c.name.lower() for p in loose)]
+    if not chosen:
+        raise SystemExit(f"no case matches {list(patterns)}; cases: {', '.join(c.name for c in cases)}")
+    return chosen
+
+
+# --------------------------------------------------------------------------- dtypes and sizes
+
+
+def np_dtype(name: str) -> np.dtype[Any]:
+    """The NumPy dtype called ``name`` (bfloat16 from ml_dtypes)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        bf16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+        return bf16
+    return np.dtype(name)
+
+
+def visible_pairs(L: int, S: int, causal: bool, window: tuple[int, int] | None) -> int:
+    """Number of (query, key) pairs a row-wise mask leaves visible (bottom-right aligned)."""
+    off = S - L
+    left, right = (-1, -1) if window is None else window
+    i = np.arange(L, dtype=np.int64) + off  # bottom-right position of each query row
+    hi = np.full(L, S - 1, dtype=np.int64)
+    lo = np.zeros(L, dtype=np.int64)
+    if causal:
+        hi = np.minimum(hi, i)
+    if right >= 0:
+        hi = np.minimum(hi, i + right)
+    if left >= 0:
+        lo = np.maximum(lo, i - left)
+    return int(np.maximum(hi - lo + 1, 0).sum())
+
+
+def case_flops(case: Case) -> float:
+    """4·D per visible (query, key) pair per batch and query head."""
+    if case.kind == "varlen":
+        pairs = sum(visible_pairs(n, n, case.causal, case.window) for n in case.seqlens)
+        return 4.0 * case.Hq * case.D * pairs
+    return 4.0 * case.B * case.Hq * case.D * visible_pairs(case.L, case.S, case.causal, case.window)
+
+
+def kv_bytes(case: Case, dtype: np.dtype[Any]) -> int:
+    """Bytes of the case's K and V (Hk heads) in ``dtype``: what a decode step must read."""
+    return 2 * case.B * case.Hk * case.S * case.D * dtype.itemsize
+
+
+def scores_bytes(case: Case) -> int:
+    """Bytes of the float32 scores an implementation that materialises them needs at once."""
+    if case.kind == "varlen":
+        return max(case.Hq * n * n * 4 for n in case.seqlens)
+    return case.B * case.Hq * case.L * case.S * 4
+
+
+# --------------------------------------------------------------------------- inputs, masks, the baseline
+
+
+def random_inputs(case: Case, dtype: str, seed: int = 0) -> tuple[Any, Any, Any]:
+    """Standard normal q (B,Hq,L,D), k/v (B,Hk,S,D) in ``dtype`` (lists of per-sequence
+    (1,H,n,D) arrays for varlen); a case with its own K/V dtype keeps q in float32."""
+    rng = np.random.default_rng(seed)
+    qdt = np_dtype("float32" if case.kv_dtype else dtype)
+    kvdt = np_dtype(case.kv_dtype or dtype)
+
+    def gen(shape: tuple[int, ...], dt: np.dtype[Any]) -> Array:
+        return rng.standard_normal(shape, dtype=np.float32).astype(dt)
+
+    if case.kind == "varlen":
+        qs = [gen((1, case.Hq, n, case.D), qdt) for n in case.seqlens]
+        ks = [gen((1, case.Hk, n, case.D), kvdt) for n in case.seqlens]
+        vs = [gen((1, case.Hk, n, case.D), kvdt) for n in case.seqlens]
+        return qs, ks, vs
+    return (
+        gen((case.B, case.Hq, case.L, case.D), qdt),
+        gen((case.B, case.Hk, case.S, case.D), kvdt),
+        gen((case.B, case.Hk, case.S, case.D), kvdt),
+    )
+
+
+def bool_mask(L: int, S: int, causal: bool, window: tuple[int, int] | None) -> Array | None:
+    """(L, S) bool mask, True = may attend (bottom-right aligned), or None when all visible."""
+    if not causal and window is None:
+        return None
+    i = np.arange(L)[:, None] + (S - L)
+    j = np.arange(S)[None, :]
+    m = np.ones((L, S), dtype=bool)
+    if causal:
+        m &= j <= i
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            m &= j >= i - left
+        if right >= 0:
+            m &= j <= i + right
+    return m
+
+
+def additive_mask(
+    L: int, S: int, causal: bool, window: tuple[int, int] | None, dtype: Any = np.float32
+) -> Array | None:
+    """The (L, S) mask of :func:`bool_mask` as 0 / -inf in ``dtype``, or None when all visible."""
+    m = bool_mask(L, S, causal, window)
+    return None if m is None else np.where(m, 0.0, -np.inf).astype(dtype)
+
+
+def numpy_attention(q: Array, k: Array, v: Array, add: Array | None = None) -> Array:
+    """The plain NumPy baseline: softmax(q k^T / sqrt(D) + add) v in float32,
+    materialising the scores; GQA by reshaping q (no copy of K/V)."""
+    q, k, v = (a.astype(np.float32, copy=False) for a in (q, k, v))
+    B, Hq, L, D = q.shape
+    Hk = k.shape[1]
+    g = Hq // Hk
+    s = np.matmul(q.reshape(B, Hk, g * L, D), k.swapaxes(-1, -2))
+    s *= np.float32(1.0 / math.sqrt(D))
+    s = s.reshape(B, Hk, g, L, -1)
+    if add is not None:
+        s += add
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    out: Array = np.matmul(s.reshape(B, Hk, g * L, -1), v).reshape(B, Hq, L, -1)
+    return out

@@ -1,0 +1,108 @@
+"""The inputs of a case, the slice every implementation is checked on, and the oracle's answer."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from fastattn import reference
+from fastattn.bench.cases import Array, Case, random_inputs
+
+# One array (B, H, n, D), or for varlen cases a list of per-sequence (1, H, n, D) arrays.
+Batch = Array | list[Array]
+
+
+@dataclasses.dataclass
+class Inputs:
+    """q (B,Hq,L,D), k/v (B,Hk,S,D) for one case (lists of per-sequence (1,H,n,D) for varlen)."""
+
+    case: Case
+    q: Batch
+    k: Batch
+    v: Batch
+
+    def seqs(self) -> list[tuple[Array, Array, Array]]:
+        """(q, k, v) per sequence: one triple, or one per varlen sequence."""
+        if isinstance(self.q, list):
+            assert isinstance(self.k, list) and isinstance(self.v, list)
+            return list(zip(self.q, self.k, self.v))
+        assert not isinstance(self.k, list) and not isinstance(self.v, list)
+        return [(self.q, self.k, self.v)]
+
+    def dense(self) -> tuple[Array, Array, Array]:
+        """(q, k, v) of a case that is not varlen."""
+        (qkv,) = self.seqs()
+        return qkv
+
+    def as_float32(self) -> Inputs:
+        def f(x: Batch) -> Batch:
+            return [a.astype(np.float32) for a in x] if isinstance(x, list) else x.astype(np.float32)
+
+        return Inputs(self.case, f(self.q), f(self.k), f(self.v))
+
+
+def first(x: Batch) -> Array:
+    """The array, or the first sequence's of a varlen list."""
+    return x[0] if isinstance(x, list) else x
+
+
+def make_inputs(case: Case, dtype: str, seed: int = 0) -> Inputs:
+    """The case's inputs (:func:`fastattn.bench.cases.random_inputs`)."""
+    return Inputs(case, *random_inputs(case, dtype, seed))
+
+
+def check_slice(inp: Inputs) -> Inputs:
+    """A cheap slice of the same case to check implementations against the oracle:
+    batch 0, key/value head 0 with its query heads, and for square cases the first
+    min(L, 512) rows and keys (causal and window stay the same mask there)."""
+    case = inp.case
+    if case.kind == "varlen":
+        n = 4
+        cut = [max(16, x // 8) for x in case.seqlens[:n]]  # unequal lengths, as in the case
+        seqs = inp.seqs()[:n]
+        c = dataclasses.replace(case, seqlens=tuple(cut))
+        return Inputs(
+            c,
+            [q[:, :, :m] for (q, _, _), m in zip(seqs, cut)],
+            [k[:, :, :m] for (_, k, _), m in zip(seqs, cut)],
+            [v[:, :, :m] for (_, _, v), m in zip(seqs, cut)],
+        )
+    q, k, v = inp.dense()
+    g = case.Hq // case.Hk
+    L, S = case.L, case.S
+    if L == S:
+        L = S = min(L, 512)
+    c = dataclasses.replace(case, B=1, Hq=g, Hk=1, L=L, S=S)
+    return Inputs(c, q[:1, :g, :L], k[:1, :1, :S], v[:1, :1, :S])
+
+
+def reference_output(inp: Inputs) -> Array:
+    """The float64 oracle's output: shaped like q, or (Hq, T, D) for varlen."""
+    case = inp.case
+
+    def one(q: Array, k: Array, v: Array) -> Array:
+        # the oracle has no annotations (yet)
+        out: Array = reference.scaled_dot_product_attention(  # type: ignore[no-untyped-call, unused-ignore]
+            q, k, v, is_causal=case.causal, enable_gqa=case.gqa, window=case.window
+        )
+        return out
+
+    if case.kind == "varlen":
+        return np.concatenate([one(q, k, v).reshape(case.Hq, -1, case.D) for q, k, v in inp.seqs()], axis=1)
+    return one(*inp.dense())
+
+
+def tolerance(inp: Inputs) -> float:
+    """Largest error (relative to the output scale) an implementation may make on ``inp``."""
+    q, k = first(inp.q), first(inp.k)
+    return 3e-2 if (q.dtype.itemsize < 4) else (2e-3 if k.dtype.itemsize < 4 else 1e-3)
+
+
+def check(fn: Callable[[], Array], inp: Inputs, ref: Array) -> float:
+    """Max error relative to the output scale."""
+    out = np.asarray(fn(), dtype=np.float64)
+    if out.shape != ref.shape:
+        raise AssertionError(f"shape {out.shape} != {ref.shape}")
+    return float(np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30))

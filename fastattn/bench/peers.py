@@ -1,0 +1,225 @@
+"""The implementations a case is timed with, each an adapter with one interface (:class:`Impl`).
+
+fastattn itself, PyTorch's ``scaled_dot_product_attention``, ONNX Runtime's two attention
+ops (:mod:`fastattn.bench.ort`), JAX's ``jax.nn.dot_product_attention`` (only where JAX is
+installed) and the plain NumPy baseline.  Optional libraries are imported through
+:func:`optional` (an untyped module object), so that this module type-checks the same
+whether they are installed or not.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any, Callable
+
+import numpy as np
+
+import fastattn
+from fastattn.bench.cases import MASK_LIMIT, SCORES_LIMIT, Array, additive_mask, bool_mask, numpy_attention
+from fastattn.bench.cases import scores_bytes as _scores_bytes
+from fastattn.bench.inputs import Inputs, first
+from fastattn.bench.yardsticks import blas_limit
+
+Runner = Callable[[], Array]
+
+
+class Skip(Exception):
+    """An implementation does not run this case (the message says why)."""
+
+
+def optional(name: str) -> Any:
+    """The optional module ``name`` (ImportError when it is not installed)."""
+    return importlib.import_module(name)
+
+
+def missing(*names: str) -> str | None:
+    """None when every module in ``names`` imports, else '<names> is/are not installed'."""
+    for n in names:
+        try:
+            optional(n)
+        except ImportError:
+            return f"{'/'.join(names)} {'are' if len(names) > 1 else 'is'} not installed"
+    return None
+
+
+class Impl:
+    """``prepare(inputs, threads)`` returns a zero-argument callable returning the output
+    as a NumPy array shaped like q (or (Hq, T, D) for varlen).  Everything that is not
+    the attention itself (conversions, masks, sessions) happens in ``prepare``, outside
+    the timing.  ``note`` (set by ``prepare``) says how the case was adapted."""
+
+    name = ""
+    note = ""
+
+    def available(self) -> str | None:
+        """None when usable, else the reason it is not."""
+        return None
+
+    def prepare(self, inp: Inputs, threads: int) -> Runner:
+        raise NotImplementedError
+
+
+def concat_varlen(outs: list[Array]) -> Array:
+    """Per-sequence outputs (1, H, n, D) as the (H, T, D) output of a varlen case."""
+    return np.concatenate([o[0] for o in outs], axis=1)
+
+
+class FastAttn(Impl):
+    name = "fastattn"
+
+    def prepare(self, inp: Inputs, threads: int) -> Runner:
+        case = inp.case
+        if case.kind == "varlen":
+            seqs = inp.seqs()
+            q, k, v = (
+                np.concatenate([s[i][0].transpose(1, 0, 2) for s in seqs]) for i in range(3)
+            )  # (T,H,D)
+            cu = np.concatenate([[0], np.cumsum(case.seqlens)]).astype(np.int32)
+
+            def run() -> Array:
+                o = fastattn.varlen_attention(
+                    q,
+                    k,
+                    v,
+                    cu,
+                    cu,
+                    is_causal=case.causal,
+                    enable_gqa=case.gqa,
+                    window=case.window,
+                    num_threads=threads,
+                )
+                out: Array = o.transpose(1, 0, 2)
+                return out
+
+            return run
+        q, k, v = inp.dense()
+
+        def run_dense() -> Array:
+            out: Array = fastattn.scaled_dot_product_attention(
+                q, k, v, is_causal=case.causal, enable_gqa=case.gqa, window=case.window, num_threads=threads
+            )
+            return out
+
+        return run_dense
+
+
+class Torch(Impl):
+    name = "torch"
+
+    def available(self) -> str | None:
+        return missing("torch")
+
+    @staticmethod
+    def _tensor(a: Array) -> Any:
+        torch = optional("torch")
+        if a.dtype.name == "bfloat16":
+            return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(np.ascontiguousarray(a))
+
+    @staticmethod
+    def _numpy(t: Any) -> Array:
+        torch = optional("torch")
+        out: Array = t.float().numpy() if t.dtype in (torch.bfloat16, torch.float16) else t.numpy()
+        return out
+
+    def prepare(self, inp: Inputs, threads: int) -> Runner:
+        torch = optional("torch")
+        F = optional("torch.nn.functional")
+        torch.set_num_threads(threads)
+        case = inp.case
+        if case.kv_dtype:
+            inp = inp.as_float32()
+            self.note = "run on float32 copies of the 16-bit K/V"
+        calls = []
+        for q, k, v in inp.seqs():
+            L, S = q.shape[-2], k.shape[-2]
+            m = None
+            causal = case.causal
+            if case.window is not None or (causal and L != S):  # torch's causal is top-left aligned
+                if L * S > MASK_LIMIT:
+                    raise Skip(f"the {L}x{S} mask would exceed {MASK_LIMIT >> 20} MiB")
+                m = torch.from_numpy(bool_mask(L, S, causal, case.window))
+                causal = False
+            calls.append((self._tensor(q), self._tensor(k), self._tensor(v), m, causal))
+        gqa = case.gqa
+
+        def run() -> Array:
+            with torch.inference_mode():
+                outs = [
+                    F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=c, enable_gqa=gqa)
+                    for q, k, v, m, c in calls
+                ]
+            if case.kind == "varlen":
+                return concat_varlen([self._numpy(o) for o in outs])
+            return self._numpy(outs[0])
+
+        return run
+
+
+class Jax(Impl):
+    """``jax.nn.dot_product_attention`` (XLA on the CPU), float32.  XLA sizes its own
+    thread pool when JAX starts: the run's thread count is not applied to it (the note
+    says so when they may differ)."""
+
+    name = "jax"
+
+    def available(self) -> str | None:
+        return missing("jax")
+
+    def prepare(self, inp: Inputs, threads: int) -> Runner:
+        jax = optional("jax")
+        jnp = optional("jax.numpy")
+        case = inp.case
+        if first(inp.q).dtype != np.float32 or first(inp.k).dtype != np.float32:
+            inp = inp.as_float32()
+            self.note = "run on float32 copies"
+        if threads != (os.cpu_count() or 1):
+            extra = "XLA's own thread pool (all cores), not --threads"
+            self.note = "; ".join(filter(None, [self.note, extra]))
+        calls = []
+        for q, k, v in inp.seqs():
+            L, S = q.shape[2], k.shape[2]
+            m = None
+            causal = case.causal
+            if case.window is not None or (causal and L != S):  # jax's causal is top-left aligned
+                if L * S > MASK_LIMIT:
+                    raise Skip(f"the {L}x{S} mask would exceed {MASK_LIMIT >> 20} MiB")
+                m = jnp.asarray(bool_mask(L, S, causal, case.window))
+                causal = False
+            # jax.nn.dot_product_attention takes (B, T, N, H); GQA: K/V heads divide the query heads
+            calls.append(tuple(jnp.asarray(a.transpose(0, 2, 1, 3)) for a in (q, k, v)) + (m, causal))
+        fn = jax.jit(jax.nn.dot_product_attention, static_argnames=("is_causal",))
+
+        def run() -> Array:
+            outs = [
+                np.asarray(fn(q, k, v, mask=m, is_causal=c).block_until_ready()).transpose(0, 2, 1, 3)
+                for q, k, v, m, c in calls
+            ]
+            return concat_varlen(outs) if case.kind == "varlen" else outs[0]
+
+        return run
+
+
+class NumpyRef(Impl):
+    name = "numpy"
+    note = ""
+
+    def prepare(self, inp: Inputs, threads: int) -> Runner:
+        case = inp.case
+        if _scores_bytes(case) > SCORES_LIMIT:
+            raise Skip(f"scores would take {_scores_bytes(case) / 2**30:.1f} GiB")
+        if first(inp.q).dtype != np.float32 or first(inp.k).dtype != np.float32:
+            inp = inp.as_float32()
+            self.note = "computed in float32 on upcast inputs"
+        calls = [
+            (q, k, v, additive_mask(q.shape[2], k.shape[2], case.causal, case.window))
+            for q, k, v in inp.seqs()
+        ]
+
+        def run() -> Array:
+            with blas_limit(threads):
+                outs = [numpy_attention(*c) for c in calls]
+            return concat_varlen(outs) if case.kind == "varlen" else outs[0]
+
+        return run

@@ -1,0 +1,148 @@
+"""The run loop: check each implementation against the oracle, then time them all in
+interleaved rounds (round robin, a pause before every sample so that the spinning
+BLAS/OpenMP workers of one library do not slow the next) and keep the medians."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable, TextIO
+
+from fastattn.bench.cases import Case, case_flops, kv_bytes, np_dtype
+from fastattn.bench.inputs import check, check_slice, make_inputs, reference_output, tolerance
+from fastattn.bench.peers import Impl, Skip
+from fastattn.bench.yardsticks import kv_reader, mem_reader
+
+Record = dict[str, Any]
+
+
+@dataclasses.dataclass
+class Timed:
+    """One callable of the interleaved rounds: ``number`` calls per sample, its samples."""
+
+    fn: Callable[[], object]
+    number: int = 1
+    times: list[float] = dataclasses.field(default_factory=list)
+
+
+def first_call(fn: Callable[[], object]) -> float:
+    """Seconds of one call (the warm-up: thread pools, scratch, page faults)."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def calls_per_sample(first: float, min_time: float) -> int:
+    """Calls timed together per sample so that one sample lasts about ``min_time``."""
+    return max(1, min(100000, int(min_time / max(first, 1e-7))))
+
+
+def interleaved_rounds(runs: list[Timed], repeat: int, pause: float, budget: float = float("inf")) -> None:
+    """``repeat`` rounds over ``runs``: in each, every callable in turn after a pause of
+    ``pause`` s, ``number`` calls timed together (their mean is one sample).  A callable
+    whose samples already cost more than ``budget`` seconds sits out the later rounds."""
+    for _ in range(repeat):
+        for r in runs:
+            if r.times and sum(r.times) * r.number > budget:  # slow peer: fewer rounds
+                continue
+            time.sleep(pause)
+            t0 = time.perf_counter()
+            for _ in range(r.number):
+                r.fn()
+            r.times.append((time.perf_counter() - t0) / r.number)
+
+
+def _failure(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+
+
+def run_case(case: Case, impls: list[type[Impl]], args: argparse.Namespace, log: TextIO) -> list[Record]:
+    """Check, then time every implementation of one case; returns records."""
+    inp = make_inputs(case, args.dtype)
+    small = check_slice(inp)
+    ref = reference_output(small)
+    tol = tolerance(small)
+    flops = case_flops(case)
+    records: list[Record] = []
+    runs: list[tuple[Record, Timed]] = []
+    for cls in impls:
+        impl = cls()
+        rec: Record = {
+            "case": case.name,
+            "impl": impl.name,
+            "seconds": None,
+            "seconds_min": None,
+            "gflops": None,
+            "gbps": None,
+            "ratio": None,
+            "status": "ok",
+            "note": "",
+            "max_err": None,
+            "kind": case.kind,
+            "dtype": case.kv_dtype or args.dtype,
+            "L": case.L,
+            "S": case.S,
+        }
+        records.append(rec)
+        why = impl.available()
+        if why is None and args.quick and case.window is not None and impl.name != "fastattn":
+            why = "peers skipped in --quick (they compute the full L×S)"
+        if why is not None:
+            rec.update(status="skipped", note=why)
+            continue
+        try:
+            err = check(impl.prepare(small, args.threads), small, ref)
+        except Skip as e:
+            rec.update(status="skipped", note=str(e))
+            continue
+        except Exception as e:  # noqa: BLE001 - a failing peer is reported, not fatal
+            rec.update(status="failed", note=_failure(e))
+            continue
+        rec["max_err"] = err
+        if not err <= tol:
+            rec.update(status="failed", note=f"wrong result: max error {err:.2e} > {tol:.0e} of output scale")
+            continue
+        try:
+            fn = impl.prepare(inp, args.threads)
+            first = first_call(fn)
+        except Skip as e:
+            rec.update(status="skipped", note=str(e))
+            continue
+        except Exception as e:  # noqa: BLE001
+            rec.update(status="failed", note=_failure(e))
+            continue
+        rec["note"] = impl.note
+        # a call slower than the whole budget is timed once: its first call is the sample
+        timed = Timed(fn, calls_per_sample(first, args.min_time), [first] if first > args.budget else [])
+        runs.append((rec, timed))
+    # decode cases: the two read yardsticks (kv-read, bw) run in the same rounds
+    reads: list[Timed] = []
+    if case.kind == "decode" and runs:
+        for reader in (kv_reader(inp, args.threads), mem_reader(args.threads, args.bw_bytes)):
+            reads.append(Timed(reader, calls_per_sample(first_call(reader), args.min_time)))
+    interleaved_rounds([t for _, t in runs] + reads, args.repeat, args.pause, args.budget)
+    fa = None
+    read_gbps = mem_gbps = None
+    nbytes = kv_bytes(case, np_dtype(case.kv_dtype or args.dtype))
+    if reads:
+        read_gbps = nbytes / statistics.median(reads[0].times) / 1e9
+        mem_gbps = args.bw_bytes / statistics.median(reads[1].times) / 1e9
+    for rec, timed in runs:
+        rec["seconds"] = statistics.median(timed.times)
+        if read_gbps is not None:
+            rec["read_gbps"] = read_gbps
+            rec["mem_gbps"] = mem_gbps
+        rec["seconds_min"] = min(timed.times)
+        rec["rounds"] = len(timed.times)
+        rec["gflops"] = flops / rec["seconds"] / 1e9
+        if case.kind == "decode":
+            rec["gbps"] = nbytes / rec["seconds"] / 1e9
+        if rec["impl"] == "fastattn":
+            fa = rec["seconds"]
+    if fa is not None:
+        for rec in records:
+            if rec["seconds"] is not None:
+                rec["ratio"] = rec["seconds"] / fa  # fastattn's speedup over this implementation
+    return records
