@@ -97,8 +97,9 @@ class OrtBase(Impl):
 
     @staticmethod
     def float_mask(case: Case, L: int, S: int, dtype: np.dtype[Any]) -> Array | None:
-        """The window as an additive (L, S) mask (causal alone is the op's own flag)."""
-        if case.window is None:
+        """The window, or causal with L != S, as an additive (L, S) mask; None where the
+        op's own causal flag is the mask (it aligns causal top-left, the cases bottom-right)."""
+        if case.window is None and not (case.causal and L != S):
             return None
         if L * S * dtype.itemsize > MASK_LIMIT:
             raise Skip("the window mask would be too large")

@@ -98,3 +98,64 @@ def test_bf16_gemm_yardstick():
         return
     rate = measure_gemm_bf16(1, n=256, repeat=2)
     assert rate is not None and rate > 0
+
+
+# Small shapes that reach every adapter's branches: causal L == S (the ops' own causal
+# flags), a window (explicit masks), GQA (K/V heads repeated for ORT's MHA), causal
+# L < S (bottom-right aligned: masks for torch/JAX, a skip for MHA), a 16-bit K/V cache
+# (float32 copies) and varlen (one call per sequence, or one packed call).
+PEER_CASES = [
+    ("causal", dict(B=2, Hq=2, Hk=2, L=40, S=40, D=16, causal=True)),
+    ("window", dict(B=1, Hq=2, Hk=2, L=48, S=48, D=16, causal=True, window=(7, 0))),
+    ("gqa decode", dict(B=2, Hq=4, Hk=2, L=1, S=70, D=32, kind="decode")),
+    ("causal L<S", dict(B=1, Hq=2, Hk=1, L=9, S=30, D=8, causal=True)),
+    ("f16kv", dict(B=1, Hq=2, Hk=2, L=1, S=50, D=16, kv_dtype="float16", kind="decode")),
+    ("varlen", dict(B=2, Hq=2, Hk=2, L=0, S=0, D=16, causal=True, kind="varlen", seqlens=(19, 33))),
+]
+
+
+@pytest.mark.parametrize("name,shape", PEER_CASES, ids=[n for n, _ in PEER_CASES])
+@pytest.mark.parametrize("impl", [c.name for c in bench.IMPLS])
+def test_every_peer_agrees_with_the_reference(impl, name, shape):
+    from fastattn.bench import inputs, peers
+
+    cls = next(c for c in bench.IMPLS if c.name == impl)
+    adapter = cls()
+    why = adapter.available()
+    if why is not None:
+        pytest.skip(why)
+    inp = bench.make_inputs(bench.Case(name, **shape), "float32", seed=3)
+    try:
+        run = adapter.prepare(inp, 1)
+    except peers.Skip as e:  # the adapter says why it cannot run this case
+        assert impl == "ort-mha" and name == "causal L<S", e
+        pytest.skip(str(e))
+    err = inputs.check(run, inp, inputs.reference_output(inp))
+    assert err <= inputs.tolerance(inp), err
+
+
+def test_numpy_baseline_against_the_reference():
+    # the baseline of fastattn bench, python -m fastattn and asv: GQA, causal L < S, window
+    from fastattn import reference
+    from fastattn.bench import cases
+
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((2, 6, 11, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 3, 29, 8)).astype(np.float32) for _ in range(2))
+    for causal, window in ((False, None), (True, None), (True, (4, 0)), (False, (3, 2))):
+        got = cases.numpy_attention(q, k, v, cases.additive_mask(11, 29, causal, window))
+        want = reference.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, enable_gqa=True, window=window
+        )
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_flop_count_by_hand():
+    c = bench.Case("c", 2, 3, 3, 4, 4, 8, causal=True)  # rows see 1, 2, 3, 4 keys
+    assert bench.case_flops(c) == 4 * 8 * 2 * 3 * 10
+    w = bench.Case("w", 1, 1, 1, 5, 5, 2, causal=True, window=(1, 0))  # 1, 2, 2, 2, 2 keys
+    assert bench.case_flops(w) == 4 * 2 * 9
+    d = bench.Case("d", 1, 4, 2, 1, 100, 16, kind="decode")  # bottom-right: all 100 keys
+    assert bench.case_flops(d) == 4 * 16 * 4 * 100
+    v = bench.Case("v", 2, 2, 2, 0, 0, 4, causal=True, kind="varlen", seqlens=(2, 3))  # 3 + 6 pairs
+    assert bench.case_flops(v) == 4 * 4 * 2 * 9

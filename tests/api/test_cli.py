@@ -106,6 +106,23 @@ def test_check_command(capsys):
     assert out.count("PASS") == 5 and "FAIL" not in out
 
 
+def test_timing_table_uses_the_bench_cases(monkeypatch, capsys):
+    """python -m fastattn's table: the case table, baseline and FLOP count of fastattn.bench."""
+    from fastattn.bench import cases
+
+    small = [cases._table_case(1, 2, 16, 16, 8, causal=True), cases._table_case(1, 2, 1, 64, 8)]
+    monkeypatch.setattr(cases, "TABLE_CASES", small)
+    cli.benchmark(budget_s=0.0)
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("B1 H2")]
+    assert [r[:6] for r in rows] == [
+        ["B1", "H2", "L16", "S16", "D8", "causal"],
+        ["B1", "H2", "L1", "S64", "D8"] + rows[1][5:6],
+    ]
+    for r, c in zip(rows, small):  # GFLOP/s = the bench's FLOP count / the time shown
+        ms, gflops = float(r[-5]), float(r[-4])
+        assert gflops == pytest.approx(cases.case_flops(c) / (ms * 1e-3) / 1e9, rel=0.06, abs=0.06)
+
+
 @pytest.mark.skipif(not INSTALLED, reason="needs an installed copy to hand over to")
 def test_unbuilt_source_tree_hands_over_to_the_installed_copy(unbuilt_tree):
     """`python -m fastattn` in a fresh clone's root: the source tree is first on sys.path."""
