@@ -110,17 +110,20 @@ def test_timing_table_uses_the_bench_cases(monkeypatch, capsys):
     """python -m fastattn's table: the case table, baseline and FLOP count of fastattn.bench."""
     from fastattn.bench import cases
 
-    small = [cases._table_case(1, 2, 16, 16, 8, causal=True), cases._table_case(1, 2, 1, 64, 8)]
+    small = [cases._table_case(1, 2, 256, 256, 32, causal=True), cases._table_case(1, 2, 1, 4096, 32)]
     monkeypatch.setattr(cases, "TABLE_CASES", small)
     cli.benchmark(budget_s=0.0)
-    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("B1 H2")]
-    assert [r[:6] for r in rows] == [
-        ["B1", "H2", "L16", "S16", "D8", "causal"],
-        ["B1", "H2", "L1", "S64", "D8"] + rows[1][5:6],
-    ]
-    for r, c in zip(rows, small):  # GFLOP/s = the bench's FLOP count / the time shown
-        ms, gflops = float(r[-5]), float(r[-4])
-        assert gflops == pytest.approx(cases.case_flops(c) / (ms * 1e-3) / 1e9, rel=0.06, abs=0.06)
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        if line.startswith("B1 H2 "):
+            label, numbers = line[:30].strip(), line[30:].split()
+            rows[label] = [float(x.rstrip("x")) for x in numbers]
+    assert list(rows) == ["B1 H2 L256 S256 D32 causal", "B1 H2 L1 S4096 D32"]
+    for c in small:  # GFLOP/s = the bench's FLOP count / the time shown, for both columns
+        fa_ms, fa_rate, np_ms, np_rate, speedup = rows[c.name]
+        assert fa_rate == pytest.approx(cases.case_flops(c) / fa_ms / 1e6, rel=0.02, abs=0.1)
+        assert np_rate == pytest.approx(cases.case_flops(c) / np_ms / 1e6, rel=0.02, abs=0.1)
+        assert speedup == pytest.approx(np_ms / fa_ms, rel=0.02, abs=0.01)
 
 
 @pytest.mark.skipif(not INSTALLED, reason="needs an installed copy to hand over to")
