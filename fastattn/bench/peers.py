@@ -174,8 +174,8 @@ class Jax(Impl):
         if first(inp.q).dtype != np.float32 or first(inp.k).dtype != np.float32:
             inp = inp.as_float32()
             self.note = "run on float32 copies"
-        if threads != (os.cpu_count() or 1):
-            extra = "XLA's own thread pool (all cores), not --threads"
+        extra = "XLA's own thread pool (all cores), not --threads"
+        if threads != (os.cpu_count() or 1) and extra not in self.note:
             self.note = "; ".join(filter(None, [self.note, extra]))
         calls = []
         for q, k, v in inp.seqs():
