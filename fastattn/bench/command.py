@@ -1,8 +1,8 @@
 """The options of ``fastattn bench`` and the run they start.
 
-The parser itself is :func:`fastattn.cli.build_parser`'s (one parser behind ``fastattn``,
-``python -m fastattn`` and ``python -m fastattn.bench``); :func:`add_arguments` adds this
-command's options to it and :func:`finish_args` checks them and fills in the settings
+:func:`add_arguments` defines this command's options once: :func:`fastattn.cli.build_parser`
+adds them to its ``bench`` command and :func:`build_parser` to ``python -m fastattn.bench``'s
+own parser, so both parse alike; :func:`finish_args` checks them and fills in the settings
 that depend on others.
 """
 
@@ -49,7 +49,7 @@ EPILOG = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``fastattn bench`` (the parser is :func:`fastattn.cli.build_parser`'s)."""
+    """The options of ``fastattn bench``, added to either parser (see :func:`build_parser`)."""
     p.add_argument("--threads", type=int, default=None, help="threads for every library (default: all cores)")
     p.add_argument("--cases", nargs="+", default=None, help="case names or substrings")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
@@ -110,19 +110,33 @@ def finish_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argpars
     return args
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """The options of ``fastattn bench ARGV`` (parsed by the one command-line parser)."""
-    from fastattn import cli
+def build_parser() -> argparse.ArgumentParser:
+    """``fastattn bench``'s own parser: the options of :func:`add_arguments`, which
+    :func:`fastattn.cli.build_parser` adds to its ``bench`` command too, so both parse
+    alike.  The benchmark never imports :mod:`fastattn.cli` (no import cycle)."""
+    from fastattn.bench import DESCRIPTION
 
-    p = cli.build_parser()
-    return finish_args(p, p.parse_args(["bench", *argv]))
+    p = argparse.ArgumentParser(
+        prog="fastattn bench",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(p)
+    p.add_argument("--version", action="version", version=f"fastattn {fastattn.__version__}")
+    p.set_defaults(command="bench")  # the namespace fastattn.cli's bench command gives
+    return p
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The options of ``fastattn bench ARGV``."""
+    p = build_parser()
+    return finish_args(p, p.parse_args(list(argv)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``fastattn bench ARGV`` (``python -m fastattn.bench ARGV``); returns the exit status."""
-    from fastattn import cli
-
-    return cli.main(["bench", *(sys.argv[1:] if argv is None else argv)])
+    return run(parse_args(sys.argv[1:] if argv is None else argv)) or 0
 
 
 def run(args: argparse.Namespace) -> int:
