@@ -25,6 +25,7 @@ import math
 
 import numpy as np
 
+from . import _kernels
 from ._checks import BFLOAT16, F16, F32, F64, as_array, scale_value
 from .functional import _check_dtypes, _check_shapes, _lengths, _per_head, _softcap, _window
 
@@ -48,11 +49,9 @@ __all__ = [
 ]
 
 MAX_HEAD_DIM = 256
-# enum fa_dtype and enum fa_mask_kind of csrc/fastattn.h
-_DTYPE_CODES = {F32: 0, F16: 2}
-if BFLOAT16 is not None:
-    _DTYPE_CODES[BFLOAT16] = 3
-_MASK_CODES = {np.dtype(np.bool_): 1, F32: 2, F64: 3}
+# The mask element dtypes the GPU reads, with their enum fa_mask_kind (csrc/fastattn.h)
+# values as the CPU extension defines them; dtype codes come from _kernels.DTYPE_CODES.
+_MASK_CODES = {np.dtype(np.bool_): _kernels.MASK_BOOL, F32: _kernels.MASK_F32, F64: _kernels.MASK_F64}
 
 
 def is_built() -> bool:
@@ -361,7 +360,7 @@ def _merged_stride(shape, strides):
     return dims[-1][1]
 
 
-def _launch(q, k, v, o, lse, mask, alibi, klens, opts):
+def _launch(q, k, v, o, lse, mask, alibi, klens, opts, stream):
     """One kernel launch over views with the same leading dims (recursing over
     the first leading dim when a view's leading dims do not merge)."""
     nl = q.ndim - 3
@@ -385,6 +384,7 @@ def _launch(q, k, v, o, lse, mask, alibi, klens, opts):
                 None if alibi is None else alibi.rows(i * per, per),
                 None if klens is None else klens.rows(i * per, per),
                 opts,
+                stream,
             )
         return
     qs, ks, vs, os_ = (x.strides[nl:] for x in (q, k, v, o))
@@ -437,7 +437,7 @@ def _launch(q, k, v, o, lse, mask, alibi, klens, opts):
     else:
         p.update(alibi=alibi.ptr, alibi_sb=alibi.strides[0], alibi_sh=alibi.strides[1])
     p["k_lens"] = None if klens is None else klens.ptr
-    _cuda.attention(p)
+    _cuda.attention(p, stream)
 
 
 def _operand(x, name):
@@ -614,18 +614,19 @@ def scaled_dot_product_attention(
     alibi_v = None if alibi is None else _upload(alibi)
     klens_v = None if klens is None else _upload(klens)
     opts = dict(
-        q_dtype=_DTYPE_CODES[q.dtype],
-        kv_dtype=_DTYPE_CODES[k.dtype],
-        mask_kind=0 if mask is None else _MASK_CODES[mask.dtype],
+        q_dtype=_kernels.DTYPE_CODES[q.dtype],
+        k_dtype=_kernels.DTYPE_CODES[k.dtype],
+        v_dtype=_kernels.DTYPE_CODES[v.dtype],
+        o_dtype=_kernels.DTYPE_CODES[q.dtype],
+        mask_kind=_kernels.MASK_NONE if mask is None else _MASK_CODES[mask.dtype],
         scale=sc,
         causal=int(bool(is_causal)),
         window_left=wl,
         window_right=wr,
         softcap=cap,
-        stream=stream,
     )
     if B > 0 and Hq > 0 and L > 0:
-        _launch(qh, kh, vh, oh, lse, mask, alibi_v, klens_v, opts)
+        _launch(qh, kh, vh, oh, lse, mask, alibi_v, klens_v, opts, stream)
     # Keep the uploaded temporaries alive until the kernel is done with them.
     if not dev:
         o_host = res.get()
