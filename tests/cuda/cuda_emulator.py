@@ -85,6 +85,7 @@ def read_record(rec: Any) -> Params:
     for name, typ, use in FIELDS:
         if use == "ignored":
             continue
+        v: Any
         if isinstance(rec, dict):
             present, v = name in rec, rec.get(name)
         else:
@@ -121,15 +122,18 @@ def read_record(rec: Any) -> Params:
     return p
 
 
-def _codes() -> tuple[dict[int, np.dtype], dict[int, np.dtype]]:
+def _codes() -> tuple[dict[int, np.dtype[Any]], dict[int, np.dtype[Any]]]:
     """{fa_dtype: storage dtype} for the GPU's dtypes and {fa_mask_kind: mask
-    element dtype}, from the CPU extension's values."""
-    dtypes = [np.dtype(np.float32), np.dtype(np.float16), bfloat16_dtype()]
-    dt = {_kernels.DTYPE_CODES[d]: d for d in dtypes}
-    masks = {
-        _kernels.MASK_BOOL: np.dtype(np.uint8),
-        _kernels.MASK_F32: np.dtype(np.float32),
-        _kernels.MASK_F64: np.dtype(np.float64),
+    element dtype}, with the CPU extension's values."""
+    dt: dict[int, np.dtype[Any]] = {
+        _kernels.FA_F32: np.dtype(np.float32),
+        _kernels.FA_F16: np.dtype(np.float16),
+        _kernels.FA_BF16: bfloat16_dtype(),
+    }
+    masks: dict[int, np.dtype[Any]] = {
+        _kernels.FA_MASK_BOOL: np.dtype(np.uint8),
+        _kernels.FA_MASK_F32: np.dtype(np.float32),
+        _kernels.FA_MASK_F64: np.dtype(np.float64),
     }
     return dt, masks
 
@@ -203,13 +207,13 @@ class EmulatedCuda:
             fail("Hq must be a multiple of Hk")
         if p.D > self.MAX_HEAD_DIM or p.Dv > self.MAX_HEAD_DIM:
             fail("head dims must be <= 256 on the GPU")
-        if p.mask_kind not in (_kernels.MASK_NONE, *self.masks) or (
-            p.mask_kind != _kernels.MASK_NONE and p.mask is None
+        if p.mask_kind not in (_kernels.FA_MASK_NONE, *self.masks) or (
+            p.mask_kind != _kernels.FA_MASK_NONE and p.mask is None
         ):
             fail(f"invalid mask kind {p.mask_kind}")
         if p.o_dtype != p.q_dtype or p.v_dtype != p.k_dtype:
             fail("o_dtype must equal q_dtype, v_dtype must equal k_dtype")
-        f32 = _kernels.DTYPE_CODES[np.dtype(np.float32)]
+        f32 = _kernels.FA_F32
         if (
             p.q_dtype not in self.dtypes
             or p.k_dtype not in self.dtypes
@@ -240,11 +244,11 @@ class EmulatedCuda:
         if p.alibi is not None:
             sl = host_view(p.alibi, (B, Hq), (p.alibi_sb, p.alibi_sh), np.float64)
             s = s - sl[:, :, None, None] * np.abs(ip - j)[:, None]
-        if p.mask_kind != _kernels.MASK_NONE:
+        if p.mask_kind != _kernels.FA_MASK_NONE:
             m = host_view(p.mask, (B, Hq, L, S), (p.m_sb, p.m_sh, p.m_sl, p.m_ss), self.masks[p.mask_kind])
             s = (
                 np.where(m != 0, s, -np.inf)
-                if p.mask_kind == _kernels.MASK_BOOL
+                if p.mask_kind == _kernels.FA_MASK_BOOL
                 else s + m.astype(np.float64)
             )
         ok = j < Sb[:, None, None]

@@ -845,9 +845,8 @@ def test_record_fields_and_errors(monkeypatch):
     emu, rec = _record(monkeypatch)
     p = read_record(rec)
     assert (p.B, p.Hq, p.Hk, p.L, p.S, p.D, p.Dv) == (1, 2, 2, 3, 3, 8, 8)
-    assert p.mask_kind == fastattn._kernels.MASK_BOOL and p.lse is not None and p.k_lens is None
-    f32 = fastattn._kernels.DTYPE_CODES[np.dtype(np.float32)]
-    assert p.q_dtype == p.k_dtype == p.v_dtype == p.o_dtype == f32
+    assert p.mask_kind == fastattn._kernels.FA_MASK_BOOL and p.lse is not None and p.k_lens is None
+    assert p.q_dtype == p.k_dtype == p.v_dtype == p.o_dtype == fastattn._kernels.FA_F32
     # every required field must be present; unsupported ones may be absent, None or 0
     for name, _, use in FIELDS:
         if use == "required":
@@ -855,8 +854,8 @@ def test_record_fields_and_errors(monkeypatch):
                 read_record({k: v for k, v in rec.items() if k != name})
     for name, typ, use in FIELDS:
         if use == "unsupported":
-            assert name not in rec
-            read_record({**rec, name: None if typ == "pointer" else 0})
+            assert rec.get(name) in (None, 0)  # the plan's neutral value
+            read_record({k: v for k, v in rec.items() if k != name})
             with pytest.raises(ValueError, match=f"^{name} is not supported by the CUDA kernels"):
                 emu.attention({**rec, name: 4096 if typ == "pointer" else 1})
     read_record({**rec, "num_threads": 7, "bm_q": 64})  # CPU-only settings: not read
@@ -874,21 +873,36 @@ def test_record_fields_and_errors(monkeypatch):
     ns = read_record(types.SimpleNamespace(**rec))
     assert all(getattr(ns, n) == getattr(p, n) for n, _, u in FIELDS if u != "ignored")
     # the C contract: o_dtype is q_dtype, v_dtype is k_dtype
-    f16 = fastattn._kernels.DTYPE_CODES[np.dtype(np.float16)]
     with pytest.raises(RuntimeError, match="o_dtype must equal q_dtype"):
-        emu.attention({**rec, "o_dtype": f16})
+        emu.attention({**rec, "o_dtype": fastattn._kernels.FA_F16})
 
 
-def test_merged_stride_and_broadcast_helpers():
-    assert fcuda._merged_stride((2, 3), (30, 10)) == 10
-    assert fcuda._merged_stride((2, 1, 3), (30, 999, 10)) == 10
-    assert fcuda._merged_stride((2, 3), (10, 30)) is None
-    assert fcuda._merged_stride((1, 1), (5, 7)) == 0
+def test_views_on_the_shared_plan_merge(monkeypatch):
+    """Device views go through _args.kernel_plans, the leading-dims merge / split the
+    CPU uses: mergeable leading dims give one launch with the merged batch stride,
+    others one launch per index of the first leading dim.  A host mask is uploaded
+    as its distinct elements and read through broadcast strides."""
     v = fcuda._View(0, (1, 5, 1), (5, 1, 1), np.dtype(np.float32), None)
     b = fcuda._bcast(v, (2, 4, 5, 3), "m")
     assert b.shape == (2, 4, 5, 3) and b.strides == (0, 0, 1, 0)
     with pytest.raises(ValueError, match="does not broadcast"):
         fcuda._bcast(v, (2, 4, 6, 3), "m")
+    emu = _emulate(monkeypatch)
+    rng = np.random.default_rng(9)
+    q, k, v = _rand(rng, (2, 3, 4, 5, 8)), _rand(rng, (2, 3, 4, 7, 8)), _rand(rng, (2, 3, 4, 7, 8))
+    m = rng.random((5, 7)) < 0.7
+    m[:, 0] = True
+    out = fcuda.scaled_dot_product_attention(HostCAI(q), HostCAI(k), HostCAI(v), attn_mask=m)
+    _check(out.get(), reference.scaled_dot_product_attention(q, k, v, attn_mask=m), np.float32)
+    (rec,) = emu.launches
+    assert (rec["B"], rec["q_sb"], rec["k_sb"], rec["o_sb"]) == (6, 4 * 5 * 8, 4 * 7 * 8, 4 * 5 * 8)
+    assert (rec["m_sb"], rec["m_sh"], rec["m_sl"], rec["m_ss"]) == (0, 0, 7, 1)
+    # query's leading dims (2, 3) in transposed storage do not merge: one launch per q[i]
+    qt = np.swapaxes(np.ascontiguousarray(np.swapaxes(q, 0, 1)), 0, 1)
+    emu.launches.clear()
+    out = fcuda.scaled_dot_product_attention(HostCAI(qt), HostCAI(k), HostCAI(v), attn_mask=m)
+    _check(out.get(), reference.scaled_dot_product_attention(q, k, v, attn_mask=m), np.float32)
+    assert [(r["B"], r["q_sb"]) for r in emu.launches] == [(3, 2 * 4 * 5 * 8)] * 2
 
 
 # ---------------------------------------------------------------------------
