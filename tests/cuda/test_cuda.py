@@ -245,7 +245,7 @@ def test_inputs_not_modified_and_no_leaks(backend):
 
 # ---------------------------------------------------------------------------
 # GPU only: the split-KV path (decode), the LSE merge and the two tile loaders.
-# FASTATTN_CUDA_SPLITS=N (read by attention.cu at each launch) forces N key
+# FASTATTN_CUDA_SPLITS=N (read by launch.cu at each launch) forces N key
 # chunks so that the split path also runs on small shapes; "1" disables it.
 
 
@@ -397,7 +397,7 @@ def test_gpu_unaligned_device_views(monkeypatch):
 # ---------------------------------------------------------------------------
 # GPU only: the decode kernel (fa_decode_kernel).  It runs when a (batch, kv
 # head) has G * L <= 4 rows and the K / V rows are 16-byte aligned with D and
-# Dv whole 16-byte vectors; FASTATTN_CUDA_DECODE=0 (read by attention.cu at
+# Dv whole 16-byte vectors; FASTATTN_CUDA_DECODE=0 (read by launch.cu at
 # each launch) sends the same calls to fa_fwd_kernel.
 
 
@@ -565,7 +565,7 @@ def test_gpu_decode_env_off(monkeypatch, dtype):
 # GPU only: the tensor-core prefill path (fa_mma_kernel).  It runs for q, k, v
 # all float16 or all bfloat16, D == Dv in {64, 128}, no mask / ALiBi / softcap,
 # 16-byte aligned rows and Hq / Hk * L >= 64; FASTATTN_CUDA_MMA=0 (read by
-# attention.cu at each launch) sends the same calls to the CUDA-core kernel.
+# launch.cu at each launch) sends the same calls to the CUDA-core kernel.
 
 
 def _mma(monkeypatch, on):
