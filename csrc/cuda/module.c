@@ -130,7 +130,7 @@ static PyObject *py_stream_synchronize(PyObject *self, PyObject *args)
  *                       naming it);
  *   FA_USE_IGNORED      a CPU-only setting (num_threads) or the geometry of an
  *                       unsupported field (bm_*): not read.
- * tests/cuda/emulator.py parses this table, so that the emulator reads records
+ * tests/cuda/cuda_emulator.py parses this table, so that the emulator reads records
  * exactly as this loop does; keep one FA_FIELD(...) per line. */
 enum fa_field_type { FA_T_INT, FA_T_I64, FA_T_F64, FA_T_PTR };
 enum fa_field_use { FA_USE_REQUIRED, FA_USE_UNSUPPORTED, FA_USE_IGNORED };

@@ -95,10 +95,12 @@ def read_record(rec: Any) -> Params:
                 continue
             raise KeyError(f"attention record: missing field {name}")
         if typ == "float64":
-            try:
-                x: Any = float(v)
+            try:  # PyFloat_AsDouble: __float__ or __index__, never a str
+                x: Any = float(v) if not isinstance(v, (str, bytes)) else None
             except (TypeError, ValueError):
-                raise TypeError(f"attention record: {name} must be a float, got {type(v).__name__}") from None
+                x = None
+            if x is None:
+                raise TypeError(f"attention record: {name} must be a float, got {type(v).__name__}")
             zero = x == 0.0
         elif typ == "pointer" and v is None:
             x, zero = None, True
