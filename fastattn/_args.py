@@ -38,6 +38,7 @@ from ._checks import (
     F64,
     INT64_MAX,
     as_array,
+    bfloat16_dtype,
     check_float,
     flag_value,
     int_value,
@@ -74,10 +75,8 @@ MASK_KINDS: dict[np.dtype[Any], int] = {
 }
 
 
-def _batch_field(core: int, *, required: bool = False) -> Any:
-    """A per-batch Plan field: ``(*lead, <core trailing dims>)``."""
-    if required:
-        return field(metadata={PER_BATCH: core})
+def _batch_field(core: int) -> Any:
+    """An optional per-batch Plan field: ``(*lead, <core trailing dims>)`` (None: absent)."""
     return field(default=None, metadata={PER_BATCH: core})
 
 
@@ -104,10 +103,10 @@ class Plan:
     ``__init__`` costs ~0.8 µs more); every other caller passes keywords.
     """
 
-    q: Any = _batch_field(3, required=True)
-    k: Any = _batch_field(3, required=True)
-    v: Any = _batch_field(3, required=True)
-    o: Any = _batch_field(3, required=True)
+    q: Any = field(metadata={PER_BATCH: 3})
+    k: Any = field(metadata={PER_BATCH: 3})
+    v: Any = field(metadata={PER_BATCH: 3})
+    o: Any = field(metadata={PER_BATCH: 3})
     scale: float
     L: int
     S: int
@@ -240,6 +239,12 @@ class Call:
     work: Array
     lse: Array | None = None
     lse_result: Array | None = None
+
+    def with_queries(self, q: Array) -> Call:
+        """The same call on other queries of the plan's q's bhsd shape and dtype (the KV
+        cache's rotated queries, made after every check: all other checks stand)."""
+        assert self.plan is not None and q.shape == self.plan.q.shape and q.dtype == self.plan.q.dtype
+        return dataclasses.replace(self, plan=dataclasses.replace(self.plan, q=kernel_ready(q)))
 
     def run(self) -> Any:
         """Run the kernel; the result (and the LSE when asked for)."""
@@ -746,7 +751,7 @@ def _progression(idx: Array) -> tuple[int, int] | None:
     return None
 
 
-def rows(a: Array, idx: Array | None) -> Array | None:
+def row_view(a: Array, idx: Array | None) -> Array | None:
     """``a[idx]`` as a view when idx is an arithmetic progression, else None."""
     if idx is None:
         return a
@@ -757,6 +762,149 @@ def rows(a: Array, idx: Array | None) -> Array | None:
         return None
     start, step = pr
     return a[start : start + step * (idx.size - 1) + 1 : step]
+
+
+def cache_dtype_value(dtype: Any) -> np.dtype[Any]:
+    """A KV cache's storage dtype: float16, bfloat16, float32 or float64 (``"bfloat16"`` by name too)."""
+    try:
+        dt = bfloat16_dtype() if isinstance(dtype, str) and dtype == "bfloat16" else np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be float16, bfloat16, float32 or float64, got {dtype!r}") from None
+    if not is_storage_dtype(dt):
+        raise TypeError(f"dtype must be float16, bfloat16, float32 or float64, got {dt}")
+    return dt
+
+
+def batch_indices(batch_index: Any, B: int, name: str = "batch_index") -> Array | None:
+    """None -> None; int / slice / 1-D int array -> int64 array of distinct indices in [0, B)."""
+    if batch_index is None:
+        return None
+    if isinstance(batch_index, slice):
+        return np.arange(B, dtype=np.int64)[batch_index]
+    if isinstance(batch_index, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int, a slice or an integer array, got bool")
+    if isinstance(batch_index, numbers.Integral):
+        i = int(batch_index)
+        if not 0 <= i < B:
+            raise ValueError(f"{name} {i} is out of range for a batch of {B}")
+        return np.array([i], dtype=np.int64)
+    a = as_array(batch_index, name)
+    if a.ndim == 1 and a.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an int, a slice or an integer array, got dtype {a.dtype}")
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    if a.size and (a.min() < 0 or a.max() >= B):
+        raise ValueError(f"{name} values must lie in [0, {B}), got range [{a.min()}, {a.max()}]")
+    a = a.astype(np.int64)
+    if np.unique(a).size != a.size:
+        raise ValueError(f"{name} must not repeat an index")
+    return a
+
+
+def new_tokens(x: Any, name: str, layout: str) -> Array:
+    """New keys or values to append: a real floating 4-D array (in ``layout``)."""
+    a = as_array(x, name)
+    if not is_real_float(a.dtype):
+        raise TypeError(f"{name} must be a real floating array, got dtype {a.dtype}")
+    if a.ndim != 4:
+        raise ValueError(f"{name} must be 4-D ({layout}), got shape {a.shape}")
+    return a
+
+
+def cache_tokens(x: Any, name: str, n: int, Hk: int, Dx: int, allow_3d: bool) -> Array:
+    """One block of new keys/values for a KVCache: shape (n, Hk, T, Dx) (or (Hk, T, Dx)
+    with allow_3d), real floating; returns it as an array."""
+    a = as_array(x, name)
+    if not is_real_float(a.dtype):
+        raise TypeError(f"{name} must be a real floating array, got dtype {a.dtype}")
+    if allow_3d and a.ndim == 3:
+        a = a[None]
+    if a.ndim != 4 or a.shape[0] != n or a.shape[1] != Hk or a.shape[3] != Dx:
+        want = f"({n}, {Hk}, T, {Dx})" + (f" or ({Hk}, T, {Dx})" if allow_3d else "")
+        raise ValueError(f"{name} must have shape {want}, got {np.shape(x)}")
+    return a
+
+
+def _max_finite(dt: np.dtype[Any]) -> float:
+    if dt == F64 or dt == F32 or dt.kind == "f":
+        return float(np.finfo(dt).max)
+    import ml_dtypes  # bfloat16 (untyped)
+
+    finfo: Any = ml_dtypes.finfo
+    return float(finfo(dt).max)
+
+
+def rotation_fits(k: Array, dt: np.dtype[Any]) -> bool:
+    """True when rotating k's values (each output is x*cos -/+ y*sin of a pair, at most
+    sqrt(2) * max|k| in magnitude) cannot overflow the cache dtype dt."""
+    if k.size == 0:
+        return True
+    with np.errstate(invalid="ignore"):
+        a = np.abs(k.astype(F64) if k.dtype != F64 else k)
+    m = float(np.max(a, where=np.isfinite(a), initial=0.0))
+    return m * 1.4142136 < _max_finite(dt) * 0.999
+
+
+def to_cache_dtype(
+    a: Array,
+    dt: np.dtype[Any],
+    name: str,
+    rot: Any = None,
+    pos: Array | None = None,
+    num_threads: int | None = None,
+) -> Array:
+    """``a`` converted to the cache dtype ``dt`` (rotated at ``pos`` first with ``rot``, a
+    fastattn.positions cache rotary); ValueError when a finite value becomes inf (beyond
+    the dtype's range), so that nothing is lost silently.  Called before any write."""
+    if rot is not None:
+        from . import positions
+
+        rotate: Any = positions.rotate  # (Any: typed or not, positions is another module's)
+        contiguous: Any = positions._last_contiguous
+        src = a if is_storage_dtype(a.dtype) else a.astype(rot.cos.dtype)
+        c = np.empty(a.shape, dtype=dt)
+        with np.errstate(over="ignore", invalid="ignore"):
+            rotate(contiguous(src), c, pos, rot.cos, rot.sin, rot.interleaved, num_threads)
+    elif a.dtype == dt:
+        return a
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):
+            c = a.astype(dt)
+    inf = np.isinf(c)
+    if inf.any():
+        # an inf given stays inf; rotated, it may spread to its pair: any non-finite input in a row
+        given = np.isinf(a) if rot is None else ~np.isfinite(a).all(axis=-1, keepdims=True)
+        lost = inf & ~given
+        if lost.any():
+            where = tuple(int(i) for i in np.argwhere(lost)[0])
+            raise ValueError(
+                f"{name} holds {int(lost.sum())} value(s) beyond the range of the cache dtype {dt} "
+                f"(e.g. {float(a[where])!r} at index {where}), which would be stored as inf; nothing was "
+                "written. Use a wider cache dtype (float32) or rescale the values."
+            )
+    return c
+
+
+def seqlens_value(x: Any, name: str, B: int, limit: int | None = None, note: str = "") -> Array:
+    """Per-sequence lengths from an int or a ``(B,)`` (or 0-D) integer array, as int64
+    ``(B,)``; with ``limit``, each in ``[0, limit]``."""
+    if isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_)):
+        if limit is not None and not 0 <= int(x) <= limit:  # before np.full: beyond int64 is OverflowError
+            raise ValueError(f"{name} must lie in [0, {limit}], got {x}")
+        return np.full(B, int(x), dtype=np.int64)
+    a = as_array(x, name)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an int or an integer array, got dtype {a.dtype}")
+    if a.ndim == 0:
+        a = np.broadcast_to(a, (B,))
+    if a.shape != (B,):
+        raise ValueError(f"{name} must have shape ({B},){note}, got {a.shape}")
+    seq = a.astype(np.int64)
+    if limit is not None and seq.size and (seq.min() < 0 or seq.max() > limit):
+        raise ValueError(f"{name} values must lie in [0, {limit}], got range [{seq.min()}, {seq.max()}]")
+    return seq
 
 
 # ---------------------------------------------------------------------------
