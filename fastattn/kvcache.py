@@ -25,21 +25,19 @@ import numpy.typing as npt
 from . import positions
 from ._args import (
     batch_indices,
-    bhsd,
     cache_dtype_value,
+    cache_operands,
     cache_tokens,
     check_heads,
     layout_value,
-    new_tokens,
     query_dtype_ok,
     query_dtypes,
     rotation_fits,
     row_view,
     sdpa_call,
-    seqlens_value,
     to_cache_dtype,
 )
-from ._checks import F32, F64, as_array, flag_value, int_value, is_storage_dtype
+from ._checks import F32, F64, as_array, flag_value, int_value
 
 __all__ = ["KVCache", "attention_with_kvcache"]
 
@@ -535,69 +533,10 @@ def attention_with_kvcache(
     is_causal = flag_value(is_causal, "is_causal")
     return_lse = flag_value(return_lse, "return_lse")
     qa = as_array(q, "q")
-    if not isinstance(k_cache, np.ndarray):
-        raise TypeError(f"k_cache must be a numpy.ndarray, got {type(k_cache).__name__}")
-    if not isinstance(v_cache, np.ndarray):
-        raise TypeError(f"v_cache must be a numpy.ndarray, got {type(v_cache).__name__}")
-    cdt = k_cache.dtype
-    if not is_storage_dtype(cdt):
-        raise TypeError(f"k_cache must have dtype float16, bfloat16, float32 or float64, got {cdt}")
-    if v_cache.dtype != cdt:
-        raise TypeError(f"v_cache must have the dtype of k_cache ({cdt}), got {v_cache.dtype}")
-    if not query_dtype_ok(qa.dtype, cdt):
-        raise TypeError(f"q must have dtype {query_dtypes(cdt)} for {cdt} caches, got {qa.dtype}")
-    for a, name in ((qa, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
-        if a.ndim != 4:
-            raise ValueError(f"{name} must be 4-D ({lay}), got shape {a.shape}")
-    qh, kc, vc = bhsd(qa, lay), bhsd(k_cache, lay), bhsd(v_cache, lay)
+    qh, kc, vc, seq, kn, vn = cache_operands(qa, k_cache, v_cache, cache_seqlens, k_new, v_new, lay)
     B, Hq, Lq, D = qh.shape
-    _, Hk, S, Dk = kc.shape
-    if kc.shape[0] != B or vc.shape[0] != B:
-        raise ValueError(
-            f"q, k_cache and v_cache must share the batch size, got {qa.shape}, "
-            f"{k_cache.shape}, {v_cache.shape}"
-        )
-    if Dk != D:
-        raise ValueError(f"k_cache head dim ({Dk}) must equal q's ({D})")
-    if vc.shape[1] != Hk or vc.shape[2] != S:
-        raise ValueError(
-            f"v_cache must have the heads and length of k_cache, got {v_cache.shape} and {k_cache.shape}"
-        )
-    Dv = vc.shape[3]
-    if D == 0 or Dv == 0:
-        raise ValueError(f"head dims must be >= 1, got head_dim {D} and value_dim {Dv}")
-    check_heads(Hq, Hk, True, "q", "the cache's kv")
-    seq = seqlens_value(cache_seqlens, "cache_seqlens", B, S)
-
-    if (k_new is None) != (v_new is None):
-        raise ValueError("k_new and v_new must be given together")
-    T = 0
-    if k_new is not None:
-        k_given, v_given = new_tokens(k_new, "k_new", lay), new_tokens(v_new, "v_new", lay)
-        kn, vn = bhsd(k_given, lay), bhsd(v_given, lay)
-        if kn.shape[:2] != (B, Hk) or kn.shape[3] != D:
-            raise ValueError(
-                f"k_new must have {B} sequences, {Hk} heads and head dim {D}, got {k_given.shape}"
-            )
-        if vn.shape[:2] != (B, Hk) or vn.shape[3] != Dv:
-            raise ValueError(
-                f"v_new must have {B} sequences, {Hk} heads and head dim {Dv}, got {v_given.shape}"
-            )
-        T = kn.shape[2]
-        if vn.shape[2] != T:
-            raise ValueError(
-                f"k_new and v_new must hold the same number of tokens, got {T} and {vn.shape[2]}"
-            )
-        if seq.size and seq.max() + T > S:
-            b = int(np.argmax(seq))
-            raise ValueError(
-                f"cache_seqlens[{b}] + {T} new tokens = {int(seq[b]) + T} exceeds the cache length {S}"
-            )
-        for a, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
-            if not a.flags.writeable:
-                raise ValueError(f"{name} must be writable to append k_new/v_new")
-        if np.may_share_memory(k_cache, v_cache):
-            raise ValueError("k_cache and v_cache must not share memory")
+    cdt = kc.dtype
+    T = 0 if kn is None else kn.shape[2]
     total = seq + T
     if is_causal and total.size and total.min() < Lq:
         b = int(np.argmin(total))
@@ -633,7 +572,7 @@ def attention_with_kvcache(
         qpos = rot.positions(seq, Lq) if (is_causal or local) else np.broadcast_to(seq[:, None], (B, Lq))
         rot.check(kpos, "the new keys' positions (cache_seqlens + t)")
         rot.check(qpos, "the queries' positions")
-    if T and B:
+    if T and B and kn is not None and vn is not None:
         rot_direct = rot is not None and rotation_fits(kn, cdt)
         kw = (
             kn
