@@ -17,20 +17,56 @@ The kernel runs on the current device, on the stream the query's
 ``__cuda_array_interface__`` names (CAI v3; the default stream for NumPy
 inputs or when none is named), and returns without synchronising (as CUDA
 libraries do); other operands' streams are synchronised before the launch.
+
+The arguments are checked by fastattn._args, as for the CPU; the call becomes
+an ``_args.Plan`` of device views (:class:`_View`), split into kernel calls by
+``_args.kernel_plans`` (the leading-dimension merge shared with the CPU), and
+each call is handed to ``fastattn._cuda`` as a record of ``fa_params`` fields
+(csrc/fastattn.h; csrc/cuda/module.c reads it by field name).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import math
+from typing import Any, Protocol, cast
 
 import numpy as np
+import numpy.typing as npt
 
-from ._checks import BFLOAT16, F16, F32, F64, as_array, scale_value
-from .functional import _check_dtypes, _check_shapes, _lengths, _per_head, _softcap, _window
+from . import _args, _kernels
+from ._args import Plan
+from ._checks import F16, F32, F64, as_array, bfloat16_dtype, flag_value, scale_value
 
+Array = npt.NDArray[Any]
+
+
+class _CudaModule(Protocol):
+    """What fastattn._cuda (csrc/cuda/module.c) provides."""
+
+    BUILD_ARCHS: str
+    NVCC_VERSION: str
+    MAX_HEAD_DIM: int
+    PARAMS: tuple[tuple[str, str, str], ...]
+
+    def device_count(self) -> int: ...
+    def device_count_error(self) -> str | None: ...
+    def device_name(self, dev: int = 0) -> tuple[str, int, int]: ...
+    def versions(self) -> tuple[int, int]: ...
+    def malloc(self, nbytes: int) -> int: ...
+    def free(self, ptr: int) -> None: ...
+    def memcpy_htod(self, dst: int, src: int, nbytes: int) -> None: ...
+    def memcpy_dtoh(self, dst: int, src: int, nbytes: int) -> None: ...
+    def synchronize(self) -> None: ...
+    def stream_synchronize(self, stream: int) -> None: ...
+    def attention(self, record: dict[str, Any], stream: int = 0) -> None: ...
+
+
+_cuda: _CudaModule | None
+_IMPORT_ERROR: str | None
 try:
-    from . import _cuda
-
+    _cuda = cast(_CudaModule, importlib.import_module("._cuda", __package__))
     _IMPORT_ERROR = None
 except ImportError as _e:  # the CPU-only build (or a CUDA module that cannot load)
     _cuda = None
@@ -48,11 +84,6 @@ __all__ = [
 ]
 
 MAX_HEAD_DIM = 256
-# enum fa_dtype and enum fa_mask_kind of csrc/fastattn.h
-_DTYPE_CODES = {F32: 0, F16: 2}
-if BFLOAT16 is not None:
-    _DTYPE_CODES[BFLOAT16] = 3
-_MASK_CODES = {np.dtype(np.bool_): 1, F32: 2, F64: 3}
 
 
 def is_built() -> bool:
@@ -65,7 +96,7 @@ def is_available() -> bool:
     return _cuda is not None and _cuda.device_count() > 0
 
 
-def _unavailable_reason():
+def _unavailable_reason() -> str:
     if _cuda is None:
         if _IMPORT_ERROR:
             return f"fastattn._cuda exists but cannot be imported ({_IMPORT_ERROR})"
@@ -74,18 +105,28 @@ def _unavailable_reason():
     return f"no usable CUDA device ({err})" if err else "no CUDA device is visible"
 
 
-def _require():
-    if not is_available():
+def _require() -> _CudaModule:
+    """The extension, when a device is usable (else RuntimeError saying why not):
+    the check of the public entry points."""
+    if _cuda is None or _cuda.device_count() == 0:
         raise RuntimeError(f"fastattn's CUDA backend is not available: {_unavailable_reason()}")
+    return _cuda
 
 
-def build_info() -> dict:
+def _ext() -> _CudaModule:
+    """The extension, for helpers that run after _require() succeeded."""
+    if _cuda is None:
+        raise RuntimeError(f"fastattn's CUDA backend is not available: {_unavailable_reason()}")
+    return _cuda
+
+
+def build_info() -> dict[str, Any]:
     """What the CUDA extension was built with and what it sees now."""
     if _cuda is None:
         return {"built": False, "available": False, "reason": _unavailable_reason()}
     rt, drv = _cuda.versions()
     n = _cuda.device_count()
-    info = {
+    info: dict[str, Any] = {
         "built": True,
         "available": n > 0,
         "archs": _cuda.BUILD_ARCHS,
@@ -107,10 +148,10 @@ def build_info() -> dict:
 class _Buffer:
     """cudaMalloc'ed bytes, freed with the object."""
 
-    def __init__(self, nbytes):
-        self.ptr = _cuda.malloc(nbytes) if nbytes > 0 else 0
+    def __init__(self, nbytes: int) -> None:
+        self.ptr = _ext().malloc(nbytes) if nbytes > 0 else 0
 
-    def __del__(self):
+    def __del__(self) -> None:
         ptr, self.ptr = getattr(self, "ptr", 0), 0
         if ptr and _cuda is not None:
             try:
@@ -119,7 +160,7 @@ class _Buffer:
                 pass
 
 
-def _c_strides(shape):
+def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """C-contiguous strides in elements."""
     out, acc = [], 1
     for n in reversed(shape):
@@ -134,19 +175,19 @@ class DeviceArray:
     ``torch.as_tensor(x, device="cuda")`` through ``__cuda_array_interface__``,
     or copy it to NumPy with :meth:`get`."""
 
-    def __init__(self, shape, dtype, stream=0):
+    def __init__(self, shape: tuple[int, ...], dtype: npt.DTypeLike, stream: int = 0) -> None:
         self.shape = tuple(int(n) for n in shape)
-        self.dtype = np.dtype(dtype)
+        self.dtype: np.dtype[Any] = np.dtype(dtype)
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         self._buf = _Buffer(self.nbytes)
         self._stream = stream  # where the kernel writing it runs (0: the default stream)
 
     @property
-    def ndim(self):
+    def ndim(self) -> int:
         return len(self.shape)
 
     @property
-    def __cuda_array_interface__(self):
+    def __cuda_array_interface__(self) -> dict[str, Any]:
         return {
             "shape": self.shape,
             "typestr": self.dtype.str,
@@ -157,42 +198,61 @@ class DeviceArray:
             "stream": self._stream or 1,
         }
 
-    def get(self) -> np.ndarray:
+    def view(self) -> _View:
+        """The whole array as a _View."""
+        return _View(self._buf.ptr, self.shape, _c_strides(self.shape), self.dtype, self)
+
+    def get(self) -> Array:
         """A NumPy copy (waits for the kernels that write it)."""
+        cu = _ext()
         a = np.empty(self.shape, dtype=self.dtype)
         if self._stream not in (0, 1):
-            _cuda.stream_synchronize(self._stream)
+            cu.stream_synchronize(self._stream)
         if self.nbytes:
-            _cuda.memcpy_dtoh(a.ctypes.data, self._buf.ptr, self.nbytes)
+            cu.memcpy_dtoh(a.ctypes.data, self._buf.ptr, self.nbytes)
         return a
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"fastattn.cuda.DeviceArray(shape={self.shape}, dtype={self.dtype})"
 
 
 class _View:
-    """(pointer, shape, element strides, dtype) of device memory; owner keeps it alive."""
+    """(pointer, shape, element strides, dtype) of device memory; owner keeps it
+    alive.  It provides what ``_args.DeviceView`` asks of a plan array."""
 
     __slots__ = ("ptr", "shape", "strides", "dtype", "owner", "stream")
 
-    def __init__(self, ptr, shape, strides, dtype, owner, stream=None):
+    def __init__(
+        self,
+        ptr: int,
+        shape: tuple[int, ...],
+        strides: tuple[int, ...],
+        dtype: np.dtype[Any],
+        owner: object,
+        stream: int | None = None,
+    ) -> None:
         self.ptr, self.shape, self.strides = int(ptr), tuple(shape), tuple(strides)
         self.dtype, self.owner, self.stream = dtype, owner, stream
 
     @property
-    def ndim(self):
+    def ndim(self) -> int:
         return len(self.shape)
 
-    def swap(self, a, b):
+    def restrided(self, shape: tuple[int, ...], strides: tuple[int, ...]) -> _View:
+        """A view of the same memory (same first element) with other shape and strides."""
+        return _View(self.ptr, shape, strides, self.dtype, self.owner, self.stream)
+
+    def swap(self, a: int, b: int) -> _View:
         sh, st = list(self.shape), list(self.strides)
         sh[a], sh[b] = sh[b], sh[a]
         st[a], st[b] = st[b], st[a]
-        return _View(self.ptr, sh, st, self.dtype, self.owner, self.stream)
+        return self.restrided(tuple(sh), tuple(st))
 
-    def prepend(self):
-        return _View(self.ptr, (1,) + self.shape, (0,) + self.strides, self.dtype, self.owner, self.stream)
+    def prepend(self) -> _View:
+        """A new leading dim of size 1."""
+        return self.restrided((1,) + self.shape, (0,) + self.strides)
 
-    def item(self, i):
+    def item(self, i: int) -> _View:
         """The view of self[i] (first axis)."""
         return _View(
             self.ptr + i * self.strides[0] * self.dtype.itemsize,
@@ -203,18 +263,7 @@ class _View:
             self.stream,
         )
 
-    def rows(self, start, count):
-        """self[start:start + count] (first axis)."""
-        return _View(
-            self.ptr + start * self.strides[0] * self.dtype.itemsize,
-            (count,) + self.shape[1:],
-            self.strides,
-            self.dtype,
-            self.owner,
-            self.stream,
-        )
-
-    def extent(self):
+    def extent(self) -> tuple[int, int] | None:
         """[lo, hi) bytes touched; None when empty."""
         if any(n == 0 for n in self.shape):
             return None
@@ -226,30 +275,29 @@ class _View:
         return lo, hi + item
 
 
-def to_device(a) -> DeviceArray:
+def to_device(a: npt.ArrayLike) -> DeviceArray:
     """Copy a NumPy array (any dtype fastattn takes) to a new C-contiguous :class:`DeviceArray`."""
-    _require()
-    a = np.ascontiguousarray(as_array(a, "a"))
-    d = DeviceArray(a.shape, a.dtype)
-    if a.nbytes:
-        _cuda.memcpy_htod(d._buf.ptr, a.ctypes.data, a.nbytes)
+    cu = _require()
+    h = np.ascontiguousarray(as_array(a, "a"))
+    d = DeviceArray(h.shape, h.dtype)
+    if h.nbytes:
+        cu.memcpy_htod(d._buf.ptr, h.ctypes.data, h.nbytes)
     return d
 
 
 def synchronize() -> None:
     """Wait for all work on the current device (``cudaDeviceSynchronize``)."""
-    _require()
-    _cuda.synchronize()
+    _require().synchronize()
 
 
-def _is_device(x):
+def _is_device(x: object) -> bool:
     try:
         return hasattr(x, "__cuda_array_interface__")
     except Exception:  # noqa: BLE001 - a property that raises means "not a device array"
         return False
 
 
-def _from_cai(obj, name, writable=False):
+def _from_cai(obj: Any, name: str, writable: bool = False) -> _View:
     """A _View of an object exposing ``__cuda_array_interface__``."""
     try:
         cai = obj.__cuda_array_interface__
@@ -264,10 +312,10 @@ def _from_cai(obj, name, writable=False):
         raise TypeError(f"{name} has a dtype NumPy does not know: {typestr!r}") from None
     if isinstance(obj, DeviceArray):
         dtype = obj.dtype  # keeps bfloat16, which typestr cannot name
-    elif dtype.kind == "V" and dtype.itemsize == 2 and BFLOAT16 is not None:
+    elif dtype.kind == "V" and dtype.itemsize == 2:
         descr = cai.get("descr")
         if descr and "bfloat16" in str(descr):
-            dtype = BFLOAT16
+            dtype = bfloat16_dtype()
     if not dtype.isnative:
         raise TypeError(f"{name} must be in native byte order on the GPU, got {typestr!r}")
     if cai.get("mask") is not None:
@@ -275,64 +323,67 @@ def _from_cai(obj, name, writable=False):
     if writable and readonly:
         raise ValueError(f"{name} must be writable")
     item = dtype.itemsize
-    strides = cai.get("strides")
-    if strides is None:
+    cai_strides = cai.get("strides")
+    if cai_strides is None:
         strides = _c_strides(shape)
     else:
-        if len(strides) != len(shape) or any(int(s) % item for s in strides):
+        if len(cai_strides) != len(shape) or any(int(s) % item for s in cai_strides):
             raise ValueError(
-                f"{name} must have strides that are multiples of its itemsize, got {tuple(strides)}"
+                f"{name} must have strides that are multiples of its itemsize, got {tuple(cai_strides)}"
             )
-        strides = tuple(int(s) // item for s in strides)
+        strides = tuple(int(s) // item for s in cai_strides)
     if ptr and int(ptr) % item:
         raise ValueError(f"{name} must be aligned to its itemsize ({item} bytes)")
     stream = cai.get("stream")  # the exporter's stream (CAI v3): 1 legacy, 2 per-thread default
     return _View(ptr or 0, shape, strides, dtype, obj, None if stream is None else int(stream))
 
 
-def _upload(a):
+def _upload(a: Array) -> _View:
     """A _View of a device copy of the NumPy array a (C-contiguous)."""
-    a = np.ascontiguousarray(a)
-    buf = _Buffer(a.nbytes)
-    if a.nbytes:
-        _cuda.memcpy_htod(buf.ptr, a.ctypes.data, a.nbytes)
-    return _View(buf.ptr, a.shape, _c_strides(a.shape), a.dtype, buf)
+    cu = _ext()
+    h = np.ascontiguousarray(a)
+    buf = _Buffer(h.nbytes)
+    if h.nbytes:
+        cu.memcpy_htod(buf.ptr, h.ctypes.data, h.nbytes)
+    return _View(buf.ptr, h.shape, _c_strides(h.shape), h.dtype, buf)
 
 
-def _to_host(x, name):
-    """NumPy copy of a small argument that may live on the device."""
+def _to_host(x: Any, name: str) -> Any:
+    """NumPy copy of a small argument that may live on the device (anything else as is)."""
     if not _is_device(x):
         return x
+    cu = _ext()
     v = _from_cai(x, name)
     if v.stream is not None:
-        _cuda.stream_synchronize(v.stream)
+        cu.stream_synchronize(v.stream)
     if any(s < 0 for s in v.strides):
         raise ValueError(f"{name}: negative strides are not supported")
-    if v.extent() is None:
+    ext = v.extent()
+    if ext is None:
         return np.empty(v.shape, dtype=v.dtype)
-    lo, hi = v.extent()
+    lo, hi = ext
     raw = np.empty(hi - lo, dtype=np.uint8)
-    _cuda.memcpy_dtoh(raw.ctypes.data, lo, hi - lo)
+    cu.memcpy_dtoh(raw.ctypes.data, lo, hi - lo)
     base = np.frombuffer(raw, dtype=v.dtype)
     item = v.dtype.itemsize
     return np.lib.stride_tricks.as_strided(base, v.shape, [s * item for s in v.strides]).copy()
 
 
-def _device_empty(shape, dtype, stream):
+def _device_empty(shape: tuple[int, ...], dtype: np.dtype[Any], stream: int) -> tuple[Any, _View]:
     """(result object, _View) of fresh device memory: CuPy when available."""
     if dtype in (F16, F32):
         try:
-            import cupy  # type: ignore[import-not-found]
+            import cupy  # type: ignore[import-not-found, unused-ignore]
         except ImportError:
             cupy = None
         if cupy is not None:
             a = cupy.empty(shape, dtype=dtype)
             return a, _from_cai(a, "result")
-    a = DeviceArray(shape, dtype, stream)
-    return a, _View(a._buf.ptr, a.shape, _c_strides(a.shape), a.dtype, a)
+    d = DeviceArray(shape, dtype, stream)
+    return d, d.view()
 
 
-def _bcast(view, target, name):
+def _bcast(view: _View, target: tuple[int, ...], name: str) -> _View:
     """view broadcast to target: element strides 0 along broadcast dims."""
     if view.ndim > len(target):
         raise ValueError(f"{name} of shape {view.shape} does not broadcast to {target}")
@@ -346,122 +397,89 @@ def _bcast(view, target, name):
             out.append(0)
         else:
             raise ValueError(f"{name} of shape {view.shape} does not broadcast to {target}")
-    return _View(view.ptr, target, out, view.dtype, view.owner, view.stream)
+    return view.restrided(target, tuple(out))
 
 
-def _merged_stride(shape, strides):
-    """The one stride that walks the leading dims (shape, strides) in C order
-    as a single batch dim, or None when they do not merge."""
-    dims = [(n, s) for n, s in zip(shape, strides) if n != 1]
-    if not dims:
-        return 0
-    for (_, s0), (n1, s1) in zip(dims, dims[1:]):
-        if s0 != s1 * n1:
-            return None
-    return dims[-1][1]
+def _distinct(a: Array) -> Array:
+    """The elements a broadcast view really holds: size 1 along its stride-0
+    dims (so that an uploaded mask is as small as the user's)."""
+    return a[tuple(slice(0, 1) if s == 0 else slice(None) for s in a.strides)]
 
 
-def _launch(q, k, v, o, lse, mask, alibi, klens, opts):
-    """One kernel launch over views with the same leading dims (recursing over
-    the first leading dim when a view's leading dims do not merge)."""
-    nl = q.ndim - 3
-    lead = q.shape[:nl]
-    B = math.prod(lead)
-    if B == 0:
-        return
-    views = [x for x in (q, k, v, o, lse, mask) if x is not None]
-    sb = [_merged_stride(x.shape[:nl], x.strides[:nl]) for x in views]
-    if any(s is None for s in sb):
-        n = lead[0]
-        per = B // n
-        for i in range(n):
-            _launch(
-                q.item(i),
-                k.item(i),
-                v.item(i),
-                o.item(i),
-                None if lse is None else lse.item(i),
-                None if mask is None else mask.item(i),
-                None if alibi is None else alibi.rows(i * per, per),
-                None if klens is None else klens.rows(i * per, per),
-                opts,
-            )
-        return
-    qs, ks, vs, os_ = (x.strides[nl:] for x in (q, k, v, o))
-    Hq, L, D = q.shape[nl:]
-    Hk, S, Dv = v.shape[nl:]
-    p = dict(opts)
-    p.update(
-        B=B,
-        Hq=Hq,
-        Hk=Hk,
-        L=L,
-        S=S,
-        D=D,
-        Dv=Dv,
-        q=q.ptr,
-        q_sb=_merged_stride(lead, q.strides[:nl]),
-        q_sh=qs[0],
-        q_sl=qs[1],
-        k=k.ptr,
-        k_sb=_merged_stride(lead, k.strides[:nl]),
-        k_sh=ks[0],
-        k_sl=ks[1],
-        v=v.ptr,
-        v_sb=_merged_stride(lead, v.strides[:nl]),
-        v_sh=vs[0],
-        v_sl=vs[1],
-        o=o.ptr,
-        o_sb=_merged_stride(lead, o.strides[:nl]),
-        o_sh=os_[0],
-        o_sl=os_[1],
+# ---------------------------------------------------------------------------
+# Plan -> fa_params record
+
+# How a plan array field becomes fa_params fields: the pointer under the
+# field's name, then the element strides of its leading dims under these
+# names (its last dim is contiguous and has no stride field, except for the
+# mask, whose every dim may broadcast).  Arrays not listed are contiguous 1-D
+# tables (k_lens, and the fields the GPU lacks: module.c refuses those).
+_STRIDE_NAMES: dict[str, tuple[str, ...]] = {
+    "q": ("q_sb", "q_sh", "q_sl"),
+    "k": ("k_sb", "k_sh", "k_sl"),
+    "v": ("v_sb", "v_sh", "v_sl"),
+    "o": ("o_sb", "o_sh", "o_sl"),
+    "lse": ("lse_sb", "lse_sh", "lse_sl"),
+    "mask": ("m_sb", "m_sh", "m_sl", "m_ss"),
+    "alibi": ("alibi_sb", "alibi_sh"),
+    "bmask": ("bm_sb", "bm_sh", "bm_si", "bm_sj"),
+}
+
+
+_PLAN_FIELDS = tuple((f.name, _STRIDE_NAMES.get(f.name, ())) for f in dataclasses.fields(Plan))
+
+
+def _record(plan: Plan) -> dict[str, Any]:
+    """The fa_params record of a 4-D plan of _Views: every plan field under its
+    own name (arrays as device pointers, None for NULL, and their strides), plus
+    the sizes and dtype codes read from the arrays."""
+    rec: dict[str, Any] = {}
+    for name, strides in _PLAN_FIELDS:
+        x = getattr(plan, name)
+        if isinstance(x, _View):
+            rec[name] = x.ptr
+            rec.update(zip(strides, x.strides))
+        else:  # an option, or None (NULL) for an array the call does not have
+            rec[name] = x
+            if x is None:
+                rec.update(dict.fromkeys(strides, 0))
+    q, k, v, o = plan.q, plan.k, plan.v, plan.o
+    rec.update(
+        B=q.shape[0],
+        Hq=q.shape[1],
+        Hk=k.shape[1],
+        D=q.shape[3],
+        Dv=v.shape[3],
+        q_dtype=_kernels.DTYPE_CODES[q.dtype],
+        k_dtype=_kernels.DTYPE_CODES[k.dtype],
+        v_dtype=_kernels.DTYPE_CODES[v.dtype],
+        o_dtype=_kernels.DTYPE_CODES[o.dtype],
     )
-    if lse is None:
-        p.update(lse=None, lse_sb=0, lse_sh=0, lse_sl=0)
-    else:
-        p.update(
-            lse=lse.ptr,
-            lse_sb=_merged_stride(lead, lse.strides[:nl]),
-            lse_sh=lse.strides[nl],
-            lse_sl=lse.strides[nl + 1],
-        )
-    if mask is None:
-        p.update(mask=None, m_sb=0, m_sh=0, m_sl=0, m_ss=0)
-    else:
-        ms = mask.strides[nl:]
-        p.update(
-            mask=mask.ptr, m_sb=_merged_stride(lead, mask.strides[:nl]), m_sh=ms[0], m_sl=ms[1], m_ss=ms[2]
-        )
-    if alibi is None:
-        p.update(alibi=None, alibi_sb=0, alibi_sh=0)
-    else:
-        p.update(alibi=alibi.ptr, alibi_sb=alibi.strides[0], alibi_sh=alibi.strides[1])
-    p["k_lens"] = None if klens is None else klens.ptr
-    _cuda.attention(p)
+    return rec
 
 
-def _operand(x, name):
+def _operand(x: Any, name: str) -> Any:
     """_View (device object) or NumPy array (host)."""
     return _from_cai(x, name) if _is_device(x) else as_array(x, name)
 
 
 def scaled_dot_product_attention(
-    query,
-    key,
-    value,
-    attn_mask=None,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
     *,
-    layout="bhsd",
-    return_lse=False,
-    out=None,
-    window=None,
-    alibi_slopes=None,
-    softcap=None,
-    key_lengths=None,
-):
+    layout: str = "bhsd",
+    return_lse: bool = False,
+    out: Any = None,
+    window: tuple[int, int] | None = None,
+    alibi_slopes: Any = None,
+    softcap: float | None = None,
+    key_lengths: Any = None,
+) -> Any:
     """The CUDA kernel of :func:`fastattn.scaled_dot_product_attention`.
 
     Same arguments and semantics as the CPU function (bool masks True = may
@@ -479,9 +497,10 @@ def scaled_dot_product_attention(
 
     Raises RuntimeError when the CUDA backend is not available.
     """
-    _require()
-    if layout not in ("bhsd", "bshd"):
-        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    cu = _require()
+    layout = _args.layout_value(layout)
+    causal = flag_value(is_causal, "is_causal")
+    want_lse = flag_value(return_lse, "return_lse")
     names = ("query", "key", "value")
     device = [_is_device(x) for x in (query, key, value)]
     if any(device) and not all(device):
@@ -492,7 +511,7 @@ def scaled_dot_product_attention(
         )
     dev = all(device)
     q, k, v = (_operand(x, n) for x, n in zip((query, key, value), names))
-    _check_dtypes(q, k, v)
+    _args.check_dtypes(q, k, v)
     if q.dtype == F64:
         raise TypeError(
             "float64 is not supported by the CUDA kernel; use float32, float16 or bfloat16 "
@@ -503,44 +522,40 @@ def scaled_dot_product_attention(
             f"on the GPU key/value must have query's dtype, or query must be float32; got query "
             f"{q.dtype}, key/value {k.dtype}"
         )
-    lead, (Hq, L, D), (Hk, S, Dv) = _check_shapes(q, k, v, layout, enable_gqa)
+    lead, (Hq, L, D), (Hk, S, Dv) = _args.check_shapes(q, k, v, layout, enable_gqa)
     if D > MAX_HEAD_DIM or Dv > MAX_HEAD_DIM:
         raise ValueError(f"head dims must be <= {MAX_HEAD_DIM} on the GPU, got query/key {D}, value {Dv}")
-    sc = scale_value(scale, D, F64 if q.dtype == F64 else F32)
-    wl, wr = _window(window)
-    cap = _softcap(softcap)
-    B = math.prod(lead)
-    alibi = None
+    sc = scale_value(scale, D, F32)
+    wl, wr = _args.window_value(window)
+    cap = _args.softcap_value(softcap)
+    lead1 = lead or (1,)  # the plan's leading dims: at least one
+    alibi = klens = None
     if alibi_slopes is not None:
-        alibi = _per_head(_to_host(alibi_slopes, "alibi_slopes"), "alibi_slopes", lead, Hq, True)
-    klens = None
+        slopes = _to_host(alibi_slopes, "alibi_slopes")
+        alibi = _args.per_head(slopes, "alibi_slopes", lead, Hq, True).reshape(lead1 + (Hq,))
     if key_lengths is not None:
-        klens = _lengths(_to_host(key_lengths, "key_lengths"), "key_lengths", lead, S)
+        klens = _args.lengths(_to_host(key_lengths, "key_lengths"), "key_lengths", lead, S).reshape(lead1)
 
-    mask = m_host = None
+    mask: _View | None = None
+    m_host: Array | None = None
+    target = lead + (Hq, L, S)
     if attn_mask is not None:
-        target = lead + (Hq, L, S)
         if dev and _is_device(attn_mask):
             mv = _from_cai(attn_mask, "attn_mask")
-            if mv.dtype not in _MASK_CODES:
+            if mv.dtype not in _args.MASK_KINDS:
                 raise TypeError(
                     f"attn_mask on the GPU must be bool, float32 or float64, got dtype {mv.dtype}"
                 )
             mask = _bcast(mv, target, "attn_mask")
         else:
-            m_host = as_array(_to_host(attn_mask, "attn_mask"), "attn_mask")
-            if m_host.dtype == np.bool_:
-                pass
-            elif m_host.dtype.kind == "f" or m_host.dtype.name == "bfloat16":
-                if m_host.dtype not in (F32, F64):
-                    m_host = m_host.astype(F32)
-            else:
-                raise TypeError(f"attn_mask must be bool or floating, got dtype {m_host.dtype}")
-            # Shape check now; the upload waits until every argument is checked.
-            _bcast(_View(0, m_host.shape, _c_strides(m_host.shape), m_host.dtype, None), target, "attn_mask")
+            # Checked and converted as on the CPU; uploaded (its distinct elements only)
+            # once every argument is checked.
+            mb = _args.mask_value(_to_host(attn_mask, "attn_mask"), target, F32)[0]
+            m_host = None if mb is None else _distinct(mb)
 
     out_shape = tuple(q.shape[:-1]) + (Dv,)
     lse_shape = (L,) if (q.ndim == 2 and layout == "bhsd") else lead + (Hq, L)
+    ov: Any = None
     if out is not None:
         if dev:
             if not _is_device(out):
@@ -549,17 +564,10 @@ def scaled_dot_product_attention(
                     f"{type(out).__name__}"
                 )
             ov = _from_cai(out, "out", writable=True)
-        else:
-            if not isinstance(out, np.ndarray):
-                raise TypeError(f"out must be a numpy.ndarray for NumPy inputs, got {type(out).__name__}")
-            if not out.flags.writeable:
-                raise ValueError("out must be writable")
-            ov = out
-        if tuple(ov.shape) != out_shape:
-            raise ValueError(f"out must have shape {out_shape}, got {tuple(ov.shape)}")
-        if ov.dtype != q.dtype:
-            raise TypeError(f"out must have dtype {q.dtype}, got {ov.dtype}")
-        if dev:
+            if tuple(ov.shape) != out_shape:
+                raise ValueError(f"out must have shape {out_shape}, got {tuple(ov.shape)}")
+            if ov.dtype != q.dtype:
+                raise TypeError(f"out must have dtype {q.dtype}, got {ov.dtype}")
             if Dv > 1 and ov.strides[-1] != 1:
                 raise ValueError("out must be contiguous in its last dimension on the GPU")
             eo = ov.extent()
@@ -567,8 +575,10 @@ def scaled_dot_product_attention(
                 ex = None if x is None else x.extent()
                 if eo is not None and ex is not None and eo[0] < ex[1] and ex[0] < eo[1]:
                     raise ValueError(f"out must not share memory with {n}")
-    if m_host is not None:
-        mask = _bcast(_upload(m_host), lead + (Hq, L, S), "attn_mask")
+        else:
+            # The device result is copied into out: out may be any writable array of the
+            # right shape and dtype (also one sharing memory with an input).
+            ov = _args.check_out(out, out_shape, q.dtype, ())
     if dev:
         for x, n in ((q, "query"), (k, "key"), (v, "value")):
             if x.shape[-1] > 1 and x.strides[-1] != 1:
@@ -578,62 +588,74 @@ def scaled_dot_product_attention(
                 )
     else:
         q, k, v = _upload(q), _upload(k), _upload(v)
+    if m_host is not None:
+        mask = _bcast(_upload(m_host), target, "attn_mask")
 
     # Launch on the query's stream (CAI v3) and wait for the other operands' streams.
     stream = q.stream if dev and q.stream is not None else 0
     if dev:
-        for x in (k, v, mask, ov if out is not None else None):
+        for x in (k, v, mask, ov):
             if x is not None and x.stream is not None and x.stream != stream:
-                _cuda.stream_synchronize(x.stream)
+                cu.stream_synchronize(x.stream)
+    res: Any
     if dev and out is not None:
         res, o = out, ov
     elif dev:
         res, o = _device_empty(out_shape, q.dtype, stream)
     else:
         res = DeviceArray(out_shape, q.dtype)
-        o = _View(res._buf.ptr, out_shape, _c_strides(out_shape), res.dtype, res)
-    lse_res = lse = None
-    if return_lse:
-        lse_res, lse = _device_empty(lse_shape, F32, stream) if dev else (None, None)
-        if not dev:
+        o = res.view()
+    lse_res: Any = None
+    lse: _View | None = None
+    if want_lse:
+        if dev:
+            lse_res, lse = _device_empty(lse_shape, F32, stream)
+        else:
             lse_res = DeviceArray(lse_shape, F32)
-            lse = _View(lse_res._buf.ptr, lse_shape, _c_strides(lse_shape), F32, lse_res)
-        if q.ndim == 2 and layout == "bhsd":
-            lse = lse.prepend()
+            lse = lse_res.view()
 
-    def bhsd(x):
-        if layout == "bshd":
-            return x.swap(-2, -3)
-        return x.prepend() if x.ndim == 2 else x
+    def bhsd(x: _View) -> _View:
+        """The plan's (*lead1, H, L, X) view of an operand."""
+        x = x.swap(-2, -3) if layout == "bshd" else x
+        if x.ndim == 2:  # one head
+            x = x.prepend()
+        return x if lead else x.prepend()
 
-    qh, kh, vh, oh = bhsd(q), bhsd(k), bhsd(v), bhsd(o)
-    if lead == ():
-        qh, kh, vh, oh = qh.prepend(), kh.prepend(), vh.prepend(), oh.prepend()
-        mask = None if mask is None else mask.prepend()
-        lse = None if lse is None else lse.prepend()
     alibi_v = None if alibi is None else _upload(alibi)
     klens_v = None if klens is None else _upload(klens)
-    opts = dict(
-        q_dtype=_DTYPE_CODES[q.dtype],
-        kv_dtype=_DTYPE_CODES[k.dtype],
-        mask_kind=0 if mask is None else _MASK_CODES[mask.dtype],
+    if lse is not None and not lead:
+        lse = lse.restrided((1, 1, L), (0, 0, 1)) if lse.ndim == 1 else lse.prepend()
+    plan = Plan(
+        q=bhsd(q),
+        k=bhsd(k),
+        v=bhsd(v),
+        o=bhsd(o),
+        lse=lse,
+        mask=None if mask is None else (mask if lead else mask.prepend()),
+        mask_kind=_kernels.FA_MASK_NONE if mask is None else _args.MASK_KINDS[mask.dtype],
         scale=sc,
-        causal=int(bool(is_causal)),
+        causal=causal,
         window_left=wl,
         window_right=wr,
         softcap=cap,
-        stream=stream,
+        alibi=alibi_v,
+        k_lens=klens_v,
+        L=L,
+        S=S,
+        num_threads=1,  # a CPU setting: the GPU binding does not read it
+        precision=_kernels.FA_PRECISION_HIGHEST,  # the kernels compute float32 scores with fp32 FMA
     )
-    if B > 0 and Hq > 0 and L > 0:
-        _launch(qh, kh, vh, oh, lse, mask, alibi_v, klens_v, opts)
+    if math.prod(lead) > 0 and Hq > 0 and L > 0:
+        for p in _args.kernel_plans(plan):
+            cu.attention(_record(p), stream)
     # Keep the uploaded temporaries alive until the kernel is done with them.
     if not dev:
         o_host = res.get()
-        lse_host = lse_res.get() if return_lse else None
+        lse_host = lse_res.get() if want_lse else None
         if out is not None:
             out[...] = o_host
             o_host = out
-        return (o_host, lse_host) if return_lse else o_host
+        return (o_host, lse_host) if want_lse else o_host
     if alibi_v is not None or klens_v is not None or (mask is not None and isinstance(mask.owner, _Buffer)):
-        _cuda.stream_synchronize(stream)  # fastattn-owned temporaries are freed on return
-    return (res, lse_res) if return_lse else res
+        cu.stream_synchronize(stream)  # fastattn-owned temporaries are freed on return
+    return (res, lse_res) if want_lse else res

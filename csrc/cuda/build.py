@@ -6,7 +6,7 @@ build just the CUDA module::
 
     python csrc/cuda/build.py --build-lib OUTDIR [--archs 80]
 
-How it builds: nvcc compiles ``csrc/cuda/*.cu`` (``-O3 --std=c++17
+How it builds: nvcc compiles ``csrc/cuda/{launch,runtime}.cu`` (``-O3 --std=c++17
 -Xcompiler -fPIC``, one ``-gencode`` per architecture) into objects; the C
 compiler builds the plain Python C API binding ``module.c`` and links the
 objects with the static CUDA runtime (``-lcudart_static -lrt -ldl
@@ -33,8 +33,16 @@ from setuptools import Extension
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-CU_SOURCES = ["attention.cu"]
-HEADERS = ["fastattn_cuda.h", os.path.join(os.pardir, "fastattn.h")]
+# launch.cu includes the kernels (common.cuh, kernel_*.cuh); runtime.cu wraps the runtime.
+CU_SOURCES = ["launch.cu", "runtime.cu"]
+HEADERS = [
+    "fastattn_cuda.h",
+    "common.cuh",
+    "kernel_prefill.cuh",
+    "kernel_decode.cuh",
+    "kernel_mma.cuh",
+    os.path.join(os.pardir, "fastattn.h"),
+]
 DEFAULT_ARCHS = "80;90+PTX"
 DEFAULT_CUDA_HOME = "/usr/local/cuda"
 

@@ -5,10 +5,11 @@ Three layers:
 - ``gpu``: the real kernel against fastattn.reference; skipped (not failed)
   without the extension or a GPU.
 - ``emulated``: the same tests run through fastattn.cuda's Python layer
-  (argument checks, uploads, layouts, broadcast strides, the params dict
-  handed to C) with fastattn._cuda replaced by an emulator that treats device
-  pointers as host addresses and computes the fa_cuda_params contract
-  (csrc/cuda/fastattn_cuda.h) in float64.  This runs everywhere and checks
+  (argument checks, uploads, layouts, broadcast strides, the fa_params record
+  handed to C) with fastattn._cuda replaced by the emulator of
+  cuda_emulator.py, which treats device pointers as host addresses, reads the
+  record with module.c's own field table and computes the fa_params contract
+  of csrc/cuda/fastattn_cuda.h in float64.  This runs everywhere and checks
   everything but the CUDA code itself.
 - the build: nvcc compiles the extension from this tree (when nvcc exists),
   and the CUDA toolkit lookup fails clearly without nvcc.
@@ -16,7 +17,6 @@ Three layers:
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import os
 import shutil
@@ -26,6 +26,7 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
+from cuda_emulator import FIELDS, EmulatedCuda, fa_params_fields, read_record
 
 import fastattn
 import fastattn.cuda as fcuda
@@ -34,118 +35,6 @@ from fastattn import reference
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILD_PY = os.path.join(ROOT, "csrc", "cuda", "build.py")
 BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-# ---------------------------------------------------------------------------
-# The emulator of fastattn._cuda
-
-
-def _host_view(ptr, shape, strides, dtype):
-    """ndarray over raw memory at ptr with element strides (may be 0 or negative)."""
-    dtype = np.dtype(dtype)
-    item = dtype.itemsize
-    if any(n == 0 for n in shape):
-        return np.empty(shape, dtype)
-    lo = hi = 0
-    for n, s in zip(shape, strides):
-        d = (n - 1) * s * item
-        lo, hi = (lo + d, hi) if d < 0 else (lo, hi + d)
-    nbytes = hi - lo + item
-    buf = (ctypes.c_uint8 * nbytes).from_address(ptr + lo)
-    return np.ndarray(shape, dtype, buffer=buf, offset=-lo, strides=[s * item for s in strides])
-
-
-class _EmulatedCuda:
-    """Stands in for fastattn._cuda: 'device' memory is host memory."""
-
-    BUILD_ARCHS, NVCC_VERSION, MAX_HEAD_DIM = "emulated", "emulated", 256
-    DTYPES = {0: np.dtype(np.float32), 2: np.dtype(np.float16), 3: BF16}
-    MASKS = {1: np.dtype(np.uint8), 2: np.dtype(np.float32), 3: np.dtype(np.float64)}
-
-    def __init__(self):
-        self.blocks = {}
-        self.launches = []
-
-    def device_count(self):
-        return 1
-
-    def device_count_error(self):
-        return None
-
-    def device_name(self, i=0):
-        return ("emulator", 0, 0)
-
-    def versions(self):
-        return (0, 0)
-
-    def malloc(self, n):
-        a = np.full(n, 0xAB, dtype=np.uint8)  # garbage, as cudaMalloc gives
-        self.blocks[a.ctypes.data] = a
-        return a.ctypes.data
-
-    def free(self, ptr):
-        del self.blocks[ptr]
-
-    def memcpy_htod(self, dst, src, n):
-        ctypes.memmove(dst, src, n)
-
-    memcpy_dtoh = memcpy_htod
-
-    def synchronize(self):
-        pass
-
-    def stream_synchronize(self, s):
-        pass
-
-    def attention(self, p):
-        self.launches.append(dict(p))
-        B, Hq, Hk, L, S, D, Dv = (p[n] for n in ("B", "Hq", "Hk", "L", "S", "D", "Dv"))
-        qt, kt = self.DTYPES[p["q_dtype"]], self.DTYPES[p["kv_dtype"]]
-        q = _host_view(p["q"], (B, Hq, L, D), (p["q_sb"], p["q_sh"], p["q_sl"], 1), qt).astype(np.float64)
-        k = _host_view(p["k"], (B, Hk, S, D), (p["k_sb"], p["k_sh"], p["k_sl"], 1), kt).astype(np.float64)
-        v = _host_view(p["v"], (B, Hk, S, Dv), (p["v_sb"], p["v_sh"], p["v_sl"], 1), kt).astype(np.float64)
-        o = _host_view(p["o"], (B, Hq, L, Dv), (p["o_sb"], p["o_sh"], p["o_sl"], 1), qt)
-        G = Hq // Hk
-        k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
-        s = np.einsum("bhld,bhsd->bhls", q, k) * p["scale"]
-        if p["softcap"]:
-            s = p["softcap"] * np.tanh(s / p["softcap"])
-        Sb = np.full(B, S) if p["k_lens"] is None else _host_view(p["k_lens"], (B,), (1,), np.int64).copy()
-        ip = np.arange(L)[None, :, None] + (Sb - L)[:, None, None]  # (B, L, 1)
-        j = np.arange(S)[None, None, :]
-        if p["alibi"] is not None:
-            sl = _host_view(p["alibi"], (B, Hq), (p["alibi_sb"], p["alibi_sh"]), np.float64)
-            s = s - sl[:, :, None, None] * np.abs(ip - j)[:, None]
-        if p["mask_kind"]:
-            m = _host_view(
-                p["mask"],
-                (B, Hq, L, S),
-                (p["m_sb"], p["m_sh"], p["m_sl"], p["m_ss"]),
-                self.MASKS[p["mask_kind"]],
-            )
-            s = np.where(m != 0, s, -np.inf) if p["mask_kind"] == 1 else s + m.astype(np.float64)
-        ok = j < Sb[:, None, None]
-        if p["causal"]:
-            ok = ok & (j <= ip)
-        if p["window_left"] >= 0:
-            ok = ok & (j >= ip - p["window_left"])
-        if p["window_right"] >= 0:
-            ok = ok & (j <= ip + p["window_right"])
-        s = np.where(ok[:, None], s, -np.inf)
-        mx = s.max(axis=-1, keepdims=True) if S else np.full(s.shape[:-1] + (1,), -np.inf)
-        mx = np.where(np.isfinite(mx), mx, 0.0)
-        e = np.exp(s - mx)
-        den = e.sum(-1, keepdims=True)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            res = np.where(den > 0, (e @ v) / den, 0.0)
-            lse = np.where(den[..., 0] > 0, mx[..., 0] + np.log(den[..., 0]), -np.inf)
-        poisoned = np.isnan(s).any(-1)  # a NaN score in a row's visible range poisons the row
-        res[poisoned] = np.nan
-        lse[poisoned] = np.nan
-        o[...] = res.astype(qt)
-        if p["lse"] is not None:
-            lv = _host_view(p["lse"], (B, Hq, L), (p["lse_sb"], p["lse_sh"], p["lse_sl"]), np.float32)
-            lv[...] = lse
 
 
 class HostCAI:
@@ -174,7 +63,7 @@ def _emulate(monkeypatch, emu=None):
     """Replace fastattn._cuda by the emulator.  CuPy is hidden too: with CuPy
     installed (as on GPU machines) fastattn.cuda allocates results with it,
     and the emulator would then write host-side into real device memory."""
-    emu = _EmulatedCuda() if emu is None else emu
+    emu = EmulatedCuda() if emu is None else emu
     monkeypatch.setattr(fcuda, "_cuda", emu)
     monkeypatch.setitem(sys.modules, "cupy", None)
     return emu
@@ -356,7 +245,7 @@ def test_inputs_not_modified_and_no_leaks(backend):
 
 # ---------------------------------------------------------------------------
 # GPU only: the split-KV path (decode), the LSE merge and the two tile loaders.
-# FASTATTN_CUDA_SPLITS=N (read by attention.cu at each launch) forces N key
+# FASTATTN_CUDA_SPLITS=N (read by launch.cu at each launch) forces N key
 # chunks so that the split path also runs on small shapes; "1" disables it.
 
 
@@ -508,7 +397,7 @@ def test_gpu_unaligned_device_views(monkeypatch):
 # ---------------------------------------------------------------------------
 # GPU only: the decode kernel (fa_decode_kernel).  It runs when a (batch, kv
 # head) has G * L <= 4 rows and the K / V rows are 16-byte aligned with D and
-# Dv whole 16-byte vectors; FASTATTN_CUDA_DECODE=0 (read by attention.cu at
+# Dv whole 16-byte vectors; FASTATTN_CUDA_DECODE=0 (read by launch.cu at
 # each launch) sends the same calls to fa_fwd_kernel.
 
 
@@ -676,7 +565,7 @@ def test_gpu_decode_env_off(monkeypatch, dtype):
 # GPU only: the tensor-core prefill path (fa_mma_kernel).  It runs for q, k, v
 # all float16 or all bfloat16, D == Dv in {64, 128}, no mask / ALiBi / softcap,
 # 16-byte aligned rows and Hq / Hk * L >= 64; FASTATTN_CUDA_MMA=0 (read by
-# attention.cu at each launch) sends the same calls to the CUDA-core kernel.
+# launch.cu at each launch) sends the same calls to the CUDA-core kernel.
 
 
 def _mma(monkeypatch, on):
@@ -857,7 +746,7 @@ def test_device_inputs_strided_broadcast_mask_and_lead_dims(monkeypatch):
 
 def test_streams(monkeypatch):
     """The kernel runs on the query's stream; other operands' streams are waited for."""
-    emu = _EmulatedCuda()
+    emu = EmulatedCuda()
     synced = []
     emu.stream_synchronize = synced.append
     _emulate(monkeypatch, emu)
@@ -924,16 +813,96 @@ def test_bad_input_messages(monkeypatch):
         fastattn.scaled_dot_product_attention(x, x, x, device="tpu")
 
 
-def test_merged_stride_and_broadcast_helpers():
-    assert fcuda._merged_stride((2, 3), (30, 10)) == 10
-    assert fcuda._merged_stride((2, 1, 3), (30, 999, 10)) == 10
-    assert fcuda._merged_stride((2, 3), (10, 30)) is None
-    assert fcuda._merged_stride((1, 1), (5, 7)) == 0
+# ---------------------------------------------------------------------------
+# The record handed to fastattn._cuda: fa_params field names, read by module.c's table
+
+
+def test_record_table_names_every_fa_params_field():
+    """module.c's FIELDS (parsed by the emulator) lists each field of fa_params once, in
+    struct order, so no field is silently left unread or unchecked."""
+    names = [n for n, _, _ in FIELDS]
+    assert names == list(fa_params_fields())
+    uses = {n: u for n, _, u in FIELDS}
+    for n in ("sinks", "q_lens", "cu_q", "cu_k", "bmask", "precision"):
+        assert uses[n] == "unsupported", n
+    assert uses["num_threads"] == "ignored"
+    assert {u for u in uses.values()} == {"required", "unsupported", "ignored"}
+
+
+def _record(monkeypatch):
+    """The record fastattn.cuda hands to _cuda for a small call (as launched)."""
+    emu = _emulate(monkeypatch)
+    x = np.ones((1, 2, 3, 8), np.float32)
+    fcuda.scaled_dot_product_attention(x, x, x, attn_mask=np.ones((3, 3), bool), return_lse=True)
+    (rec,) = emu.launches
+    rec = dict(rec)
+    stream = rec.pop("stream")
+    assert stream == 0
+    return emu, rec
+
+
+def test_record_fields_and_errors(monkeypatch):
+    emu, rec = _record(monkeypatch)
+    p = read_record(rec)
+    assert (p.B, p.Hq, p.Hk, p.L, p.S, p.D, p.Dv) == (1, 2, 2, 3, 3, 8, 8)
+    assert p.mask_kind == fastattn._kernels.FA_MASK_BOOL and p.lse is not None and p.k_lens is None
+    assert p.q_dtype == p.k_dtype == p.v_dtype == p.o_dtype == fastattn._kernels.FA_F32
+    # every required field must be present; unsupported ones may be absent, None or 0
+    for name, _, use in FIELDS:
+        if use == "required":
+            with pytest.raises(KeyError, match=rf"missing field {name}\b"):
+                read_record({k: v for k, v in rec.items() if k != name})
+    for name, typ, use in FIELDS:
+        if use == "unsupported":
+            assert rec.get(name) in (None, 0)  # the plan's neutral value
+            read_record({k: v for k, v in rec.items() if k != name})
+            with pytest.raises(ValueError, match=f"^{name} is not supported by the CUDA kernels"):
+                emu.attention({**rec, name: 4096 if typ == "pointer" else 1})
+    read_record({**rec, "num_threads": 7, "bm_q": 64})  # CPU-only settings: not read
+    with pytest.raises(TypeError, match="q_sb must be an int"):
+        read_record({**rec, "q_sb": 1.5})
+    with pytest.raises(TypeError, match="scale must be a float"):
+        read_record({**rec, "scale": "x"})
+    with pytest.raises(TypeError, match=r"mask must be an int \(device pointer\) or None"):
+        read_record({**rec, "mask": "x"})
+    with pytest.raises(OverflowError, match="causal is out of range"):
+        read_record({**rec, "causal": 2**40})
+    # an object with the fields as attributes reads the same
+    import types
+
+    ns = read_record(types.SimpleNamespace(**rec))
+    assert all(getattr(ns, n) == getattr(p, n) for n, _, u in FIELDS if u != "ignored")
+    # the C contract: o_dtype is q_dtype, v_dtype is k_dtype
+    with pytest.raises(RuntimeError, match="o_dtype must equal q_dtype"):
+        emu.attention({**rec, "o_dtype": fastattn._kernels.FA_F16})
+
+
+def test_views_on_the_shared_plan_merge(monkeypatch):
+    """Device views go through _args.kernel_plans, the leading-dims merge / split the
+    CPU uses: mergeable leading dims give one launch with the merged batch stride,
+    others one launch per index of the first leading dim.  A host mask is uploaded
+    as its distinct elements and read through broadcast strides."""
     v = fcuda._View(0, (1, 5, 1), (5, 1, 1), np.dtype(np.float32), None)
     b = fcuda._bcast(v, (2, 4, 5, 3), "m")
     assert b.shape == (2, 4, 5, 3) and b.strides == (0, 0, 1, 0)
     with pytest.raises(ValueError, match="does not broadcast"):
         fcuda._bcast(v, (2, 4, 6, 3), "m")
+    emu = _emulate(monkeypatch)
+    rng = np.random.default_rng(9)
+    q, k, v = _rand(rng, (2, 3, 4, 5, 8)), _rand(rng, (2, 3, 4, 7, 8)), _rand(rng, (2, 3, 4, 7, 8))
+    m = rng.random((5, 7)) < 0.7
+    m[:, 0] = True
+    out = fcuda.scaled_dot_product_attention(HostCAI(q), HostCAI(k), HostCAI(v), attn_mask=m)
+    _check(out.get(), reference.scaled_dot_product_attention(q, k, v, attn_mask=m), np.float32)
+    (rec,) = emu.launches
+    assert (rec["B"], rec["q_sb"], rec["k_sb"], rec["o_sb"]) == (6, 4 * 5 * 8, 4 * 7 * 8, 4 * 5 * 8)
+    assert (rec["m_sb"], rec["m_sh"], rec["m_sl"], rec["m_ss"]) == (0, 0, 7, 1)
+    # query's leading dims (2, 3) in transposed storage do not merge: one launch per q[i]
+    qt = np.swapaxes(np.ascontiguousarray(np.swapaxes(q, 0, 1)), 0, 1)
+    emu.launches.clear()
+    out = fcuda.scaled_dot_product_attention(HostCAI(qt), HostCAI(k), HostCAI(v), attn_mask=m)
+    _check(out.get(), reference.scaled_dot_product_attention(q, k, v, attn_mask=m), np.float32)
+    assert [(r["B"], r["q_sb"]) for r in emu.launches] == [(3, 2 * 4 * 5 * 8)] * 2
 
 
 # ---------------------------------------------------------------------------
@@ -1012,10 +981,12 @@ _NVCC = shutil.which("nvcc") or os.environ.get("CUDA_HOME") or os.path.exists("/
 
 
 @pytest.mark.skipif(not _NVCC, reason="nvcc not found")
-def test_build_extension_with_nvcc(tmp_path):
+def test_build_extension_with_nvcc(tmp_path, monkeypatch):
     """nvcc builds fastattn._cuda from this tree (one architecture, to stay quick);
-    the module imports and, without a GPU, reports no device."""
+    the module imports and, without a GPU, reports no device; its record table is
+    the one the emulator reads."""
     pytest.importorskip("setuptools")
+    _, rec = _record(monkeypatch)
     r = subprocess.run(
         [sys.executable, BUILD_PY, "--build-lib", str(tmp_path), "--archs", "80"],
         capture_output=True,
@@ -1033,13 +1004,28 @@ def test_build_extension_with_nvcc(tmp_path):
         "spec = importlib.util.spec_from_file_location('fastattn._cuda', path)\n"
         "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
         "print(m.BUILD_ARCHS, m.MAX_HEAD_DIM, m.device_count())\n"
+        "print(repr(m.PARAMS))\n"
+        # module.c's record loop, without a GPU (the pointers are emulator host
+        # addresses, never read): B = 0 launches nothing; a set
+        # unsupported field and a missing one are refused before any CUDA call.
+        f"rec = {rec!r}\n"
+        "m.attention(dict(rec, B=0))\n"
+        "for bad in (dict(rec, sinks=4096), {k: v for k, v in rec.items() if k != 'q_sb'}):\n"
+        "    try:\n"
+        "        m.attention(bad)\n"
+        "    except (ValueError, KeyError) as e:\n"
+        "        print(type(e).__name__, e)\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    archs, maxd, ndev = r.stdout.split()
+    lines = r.stdout.splitlines()
+    archs, maxd, ndev = lines[0].split()
     assert archs == "80" and maxd == "256"
     if not fcuda.is_available():
         assert ndev == "0"
+    assert eval(lines[1]) == FIELDS  # the table the emulator parses is the one compiled
+    assert lines[2] == "ValueError sinks is not supported by the CUDA kernels (it must be None)"
+    assert lines[3] == "KeyError 'attention record: missing field q_sb'"
 
 
 def test_default_archs_cover_sm80_and_sm90():
