@@ -92,6 +92,11 @@ Array = npt.NDArray[Any]
 State = tuple[Array, Array]  # (out (..., H, L, Dv), lse (..., H, L)) of one query chunk, bhsd
 Bound = int | None  # a bound on c - a (local key index minus local row index); None = unbounded
 
+# Rows per call of the split ALiBi (module docstring): its per-key bias on a row's keys nearest the
+# diagonal grows with the rows of the call (slope * rows), and so does the float32 rounding of those
+# logits; 64 rows keep it within a few float32 ulps of 1 for slopes <= 1, at one call per 64 rows.
+_ALIBI_ROWS = 64
+
 
 # --------------------------------------------------------------------------- helpers run in tasks
 
@@ -283,17 +288,35 @@ def _piece(
     # t = (c - c0) - i' = (c - a) + (a1 - c1): the global alignment iff a1 - c1 == e.
     if a1 - c1 == e:
         return _bounded(q, k, v, m, bm, lo, hi, opts, alibi=slopes)
+    bq, bk = opts["block_size"] or (1, 1)
+    rows = -(-_ALIBI_ROWS // bq) * bq  # (whole blocks: a row block's block grid is a slice of the call's)
+    if Lr > rows:  # row blocks, each with its own reference key (below)
+        out, lse = None, None
+        for r0 in range(0, Lr, rows):
+            r1 = min(r0 + rows, Lr)
+            mr = None if m is None else _sub(m, r0, r1, 0, m.shape[-1])
+            bmr = None if bm is None else _sub(bm, r0 // bq, -(-r1 // bq), 0, bm.shape[-1])
+            st = _piece(q[..., r0:r1, :], k, v, mr, bmr, slopes, e - r0, opts)
+            if st is None:
+                continue
+            if out is None or lse is None:
+                out = np.zeros(st[0].shape[:-2] + (Lr, st[0].shape[-1]), dtype=st[0].dtype)
+                lse = np.full(st[1].shape[:-1] + (Lr,), -np.inf, dtype=st[1].dtype)
+            out[..., r0:r1, :], lse[..., r0:r1] = st
+        return None if out is None or lse is None else (out, lse)
     cdt = F64 if q.dtype == F64 else F32
     sl = slopes[..., None, None]  # (…, H, 1, 1), float64
     c = np.arange(Sr, dtype=F64)
     a = np.arange(Lr, dtype=F64)[:, None]
     states = []
     # Keys at or before the diagonal (t <= 0): -slope*|t| = slope*t = slope*(c - cref) + slope*(cref + e - a);
-    # after it (t >= 1): -slope*t.  cref is the key nearest the diagonal on each side (the last key before it,
-    # the first after it), which keeps the per-key bias at most slope * Sr in magnitude.
+    # after it (t >= 1): -slope*t.  The kernel stores each logit (score plus bias) in float32, so the
+    # bias should be small where the softmax weight is: cref is the visible key nearest the diagonal
+    # of the last row (before it) or of the first row (after it), so the bias is <= 0 on visible keys
+    # and at most slope * Lr (Lr <= _ALIBI_ROWS) in magnitude on each row's key nearest the diagonal.
     for sign, cref, lo_p, hi_p in (
-        (1.0, Sr - 1, lo, -e if hi is None else min(hi, -e)),
-        (-1.0, 0, 1 - e if lo is None else max(lo, 1 - e), hi),
+        (1.0, min(max(Lr - 1 - e, 0), Sr - 1), lo, -e if hi is None else min(hi, -e)),
+        (-1.0, min(max(1 - e, 0), Sr - 1), 1 - e if lo is None else max(lo, 1 - e), hi),
     ):
         if lo_p is not None and hi_p is not None and lo_p > hi_p:
             continue

@@ -143,12 +143,14 @@ def test_matches_float64_reference():
     ],
 )
 @pytest.mark.parametrize("L,S", [(5, 9), (9, 5), (8, 8)])
-def test_chunk_pair_offsets_exhaustive(causal, window, L, S):
+@pytest.mark.parametrize("alibi_rows", [64, 3])
+def test_chunk_pair_offsets_exhaustive(causal, window, L, S, alibi_rows, monkeypatch):
     """Every (query chunk, key chunk) pair of every size against the full
     problem's restriction and ALiBi bias sliced to that pair, as an explicit
     float mask of an in-memory call: checks the alignment worked out inside a
     task (window of the trimmed call, the ALiBi split at the diagonal and its
-    LSE shift), with and without a user mask."""
+    LSE shift, in row blocks of alibi_rows), with and without a user mask."""
+    monkeypatch.setattr(fd, "_ALIBI_ROWS", alibi_rows)
     rng = np.random.default_rng(L * 100 + S)
     q = rng.standard_normal((1, 2, L, 8)).astype(np.float32)
     k = rng.standard_normal((1, 2, S, 8)).astype(np.float32)
@@ -319,6 +321,26 @@ def test_options_against_float64_reference():
     assert np.all(out[1] == 0) and np.all(out[2] == 0)  # no key / no query: zeros
     assert np.all(np.isneginf(lse[2]))  # padded rows: -inf even with sinks
     np.testing.assert_array_equal(lse[1, :, :20], np.broadcast_to(kw["sinks"][:, None], (4, 20)))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_alibi_uneven_chunks_row_blocks(causal):
+    """ALiBi with query chunks longer than the split's row blocks and key chunks
+    not aligned to them (every off-diagonal pair split), GQA and bshd."""
+    rng = np.random.default_rng(15)
+    q = rng.standard_normal((1, 150, 4, 16)).astype(np.float32)
+    k = rng.standard_normal((1, 170, 2, 16)).astype(np.float32)
+    slopes = np.array([0.5, 0.25, 0.125, 0.0625])
+    kw = dict(is_causal=causal, enable_gqa=True, layout="bshd", alibi_slopes=slopes, return_lse=True)
+    want, want_lse = fastattn.reference.scaled_dot_product_attention(q, k, k, **kw)
+    out, lse = fd.scaled_dot_product_attention(
+        da.from_array(q, chunks=(1, 130, 4, 16)), da.from_array(k, chunks=(1, 47, 1, 16)), k, **kw
+    )
+    out, lse = dask.compute(out, lse, scheduler="threads")
+    mem, mem_lse = fastattn.scaled_dot_product_attention(q, k, k, **kw)
+    # within a few times the in-memory kernel's own float32 error
+    assert np.abs(out - want).max() <= 4 * np.abs(mem - want).max() + 1e-6
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
 def test_fully_masked_rows_and_sinks():
