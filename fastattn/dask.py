@@ -60,9 +60,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import product
-from typing import Any
+from typing import Any, cast
 
 import dask.array as da
 import numpy as np
@@ -89,6 +89,10 @@ from .merge import merge_attention_states
 __all__ = ["scaled_dot_product_attention", "varlen_attention"]
 
 Array = npt.NDArray[Any]
+# Dask's array API is untyped (and its collection protocol does not match da.Array in its own
+# annotations): its constructors are called through these typed names.
+_from_array: Callable[..., da.Array] = da.from_array
+_DaskArray: Callable[..., da.Array] = da.Array
 State = tuple[Array, Array]  # (out (..., H, L, Dv), lse (..., H, L)) of one query chunk, bhsd
 Bound = int | None  # a bound on c - a (local key index minus local row index); None = unbounded
 
@@ -149,7 +153,8 @@ def _with_bias(m: Array | None, bias: Array) -> Array:
 
 def _bcast_index(a: Array, idx: tuple[int, ...]) -> Array:
     """a[idx] over a's leading dims, index 0 where a dim is broadcast (size 1)."""
-    return a[tuple(0 if a.shape[d] == 1 else i for d, i in enumerate(idx))]
+    r: Array = a[tuple(0 if a.shape[d] == 1 else i for d, i in enumerate(idx))]
+    return r
 
 
 def _sub(a: Array, r0: int, r1: int, c0: int, c1: int) -> Array:
@@ -426,7 +431,7 @@ def _as_dask(x: object, name: str) -> da.Array:
     if isinstance(x, da.Array):
         a = x
     elif isinstance(x, np.ndarray):
-        a = da.from_array(x, chunks=x.shape if x.ndim else (), asarray=True)
+        a = _from_array(x, chunks=x.shape if x.ndim else (), asarray=True)
     else:
         raise TypeError(f"{name} must be a dask.array.Array or a numpy.ndarray, got {type(x).__name__}")
     if any(math.isnan(c) for cs in a.chunks for c in cs):
@@ -461,7 +466,8 @@ def _round_to(chunks: tuple[int, ...], unit: int) -> tuple[int, ...]:
 
 def _rechunk(a: da.Array, chunks: Sequence[Sequence[int]]) -> da.Array:
     c = tuple(tuple(x) for x in chunks)
-    return a if tuple(a.chunks) == c else a.rechunk(c)
+    rechunk: Callable[..., da.Array] = a.rechunk
+    return a if tuple(a.chunks) == c else rechunk(c)
 
 
 def _offsets(chunks: Sequence[int]) -> list[tuple[int, int]]:
@@ -502,7 +508,7 @@ def _tree(dsk: dict[Any, Any], parts: list[Any], mname: str, blk: tuple[int, ...
 
 def _collections(
     dsk: dict[Any, Any],
-    deps: list[da.Array],
+    deps: list[Any],
     oname: str,
     lname: str | None,
     out_chunks: tuple[tuple[int, ...], ...],
@@ -515,14 +521,18 @@ def _collections(
     nd = len(out_chunks)
     if lname is None:
         g = HighLevelGraph.from_collections(oname, dsk, dependencies=deps)
-        return da.Array(g, oname, chunks=out_chunks, dtype=dtype, meta=np.empty((0,) * nd, dtype=dtype)), None
+        return _DaskArray(
+            g, oname, chunks=out_chunks, dtype=dtype, meta=np.empty((0,) * nd, dtype=dtype)
+        ), None
     out_keys = {kk: vv for kk, vv in dsk.items() if kk[0] != lname}
     lse_keys = {kk: vv for kk, vv in dsk.items() if kk[0] == lname}
     g_in = HighLevelGraph.from_collections(oname, out_keys, dependencies=deps)
-    out = da.Array(g_in, oname, chunks=out_chunks, dtype=dtype, meta=np.empty((0,) * nd, dtype=dtype))
+    out = _DaskArray(g_in, oname, chunks=out_chunks, dtype=dtype, meta=np.empty((0,) * nd, dtype=dtype))
     # The LSE layer depends on the roots inside the output layer.
-    g_l = HighLevelGraph.from_collections(lname, lse_keys, dependencies=[out])
-    lse = da.Array(g_l, lname, chunks=lse_chunks, dtype=cdt, meta=np.empty((0,) * len(lse_chunks), dtype=cdt))
+    g_l = HighLevelGraph.from_collections(lname, lse_keys, dependencies=[cast(Any, out)])
+    lse = _DaskArray(
+        g_l, lname, chunks=lse_chunks, dtype=cdt, meta=np.empty((0,) * len(lse_chunks), dtype=cdt)
+    )
     return out, lse
 
 
