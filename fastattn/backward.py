@@ -52,7 +52,7 @@ def scaled_dot_product_attention_backward(
     key_lengths: npt.ArrayLike | None = None,
     query_lengths: npt.ArrayLike | None = None,
     num_threads: int | None = None,
-) -> tuple[Array, Array, Array] | tuple[Array, Array, Array, Array]:
+) -> tuple[Array, ...]:
     """Gradients of :func:`fastattn.scaled_dot_product_attention` with respect to
     query, key and value (and sinks), fused and tiled as in FlashAttention-2.
 
