@@ -29,7 +29,7 @@ __all__ = ["scaled_dot_product_attention_backward"]
 # Rows of the -inf LSE check gathered at a time (rows x S mask values).
 _CHECK_CHUNK = 1 << 22
 
-Array = npt.NDArray[Any]
+NDArray = npt.NDArray[Any]
 
 
 def scaled_dot_product_attention_backward(
@@ -52,7 +52,7 @@ def scaled_dot_product_attention_backward(
     key_lengths: npt.ArrayLike | None = None,
     query_lengths: npt.ArrayLike | None = None,
     num_threads: int | None = None,
-) -> tuple[Array, ...]:
+) -> tuple[NDArray, ...]:
     """Gradients of :func:`fastattn.scaled_dot_product_attention` with respect to
     query, key and value (and sinks), fused and tiled as in FlashAttention-2.
 
@@ -118,7 +118,7 @@ def scaled_dot_product_attention_backward(
     _check_dead_rows(lse3, mask, lead, Hq, L, S, is_causal, wl, wr, k_lens, q_lens, sk is not None)
 
     # bhsd views in the compute dtype (16-bit inputs are computed in float32).
-    def bhsd(a: Array) -> Array:
+    def bhsd(a: NDArray) -> NDArray:
         if a.dtype != cdt:
             a = a.astype(cdt)
         if layout == "bshd":
@@ -127,7 +127,7 @@ def scaled_dot_product_attention_backward(
             a = a[None]
         return a
 
-    def merged(a: Array) -> Array:  # (*lead, x, y, z) -> (B, x, y, z), kernel-readable
+    def merged(a: NDArray) -> NDArray:  # (*lead, x, y, z) -> (B, x, y, z), kernel-readable
         return kernel_ready(a.reshape((B,) + a.shape[-3:]))
 
     qh, kh, vh, oh, goh = (merged(bhsd(a)) for a in (q, k, v, o, go))
@@ -177,8 +177,8 @@ def scaled_dot_product_attention_backward(
 
 
 def _check_dead_rows(
-    lse3: Array,
-    mask: Array | None,
+    lse3: NDArray,
+    mask: NDArray | None,
     lead: tuple[int, ...],
     Hq: int,
     L: int,
@@ -186,8 +186,8 @@ def _check_dead_rows(
     causal: bool,
     wl: int,
     wr: int,
-    k_lens: Array | None,
-    q_lens: Array | None,
+    k_lens: NDArray | None,
+    q_lens: NDArray | None,
     has_sinks: bool,
 ) -> None:
     """ValueError when the LSE is -inf on a row that sees a key (with sinks: on

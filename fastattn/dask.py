@@ -88,12 +88,12 @@ from .merge import merge_attention_states
 
 __all__ = ["scaled_dot_product_attention", "varlen_attention"]
 
-Array = npt.NDArray[Any]
+NDArray = npt.NDArray[Any]
 # Dask's array API is untyped (and its collection protocol does not match da.Array in its own
 # annotations): its constructors are called through these typed names.
 _from_array: Callable[..., da.Array] = da.from_array
 _DaskArray: Callable[..., da.Array] = da.Array
-State = tuple[Array, Array]  # (out (..., H, L, Dv), lse (..., H, L)) of one query chunk, bhsd
+State = tuple[NDArray, NDArray]  # (out (..., H, L, Dv), lse (..., H, L)) of one query chunk, bhsd
 Bound = int | None  # a bound on c - a (local key index minus local row index); None = unbounded
 
 # Rows per call of the split ALiBi (module docstring): its per-key bias on a row's keys nearest the
@@ -105,7 +105,7 @@ _ALIBI_ROWS = 64
 # --------------------------------------------------------------------------- helpers run in tasks
 
 
-def _to_bhsd(a: Array, layout: str) -> Array:
+def _to_bhsd(a: NDArray, layout: str) -> NDArray:
     """(…, L, H, X) -> (…, H, L, X) view for bshd; identity for bhsd."""
     return np.swapaxes(a, -2, -3) if layout == "bshd" else a
 
@@ -142,7 +142,7 @@ def _visibility(i0: int, i1: int, j0: int, j1: int, lo: Bound, hi: Bound) -> str
     return "partial"
 
 
-def _with_bias(m: Array | None, bias: Array) -> Array:
+def _with_bias(m: NDArray | None, bias: NDArray) -> NDArray:
     """The user's chunk mask with an additive float bias folded in."""
     if m is None:
         return bias
@@ -151,13 +151,13 @@ def _with_bias(m: Array | None, bias: Array) -> Array:
     return m + bias  # (float masks were converted to the compute dtype at the task's start)
 
 
-def _bcast_index(a: Array, idx: tuple[int, ...]) -> Array:
+def _bcast_index(a: NDArray, idx: tuple[int, ...]) -> NDArray:
     """a[idx] over a's leading dims, index 0 where a dim is broadcast (size 1)."""
-    r: Array = a[tuple(0 if a.shape[d] == 1 else i for d, i in enumerate(idx))]
+    r: NDArray = a[tuple(0 if a.shape[d] == 1 else i for d, i in enumerate(idx))]
     return r
 
 
-def _sub(a: Array, r0: int, r1: int, c0: int, c1: int) -> Array:
+def _sub(a: NDArray, r0: int, r1: int, c0: int, c1: int) -> NDArray:
     """a[..., r0:r1, c0:c1] of a (…, rows, keys) array, its broadcast (size-1) dims kept."""
     return a[
         ...,
@@ -182,18 +182,18 @@ def _trim(Lr: int, Sr: int, lo: Bound, hi: Bound, unit: tuple[int, int]) -> tupl
 
 
 def _bounded(
-    q: Array,
-    k: Array,
-    v: Array,
-    m: Array | None,
-    bm: Array | None,
+    q: NDArray,
+    k: NDArray,
+    v: NDArray,
+    m: NDArray | None,
+    bm: NDArray | None,
     lo: Bound,
     hi: Bound,
     opts: dict[str, Any],
     *,
-    alibi: Array | None = None,
-    bias: Array | None = None,
-    row_shift: Array | None = None,
+    alibi: NDArray | None = None,
+    bias: NDArray | None = None,
+    row_shift: NDArray | None = None,
 ) -> State | None:
     """One in-memory call over bhsd views q (…, H, Lr, D), k and v (…, Hk, Sr, X),
     restricted to keys with ``lo <= c - a <= hi`` (local indices); None when no
@@ -264,12 +264,12 @@ def _bounded(
 
 
 def _piece(
-    q: Array,
-    k: Array,
-    v: Array,
-    m: Array | None,
-    bm: Array | None,
-    slopes: Array | None,
+    q: NDArray,
+    k: NDArray,
+    v: NDArray,
+    m: NDArray | None,
+    bm: NDArray | None,
+    slopes: NDArray | None,
     e: int,
     opts: dict[str, Any],
 ) -> State | None:
@@ -339,17 +339,17 @@ def _piece(
 
 
 def _part(
-    q: Array,
-    k: Array,
-    v: Array,
-    m: Array | None,
+    q: NDArray,
+    k: NDArray,
+    v: NDArray,
+    m: NDArray | None,
     *,
     geom: tuple[int, int, int, int],
     opts: dict[str, Any],
-    bm: Array | None = None,
-    slopes: Array | None = None,
-    qlens: Array | None = None,
-    klens: Array | None = None,
+    bm: NDArray | None = None,
+    slopes: NDArray | None = None,
+    qlens: NDArray | None = None,
+    klens: NDArray | None = None,
 ) -> State:
     """Attention of one query chunk over one key chunk; returns (out, lse) in bhsd.
 
@@ -402,7 +402,7 @@ def _empty(*, out_shape: tuple[int, ...], lse_shape: tuple[int, ...], dtype: np.
     return np.zeros(out_shape, dtype=dtype), np.full(lse_shape, -np.inf, dtype=dtype)
 
 
-def _finish(state: State, *, sinks: Array | None, rows_dead: Array | None) -> State:
+def _finish(state: State, *, sinks: NDArray | None, rows_dead: NDArray | None) -> State:
     """The root of a query chunk: merge the sinks in once (a part with output 0 and
     LSE sink[h]) and clear the rows past a query length (zeros, LSE -inf).
     ``sinks`` (H,), ``rows_dead`` a bool (…, 1, L) broadcast over the heads."""
@@ -416,11 +416,11 @@ def _finish(state: State, *, sinks: Array | None, rows_dead: Array | None) -> St
     return o, lse
 
 
-def _final_out(state: State, *, dtype: np.dtype[Any], layout: str) -> Array:
+def _final_out(state: State, *, dtype: np.dtype[Any], layout: str) -> NDArray:
     return _to_bhsd(state[0], layout).astype(dtype, copy=False)
 
 
-def _final_lse(state: State) -> Array:
+def _final_lse(state: State) -> NDArray:
     return state[1]
 
 
@@ -476,7 +476,7 @@ def _offsets(chunks: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def _any_visible(
-    i0: int, i1: int, j0: int, j1: int, Lb: Array, Sb: Array, causal: bool, wl: int, wr: int
+    i0: int, i1: int, j0: int, j1: int, Lb: NDArray, Sb: NDArray, causal: bool, wl: int, wr: int
 ) -> bool:
     """Whether any batch element (valid lengths Lb, Sb, arrays of one shape) has a
     visible pair among rows [i0, i1) and keys [j0, j1) under causal / window."""
@@ -544,10 +544,10 @@ def _precision(precision: str | None) -> str:
 
 
 def scaled_dot_product_attention(
-    query: da.Array | Array,
-    key: da.Array | Array,
-    value: da.Array | Array,
-    attn_mask: da.Array | Array | None = None,
+    query: da.Array | NDArray,
+    key: da.Array | NDArray,
+    value: da.Array | NDArray,
+    attn_mask: da.Array | NDArray | None = None,
     *,
     is_causal: bool = False,
     scale: float | None = None,
@@ -846,7 +846,7 @@ def scaled_dot_product_attention(
 # --------------------------------------------------------------------------- varlen
 
 
-def _cu_value(cu: npt.ArrayLike, name: str, T: int) -> Array:
+def _cu_value(cu: npt.ArrayLike, name: str, T: int) -> NDArray:
     """A cu_seqlens argument, checked as the in-memory varlen_attention does."""
     c = as_array(cu, name)
     if c.dtype.kind not in "iu":
@@ -862,14 +862,14 @@ def _cu_value(cu: npt.ArrayLike, name: str, T: int) -> Array:
 
 
 def _vpart(
-    q: Array,
-    k: Array,
-    v: Array,
+    q: NDArray,
+    k: NDArray,
+    v: NDArray,
     *,
     geom: tuple[int, int, int, int],
-    cq: Array,
-    ck: Array,
-    slopes: Array | None,
+    cq: NDArray,
+    ck: NDArray,
+    slopes: NDArray | None,
     opts: dict[str, Any],
 ) -> State:
     """Packed query tokens [t0, t1) (q chunk (Tc, H, D)) over packed keys [u0, u1);
@@ -933,14 +933,14 @@ def _vpart(
     return out, lse
 
 
-def _vfinal_out(state: State, *, dtype: np.dtype[Any]) -> Array:
+def _vfinal_out(state: State, *, dtype: np.dtype[Any]) -> NDArray:
     return np.swapaxes(state[0], 0, 1).astype(dtype, copy=False)
 
 
 def varlen_attention(
-    q: da.Array | Array,
-    k: da.Array | Array,
-    v: da.Array | Array,
+    q: da.Array | NDArray,
+    k: da.Array | NDArray,
+    v: da.Array | NDArray,
     cu_seqlens_q: npt.ArrayLike,
     cu_seqlens_k: npt.ArrayLike,
     *,

@@ -33,7 +33,7 @@ from ._config import get_num_threads
 
 __all__ = ["sinusoidal_positions", "rotary_cos_sin", "apply_rotary"]
 
-Array = npt.NDArray[Any]
+NDArray = npt.NDArray[Any]
 
 
 def _base_value(base: object) -> float:
@@ -97,7 +97,7 @@ def rotary_tables(
     head_dim: int,
     cdt: np.dtype[Any],
     names: tuple[str, str] = ("cos", "sin"),
-) -> tuple[Array, Array]:
+) -> tuple[NDArray, NDArray]:
     """Checked ``(npos, rotary_dim/2)`` tables, C-contiguous in the compute dtype cdt
     (anything else, None included, is refused by name)."""
     nc, ns = names
@@ -118,7 +118,7 @@ def rotary_tables(
     return np.ascontiguousarray(c, dtype=cdt), np.ascontiguousarray(s, dtype=cdt)
 
 
-def check_positions(pos: Array, npos: int, what: str) -> None:
+def check_positions(pos: NDArray, npos: int, what: str) -> None:
     """Positions must index the tables: 0 <= pos < npos (pos is an int64 array)."""
     if pos.size == 0:
         return
@@ -133,11 +133,11 @@ def check_positions(pos: Array, npos: int, what: str) -> None:
 
 
 def rotate(
-    src4: Array,
-    dst4: Array,
-    pos2: Array,
-    cos: Array,
-    sin: Array,
+    src4: NDArray,
+    dst4: NDArray,
+    pos2: NDArray,
+    cos: NDArray,
+    sin: NDArray,
     interleaved: bool,
     num_threads: int | None = None,
     dst_at_pos: bool = False,
@@ -155,7 +155,7 @@ def rotate(
     )
 
 
-def _last_contiguous(a: Array) -> Array:
+def _last_contiguous(a: NDArray) -> NDArray:
     if a.shape[-1] <= 1 or a.strides[-1] == a.itemsize:
         if a.flags.aligned:
             return a
@@ -256,14 +256,14 @@ class _CacheRotary:
         self.npos = self.cos.shape[0]
 
     @staticmethod
-    def positions(start: npt.ArrayLike, n: int) -> Array:
+    def positions(start: npt.ArrayLike, n: int) -> NDArray:
         """(B, n) int64 positions start[b] + t."""
         return np.asarray(start, dtype=np.int64)[:, None] + np.arange(n, dtype=np.int64)[None, :]
 
-    def check(self, pos: Array, what: str) -> None:
+    def check(self, pos: NDArray, what: str) -> None:
         check_positions(pos, self.npos, what)
 
-    def append(self, k_new4: Array, cache4: Array, pos: Array, num_threads: int | None = None) -> None:
+    def append(self, k_new4: NDArray, cache4: NDArray, pos: NDArray, num_threads: int | None = None) -> None:
         """Rotate the new keys (B, H, T, D) and write them into cache rows pos[b, t], in one C pass."""
         if not is_storage_dtype(k_new4.dtype):  # e.g. longdouble: through the compute dtype
             k_new4 = k_new4.astype(self.cos.dtype)
@@ -272,13 +272,13 @@ class _CacheRotary:
             rotate(src, cache4, pos, self.cos, self.sin, self.interleaved, num_threads, dst_at_pos=True)
             return
         # A cache whose rows are not contiguous: rotate into a buffer, then copy row by row.
-        buf: Array = np.empty(src.shape, dtype=cache4.dtype)
+        buf: NDArray = np.empty(src.shape, dtype=cache4.dtype)
         rotate(src, buf, pos, self.cos, self.sin, self.interleaved, num_threads)
         for b in range(buf.shape[0]):
             s0 = int(pos[b, 0])
             cache4[b, :, s0 : s0 + buf.shape[2]] = buf[b]
 
-    def rotate_q(self, q4: Array, pos: Array, num_threads: int | None = None) -> Array:
+    def rotate_q(self, q4: NDArray, pos: NDArray, num_threads: int | None = None) -> NDArray:
         """A rotated copy of q (B, H, L, D) in q's dtype (its bhsd view is returned)."""
         out = np.empty(q4.shape, dtype=q4.dtype)
         rotate(_last_contiguous(q4), out, pos, self.cos, self.sin, self.interleaved, num_threads)

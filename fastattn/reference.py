@@ -14,7 +14,7 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
-Array = npt.NDArray[Any]
+NDArray = npt.NDArray[Any]
 
 __all__ = [
     "scaled_dot_product_attention",
@@ -44,7 +44,7 @@ def scaled_dot_product_attention(
     *,
     layout: str = "bhsd",
     return_lse: bool = False,
-    out: Array | None = None,
+    out: NDArray | None = None,
     num_threads: int | None = None,
     window: tuple[int, int] | None = None,
     alibi_slopes: npt.ArrayLike | None = None,
@@ -54,7 +54,7 @@ def scaled_dot_product_attention(
     query_lengths: npt.ArrayLike | None = None,
     block_mask: npt.ArrayLike | None = None,
     block_size: tuple[int, int] | None = None,
-) -> Array | tuple[Array, Array]:
+) -> NDArray | tuple[NDArray, NDArray]:
     q, k, v = _f64(query), _f64(key), _f64(value)
     if layout == "bshd":
         q, k, v = (np.swapaxes(a, -2, -3) for a in (q, k, v))
@@ -126,7 +126,7 @@ def scaled_dot_product_attention(
     pad = np.broadcast_to(i[..., 0] >= Lb[..., 0], lse.shape)
     lse = np.where(pad, -np.inf, lse)
     # NaN in the scores of a row poisons that row (as in a plain softmax).
-    nan_rows = cast(Array, np.isnan(s).any(axis=-1))
+    nan_rows = cast(NDArray, np.isnan(s).any(axis=-1))
     o = np.where(nan_rows[..., None], np.nan, o)
     lse = np.where(nan_rows, np.nan, lse)
 
@@ -152,9 +152,9 @@ def varlen_attention(
     softcap: float | None = None,
     sinks: npt.ArrayLike | None = None,
     return_lse: bool = False,
-    out: Array | None = None,
+    out: NDArray | None = None,
     num_threads: int | None = None,
-) -> Array | tuple[Array, Array]:
+) -> NDArray | tuple[NDArray, NDArray]:
     """Packed sequences, one reference call per sequence."""
     q, k, v = _f64(q), _f64(k), _f64(v)
     Hq = q.shape[1]
@@ -168,7 +168,7 @@ def varlen_attention(
             a = np.asarray(alibi_slopes)
             slopes = a if a.ndim == 1 else a[b]
         ob, lb = cast(
-            "tuple[Array, Array]",
+            "tuple[NDArray, NDArray]",
             scaled_dot_product_attention(
                 q[qs:qe],
                 k[ks:ke],
@@ -208,7 +208,7 @@ def scaled_dot_product_attention_backward(
     key_lengths: npt.ArrayLike | None = None,
     query_lengths: npt.ArrayLike | None = None,
     num_threads: int | None = None,
-) -> tuple[Array, ...]:
+) -> tuple[NDArray, ...]:
     """Gradients of :func:`scaled_dot_product_attention` by the explicit float64
     formula, everything materialised (``out`` and ``lse`` are ignored: the
     probabilities are recomputed here from scratch):
@@ -290,7 +290,7 @@ def scaled_dot_product_attention_backward(
     return tuple(res)
 
 
-def _softmax_rows(s: Array) -> tuple[Array, Array]:
+def _softmax_rows(s: NDArray) -> tuple[NDArray, NDArray]:
     """Row softmax of float64 scores with -inf exclusions: (weights, lse); dead rows give 0, -inf."""
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
     m_safe = np.where(np.isfinite(m), m, 0.0)
@@ -314,7 +314,7 @@ def additive_attention(
     attn_mask: npt.ArrayLike | None = None,
     return_weights: bool = False,
     num_threads: int | None = None,
-) -> Array | tuple[Array, Array]:
+) -> NDArray | tuple[NDArray, NDArray]:
     """Bahdanau attention the textbook way: the (..., L, S, A) tanh tensor, then v."""
     q, k, val = _f64(query), _f64(key), _f64(value)
     pq = q @ _f64(w_query).T  # (..., L, A)
@@ -330,7 +330,7 @@ def additive_attention(
     return (o, p) if return_weights else o
 
 
-def lsh_rotations(seed: int | None, n_hashes: int, head_dim: int, n_buckets: int) -> Array:
+def lsh_rotations(seed: int | None, n_hashes: int, head_dim: int, n_buckets: int) -> NDArray:
     """The rotations a seed stands for (the documented recipe of fastattn.lsh_attention)."""
     return np.random.default_rng(seed).standard_normal((n_hashes, head_dim, n_buckets // 2))
 
@@ -348,7 +348,7 @@ def lsh_attention(
     rotations: npt.ArrayLike | None = None,
     return_lse: bool = False,
     num_threads: int | None = None,
-) -> Array | tuple[Array, Array]:
+) -> NDArray | tuple[NDArray, NDArray]:
     """Reformer LSH attention, one chunk at a time, each rule written out."""
     x, val = _f64(qk), _f64(value)
     lead, (L, D) = x.shape[:-2], x.shape[-2:]
@@ -391,7 +391,7 @@ def lsh_attention(
     return (o, lse_all.reshape(lead + (L,))) if return_lse else o
 
 
-def sinusoidal_positions(length: int, dim: int, base: float = 10000.0) -> Array:
+def sinusoidal_positions(length: int, dim: int, base: float = 10000.0) -> NDArray:
     pe = np.zeros((length, dim))
     for p in range(length):
         for c in range(dim):
@@ -401,7 +401,7 @@ def sinusoidal_positions(length: int, dim: int, base: float = 10000.0) -> Array:
     return pe
 
 
-def rotary_cos_sin(length: int, rotary_dim: int, base: float = 10000.0) -> tuple[Array, Array]:
+def rotary_cos_sin(length: int, rotary_dim: int, base: float = 10000.0) -> tuple[NDArray, NDArray]:
     theta = base ** (-np.arange(0, rotary_dim, 2) / rotary_dim)
     ang = np.arange(length)[:, None] * theta[None, :]
     return np.cos(ang), np.sin(ang)
@@ -415,7 +415,7 @@ def apply_rotary(
     positions: npt.ArrayLike | None = None,
     interleaved: bool = False,
     layout: str = "bhsd",
-) -> Array:
+) -> NDArray:
     """Rotation written with explicit feature pairs: pair (i, i + h) (NeoX) or (2i, 2i+1) (GPT-J)."""
     x = _f64(x)
     cos, sin = _f64(cos), _f64(sin)
@@ -446,7 +446,7 @@ def attention_weights(
     rows: npt.ArrayLike | None = None,
     layout: str = "bhsd",
     **options: Any,
-) -> Array:
+) -> NDArray:
     """The weights as the output of attention over the identity: softmax(scores) @ I = softmax(scores)."""
     k = _f64(key)
     S = k.shape[-3] if layout == "bshd" else k.shape[-2]
@@ -456,7 +456,7 @@ def attention_weights(
     else:
         v = np.broadcast_to(eye, k.shape[:-1] + (S,))
     w = cast(
-        Array,
+        NDArray,
         scaled_dot_product_attention(
             query, k, v, attn_mask, 0.0, is_causal, scale, enable_gqa, layout=layout, **options
         ),

@@ -38,9 +38,6 @@ import numpy.typing as npt
 
 __all__ = ["strided_pattern", "fixed_pattern", "local_global_pattern", "to_dense"]
 
-BoolArray = npt.NDArray[np.bool_]
-Pattern = tuple[BoolArray, tuple[int, int]]  # (block_mask, block_size)
-
 
 def _pos_int(x: object, name: str, minimum: int) -> int:
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
@@ -68,7 +65,7 @@ def _grid(L: int, S: int, block: int) -> tuple[int, int, npt.NDArray[np.int_], n
 
 def strided_pattern(
     L: int, S: int, block: int, stride: int, *, causal: bool = True, part: str = "both"
-) -> Pattern:
+) -> tuple[npt.NDArray[np.bool_], tuple[int, int]]:
     """Strided factorised pattern of Sparse Transformers (Child et al. 2019, eq. for
     "strided attention"), in units of blocks: ``stride`` is the period ``l / block``.
 
@@ -100,7 +97,7 @@ def strided_pattern(
 
 def fixed_pattern(
     L: int, S: int, block: int, stride: int, num_summary: int = 1, *, causal: bool = True, part: str = "both"
-) -> Pattern:
+) -> tuple[npt.NDArray[np.bool_], tuple[int, int]]:
     """Fixed factorised pattern of Sparse Transformers (Child et al. 2019), in units of
     blocks: keys are cut into windows of ``stride`` blocks.
 
@@ -144,7 +141,7 @@ def local_global_pattern(
     causal: bool = False,
     num_random: int = 0,
     seed: int | None = None,
-) -> Pattern:
+) -> tuple[npt.NDArray[np.bool_], tuple[int, int]]:
     """Sliding window plus global blocks (Longformer / BigBird style).
 
     Active blocks:
@@ -181,7 +178,7 @@ def local_global_pattern(
     return m, (block, block)
 
 
-def to_dense(block_mask: npt.ArrayLike, block_size: tuple[int, int], L: int, S: int) -> BoolArray:
+def to_dense(block_mask: npt.ArrayLike, block_size: tuple[int, int], L: int, S: int) -> npt.NDArray[np.bool_]:
     """The element mask ``(..., L, S)`` a block mask describes: entry (i, j) is
     ``block_mask[..., i // bq, j // bk]``."""
     bm = np.asarray(block_mask)

@@ -24,7 +24,7 @@ __all__ = ["attention_weights", "plot_attention_weights"]
 
 _TILE_ELEMS = 1 << 21  # scores held at once while tiling (per call)
 
-Array = npt.NDArray[Any]
+NDArray = npt.NDArray[Any]
 
 
 def _rows_value(rows: npt.ArrayLike | None, L: int) -> npt.NDArray[np.int64]:
@@ -59,7 +59,7 @@ def attention_weights(
     block_mask: npt.ArrayLike | None = None,
     block_size: tuple[int, int] | None = None,
     num_threads: int | None = None,
-) -> Array:
+) -> NDArray:
     """The softmax weights ``(..., Hq, len(rows), S)`` of
     :func:`fastattn.scaled_dot_product_attention` called with the same score
     options (attn_mask, is_causal, scale, enable_gqa, layout, window,
