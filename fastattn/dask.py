@@ -62,7 +62,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from itertools import product
-from typing import Any, cast
+from typing import Any, Literal, cast, overload
 
 import dask.array as da
 import numpy as np
@@ -543,6 +543,56 @@ def _precision(precision: str | None) -> str:
     return get_float32_matmul_precision() if precision is None else precision
 
 
+@overload
+def scaled_dot_product_attention(
+    query: da.Array | NDArray,
+    key: da.Array | NDArray,
+    value: da.Array | NDArray,
+    attn_mask: da.Array | NDArray | None = None,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    layout: str = "bhsd",
+    return_lse: Literal[False] = False,
+    window: tuple[int, int] | None = None,
+    alibi_slopes: npt.ArrayLike | None = None,
+    softcap: float | None = None,
+    sinks: npt.ArrayLike | None = None,
+    key_lengths: npt.ArrayLike | None = None,
+    query_lengths: npt.ArrayLike | None = None,
+    block_mask: npt.ArrayLike | None = None,
+    block_size: tuple[int, int] | None = None,
+    num_threads: int | None = None,
+    precision: str | None = None,
+) -> da.Array: ...
+
+
+@overload
+def scaled_dot_product_attention(
+    query: da.Array | NDArray,
+    key: da.Array | NDArray,
+    value: da.Array | NDArray,
+    attn_mask: da.Array | NDArray | None = None,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    layout: str = "bhsd",
+    return_lse: Literal[True],
+    window: tuple[int, int] | None = None,
+    alibi_slopes: npt.ArrayLike | None = None,
+    softcap: float | None = None,
+    sinks: npt.ArrayLike | None = None,
+    key_lengths: npt.ArrayLike | None = None,
+    query_lengths: npt.ArrayLike | None = None,
+    block_mask: npt.ArrayLike | None = None,
+    block_size: tuple[int, int] | None = None,
+    num_threads: int | None = None,
+    precision: str | None = None,
+) -> tuple[da.Array, da.Array]: ...
+
+
 def scaled_dot_product_attention(
     query: da.Array | NDArray,
     key: da.Array | NDArray,
@@ -935,6 +985,48 @@ def _vpart(
 
 def _vfinal_out(state: State, *, dtype: np.dtype[Any]) -> NDArray:
     return np.swapaxes(state[0], 0, 1).astype(dtype, copy=False)
+
+
+@overload
+def varlen_attention(
+    q: da.Array | NDArray,
+    k: da.Array | NDArray,
+    v: da.Array | NDArray,
+    cu_seqlens_q: npt.ArrayLike,
+    cu_seqlens_k: npt.ArrayLike,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    window: tuple[int, int] | None = None,
+    alibi_slopes: npt.ArrayLike | None = None,
+    softcap: float | None = None,
+    sinks: npt.ArrayLike | None = None,
+    return_lse: Literal[False] = False,
+    num_threads: int | None = None,
+    precision: str | None = None,
+) -> da.Array: ...
+
+
+@overload
+def varlen_attention(
+    q: da.Array | NDArray,
+    k: da.Array | NDArray,
+    v: da.Array | NDArray,
+    cu_seqlens_q: npt.ArrayLike,
+    cu_seqlens_k: npt.ArrayLike,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    window: tuple[int, int] | None = None,
+    alibi_slopes: npt.ArrayLike | None = None,
+    softcap: float | None = None,
+    sinks: npt.ArrayLike | None = None,
+    return_lse: Literal[True],
+    num_threads: int | None = None,
+    precision: str | None = None,
+) -> tuple[da.Array, da.Array]: ...
 
 
 def varlen_attention(
