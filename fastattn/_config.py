@@ -155,10 +155,13 @@ def config() -> dict:
     """The configuration as a dict (what :func:`show_config` prints)."""
     from . import __version__
 
+    # The extension itself, not fastattn.cuda: that module imports the argument
+    # layer, which imports this one (an import cycle).  Same facts as
+    # fastattn.cuda.is_built() / is_available().
     try:
-        from . import cuda as _cuda
+        from . import _cuda  # type: ignore[attr-defined]
 
-        cuda_built, cuda_available = _cuda.is_built(), _cuda.is_available()
+        cuda_built, cuda_available = True, _cuda.device_count() > 0
     except Exception:  # noqa: BLE001 - optional module
         cuda_built = cuda_available = False
     return {

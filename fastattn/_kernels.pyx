@@ -1,183 +1,197 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 # cython: freethreading_compatible=True
-"""Thin binding to the C kernels: fill ``fa_params`` from arrays that
-``fastattn.functional`` has already validated, then make one ``nogil`` call.
+"""Thin binding to the C kernels: fill ``fa_params`` by field name from a
+``fastattn._args.Plan`` that has already been checked, then make one ``nogil``
+call.
 
-Arrays arrive as 4-D ``(B, H, L, D)`` views whose last dimension is
-contiguous; strides are passed to C in elements.
+The C declarations (fa_params, the enums) are in fastattn/_kernels.pxd, which
+Cython includes here.  Plan arrays arrive as 4-D ``(B, H, L, D)`` views whose
+last dimension is contiguous; strides are passed to C in elements.
 """
 from libc.stdint cimport int64_t, uint8_t
 cimport numpy as cnp
 
 cnp.import_array()
 
-cdef extern from "fastattn.h":
-    ctypedef struct fa_params:
-        int q_dtype, k_dtype, v_dtype, o_dtype
-        int64_t B, Hq, Hk, L, S, D, Dv
-        const void *q
-        int64_t q_sb, q_sh, q_sl
-        const void *k
-        int64_t k_sb, k_sh, k_sl
-        const void *v
-        int64_t v_sb, v_sh, v_sl
-        void *o
-        int64_t o_sb, o_sh, o_sl
-        void *lse
-        int64_t lse_sb, lse_sh, lse_sl
-        int mask_kind
-        const void *mask
-        int64_t m_sb, m_sh, m_sl, m_ss
-        double scale
-        int causal
-        int64_t window_left, window_right
-        double softcap
-        const double *alibi
-        int64_t alibi_sb, alibi_sh
-        const double *sinks
-        const int64_t *q_lens
-        const int64_t *k_lens
-        const int64_t *cu_q
-        const int64_t *cu_k
-        const uint8_t *bmask
-        int64_t bm_sb, bm_sh, bm_si, bm_sj, bm_q, bm_k
-        int num_threads
-        int precision
-
-    int fa_attention(const fa_params *p) nogil
-    int fa_cpu_has(int isa)
-    int fa_isa_best()
-    int fa_isa_get()
-    int fa_isa_set(int isa)
-    const char *fa_isa_name(int isa)
-    int fa_cpu_has_f16c()
-    int fa_cpu_has_avx512bf16()
-    int fa_cpu_has_amx()
-    int fa_openmp_enabled()
-    int fa_omp_max_threads()
-    int fa_exp2_isa(int isa, const float *x, float *y, int64_t n) nogil
-
 import numpy as np
 
-# Indexed by csrc/fastattn.h enum fa_isa; "amx" is AVX-512 plus AMX tiles for bfloat16 prefill.
-ISA_NAMES = ("scalar", "avx2", "avx512", "amx")
+# The enum members as plain module-level ints (FA_F32, FA_MASK_BOOL, ...), their
+# values read from csrc/fastattn.h: no Python file writes one by hand.
+for _enum in (fa_dtype, fa_mask_kind, fa_isa, fa_precision, fa_status):
+    globals().update({_m.name: int(_m) for _m in _enum})
+del _enum
+
+# Indexed by enum fa_isa; "amx" is AVX-512 plus AMX tiles for bfloat16 prefill.
+ISA_NAMES = tuple(m.name[len("FA_ISA_"):].lower() for m in sorted(fa_isa, key=int))
 
 
 class _DtypeCodes(dict):
-    """Element type codes shared with csrc/fastattn.h (enum fa_dtype), keyed by
-    dtype objects (a dict lookup is much cheaper than dtype.name).  bfloat16 is
-    added on first use: importing ml_dtypes costs ~0.5 s, and a bfloat16 array
-    exists only once its maker has imported it."""
+    """enum fa_dtype codes keyed by dtype objects (a dict lookup is much cheaper
+    than dtype.name).  bfloat16 is added on first use: importing ml_dtypes costs
+    ~0.5 s, and a bfloat16 array exists only once its maker has imported it."""
 
     def __missing__(self, dt):
         if getattr(dt, "name", None) == "bfloat16":
             import ml_dtypes
 
             if dt == np.dtype(ml_dtypes.bfloat16):
-                self[dt] = 3
-                return 3
+                self[dt] = <int>FA_BF16
+                return <int>FA_BF16
         raise KeyError(dt)
 
 
-DTYPE_CODES = _DtypeCodes({np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.float16): 2})
-MASK_NONE, MASK_BOOL, MASK_F32, MASK_F64 = 0, 1, 2, 3
+DTYPE_CODES = _DtypeCodes({np.dtype(np.float32): <int>FA_F32, np.dtype(np.float64): <int>FA_F64,
+                           np.dtype(np.float16): <int>FA_F16})
+# Older names of the mask kinds.
+MASK_NONE, MASK_BOOL = <int>FA_MASK_NONE, <int>FA_MASK_BOOL
+MASK_F32, MASK_F64 = <int>FA_MASK_F32, <int>FA_MASK_F64
+
+
+cdef inline int _dtype_code(cnp.ndarray a) except -1:
+    """enum fa_dtype of a's dtype (a C switch for the NumPy types; bfloat16 by DTYPE_CODES)."""
+    cdef int t = cnp.PyArray_TYPE(a)
+    if t == cnp.NPY_FLOAT32:
+        return FA_F32
+    if t == cnp.NPY_FLOAT64:
+        return FA_F64
+    if t == cnp.NPY_FLOAT16:
+        return FA_F16
+    return DTYPE_CODES[a.dtype]
 
 
 cdef inline const void *_ptr(object a):
     return NULL if a is None else cnp.PyArray_DATA(<cnp.ndarray>a)
 
 
-cdef inline void _strides3(cnp.ndarray a, int64_t *s):
-    cdef int64_t item = cnp.PyArray_ITEMSIZE(a)
-    s[0] = cnp.PyArray_STRIDE(a, 0) // item
-    s[1] = cnp.PyArray_STRIDE(a, 1) // item
-    s[2] = cnp.PyArray_STRIDE(a, 2) // item
+cdef inline int64_t _stride(cnp.ndarray a, int dim):
+    """Stride of dim in elements."""
+    return cnp.PyArray_STRIDE(a, dim) // cnp.PyArray_ITEMSIZE(a)
 
 
-def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse,
-              object mask, int mask_kind, double scale, bint causal,
-              int64_t window_left, int64_t window_right, double softcap,
-              object alibi, object sinks, object q_lens, object k_lens,
-              object cu_q, object cu_k, object bmask, int64_t bm_q, int64_t bm_k,
-              int num_threads, int64_t seq_q=-1, int64_t seq_k=-1, int precision=0):
-    """Run the fused kernel.  Every argument is trusted (checked by the caller)."""
-    cdef fa_params p
-    cdef int64_t s[3]
-    cdef int rc
-    p.q_dtype = DTYPE_CODES[q.dtype]
-    p.k_dtype = DTYPE_CODES[k.dtype]
-    p.v_dtype = DTYPE_CODES[v.dtype]
-    p.o_dtype = DTYPE_CODES[out.dtype]
-    p.B = q.shape[0]
-    p.Hq = q.shape[1]
-    p.L = q.shape[2]
-    p.D = q.shape[3]
-    p.Hk = k.shape[1]
-    p.S = k.shape[2]
-    p.Dv = v.shape[3]
-    if seq_q >= 0:  # packed varlen: the longest sequence, not the packed length
-        p.L = seq_q
-    if seq_k >= 0:
-        p.S = seq_k
-    p.q = _ptr(q)
-    _strides3(q, s)
-    p.q_sb, p.q_sh, p.q_sl = s[0], s[1], s[2]
-    p.k = _ptr(k)
-    _strides3(k, s)
-    p.k_sb, p.k_sh, p.k_sl = s[0], s[1], s[2]
-    p.v = _ptr(v)
-    _strides3(v, s)
-    p.v_sb, p.v_sh, p.v_sl = s[0], s[1], s[2]
-    p.o = <void *>_ptr(out)
-    _strides3(out, s)
-    p.o_sb, p.o_sh, p.o_sl = s[0], s[1], s[2]
+cdef inline void _strides3(cnp.ndarray a, int64_t *sb, int64_t *sh, int64_t *sl):
+    sb[0] = _stride(a, 0)
+    sh[0] = _stride(a, 1)
+    sl[0] = _stride(a, 2)
+
+
+cdef int _fill(fa_params *p, object plan) except -1:
+    """p from plan, field by field (the names are fa_params')."""
+    cdef cnp.ndarray q = plan.q
+    cdef cnp.ndarray k = plan.k
+    cdef cnp.ndarray v = plan.v
+    cdef cnp.ndarray o = plan.o
+    cdef object lse = plan.lse
+    cdef object mask = plan.mask
+    cdef object alibi = plan.alibi
+    cdef object bmask = plan.bmask
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or o.ndim != 4:  # (C-level reads: free)
+        raise ValueError("fastattn: a kernel plan's q, k, v and o must be 4-D (a bug in fastattn._args)")
+    p.q_dtype = _dtype_code(q)
+    p.k_dtype = _dtype_code(k)
+    p.v_dtype = _dtype_code(v)
+    p.o_dtype = _dtype_code(o)
+    p.B = cnp.PyArray_DIM(q, 0)
+    p.Hq = cnp.PyArray_DIM(q, 1)
+    p.D = cnp.PyArray_DIM(q, 3)
+    p.Hk = cnp.PyArray_DIM(k, 1)
+    p.Dv = cnp.PyArray_DIM(v, 3)
+    p.L = plan.L
+    p.S = plan.S
+    p.q = cnp.PyArray_DATA(q)
+    _strides3(q, &p.q_sb, &p.q_sh, &p.q_sl)
+    p.k = cnp.PyArray_DATA(k)
+    _strides3(k, &p.k_sb, &p.k_sh, &p.k_sl)
+    p.v = cnp.PyArray_DATA(v)
+    _strides3(v, &p.v_sb, &p.v_sh, &p.v_sl)
+    p.o = cnp.PyArray_DATA(o)
+    _strides3(o, &p.o_sb, &p.o_sh, &p.o_sl)
     p.lse = <void *>_ptr(lse)
     p.lse_sb = p.lse_sh = p.lse_sl = 0
     if lse is not None:
-        _strides3(lse, s)
-        p.lse_sb, p.lse_sh, p.lse_sl = s[0], s[1], s[2]
-    p.mask_kind = mask_kind
+        _strides3(lse, &p.lse_sb, &p.lse_sh, &p.lse_sl)
+    p.mask_kind = plan.mask_kind
     p.mask = _ptr(mask)
     p.m_sb = p.m_sh = p.m_sl = p.m_ss = 0
     if mask is not None:
-        _strides3(mask, s)
-        p.m_sb, p.m_sh, p.m_sl = s[0], s[1], s[2]
-        p.m_ss = cnp.PyArray_STRIDE(<cnp.ndarray>mask, 3) // cnp.PyArray_ITEMSIZE(<cnp.ndarray>mask)
-    p.scale = scale
-    p.causal = causal
-    p.window_left = window_left
-    p.window_right = window_right
-    p.softcap = softcap
+        _strides3(mask, &p.m_sb, &p.m_sh, &p.m_sl)
+        p.m_ss = _stride(mask, 3)
+    p.scale = plan.scale
+    p.causal = plan.causal
+    p.window_left = plan.window_left
+    p.window_right = plan.window_right
+    p.softcap = plan.softcap
     p.alibi = <const double *>_ptr(alibi)
     p.alibi_sb = p.alibi_sh = 0
     if alibi is not None:
-        p.alibi_sb = cnp.PyArray_STRIDE(<cnp.ndarray>alibi, 0) // 8
-        p.alibi_sh = cnp.PyArray_STRIDE(<cnp.ndarray>alibi, 1) // 8
-    p.sinks = <const double *>_ptr(sinks)
-    p.q_lens = <const int64_t *>_ptr(q_lens)
-    p.k_lens = <const int64_t *>_ptr(k_lens)
-    p.cu_q = <const int64_t *>_ptr(cu_q)
-    p.cu_k = <const int64_t *>_ptr(cu_k)
+        p.alibi_sb = _stride(alibi, 0)
+        p.alibi_sh = _stride(alibi, 1)
+    p.sinks = <const double *>_ptr(plan.sinks)
+    p.q_lens = <const int64_t *>_ptr(plan.q_lens)
+    p.k_lens = <const int64_t *>_ptr(plan.k_lens)
+    p.cu_q = <const int64_t *>_ptr(plan.cu_q)
+    p.cu_k = <const int64_t *>_ptr(plan.cu_k)
     p.bmask = <const uint8_t *>_ptr(bmask)
     p.bm_sb = p.bm_sh = p.bm_si = p.bm_sj = 0
     if bmask is not None:
-        _strides3(bmask, s)
-        p.bm_sb, p.bm_sh, p.bm_si = s[0], s[1], s[2]
-        p.bm_sj = cnp.PyArray_STRIDE(<cnp.ndarray>bmask, 3)
-    p.bm_q = bm_q
-    p.bm_k = bm_k
-    p.num_threads = num_threads
-    p.precision = precision
-    with nogil:
-        rc = fa_attention(&p)
-    if rc == 1:
-        raise MemoryError("fastattn: could not allocate kernel scratch memory")
-    if rc == 3:
+        _strides3(bmask, &p.bm_sb, &p.bm_sh, &p.bm_si)
+        p.bm_sj = _stride(bmask, 3)
+    p.bm_q = plan.bm_q
+    p.bm_k = plan.bm_k
+    p.num_threads = plan.num_threads
+    p.precision = plan.precision
+    return 0
+
+
+cdef int _status(int rc, int num_threads, str what) except -1:
+    """The Python error of an enum fa_status; what: "kernel" or "backward"."""
+    if rc == FA_ENOMEM:
+        raise MemoryError(f"fastattn: could not allocate {what} scratch memory")
+    if rc == FA_ETHREADS:
         raise RuntimeError(
             f"fastattn: the operating system refused to start the threads of a team "
             f"(num_threads={num_threads}); pass a smaller num_threads")
-    if rc != 0:
-        raise RuntimeError(f"fastattn: kernel failed with status {rc}")
+    if rc != FA_OK:
+        name = "backward kernel" if what == "backward" else what
+        raise RuntimeError(f"fastattn: {name} failed with status {rc}")
+    return 0
+
+
+cdef inline bint _plain_f32_4d(object a):
+    """A float32 ndarray (not a subclass), 4-D, native, aligned, last dim contiguous."""
+    if type(a) is not cnp.ndarray:
+        return False
+    cdef cnp.ndarray x = <cnp.ndarray>a
+    return (cnp.PyArray_NDIM(x) == 4 and cnp.PyArray_TYPE(x) == cnp.NPY_FLOAT32
+            and cnp.PyArray_ISNOTSWAPPED(x) and cnp.PyArray_ISALIGNED(x) and cnp.PyArray_STRIDE(x, 3) == 4)
+
+
+def small_call_dims(object q, object k, object v):
+    """``(B, Hq, L, D, S, Dv)`` when q, k, v are what the small-call fast path of
+    fastattn.functional takes without any conversion (float32 ndarrays, 4-D bhsd,
+    native, aligned, last dim contiguous, equal heads, D and Dv >= 1: exactly
+    what the general checks accept unchanged), else None.  A predicate, not a
+    check: None sends the call down the general path, which names the errors.
+    (The same tests in Python cost ~0.7 µs more.)"""
+    if not (_plain_f32_4d(q) and _plain_f32_4d(k) and _plain_f32_4d(v)):
+        return None
+    cdef cnp.ndarray a = <cnp.ndarray>q, b = <cnp.ndarray>k, c = <cnp.ndarray>v
+    cdef cnp.npy_intp B = cnp.PyArray_DIM(a, 0), Hq = cnp.PyArray_DIM(a, 1)
+    cdef cnp.npy_intp D = cnp.PyArray_DIM(a, 3), S = cnp.PyArray_DIM(b, 2), Dv = cnp.PyArray_DIM(c, 3)
+    if (cnp.PyArray_DIM(b, 0) != B or cnp.PyArray_DIM(c, 0) != B or cnp.PyArray_DIM(b, 1) != Hq
+            or cnp.PyArray_DIM(c, 1) != Hq or cnp.PyArray_DIM(c, 2) != S or cnp.PyArray_DIM(b, 3) != D
+            or D <= 0 or Dv <= 0):
+        return None
+    return B, Hq, cnp.PyArray_DIM(a, 2), D, S, Dv
+
+
+def attention(object plan):
+    """Run the fused kernel on a 4-D ``fastattn._args.Plan`` (trusted: checked when built)."""
+    cdef fa_params p
+    cdef int rc
+    _fill(&p, plan)
+    with nogil:
+        rc = fa_attention(&p)
+    _status(rc, p.num_threads, "kernel")
 
 
 def exp2(cnp.ndarray[cnp.float32_t, ndim=1, mode="c"] x, str isa):
@@ -210,7 +224,7 @@ def isa_set(str isa):
 
 
 def cpu_features():
-    return {"avx2": bool(fa_cpu_has(1)), "avx512f": bool(fa_cpu_has(2)),
+    return {"avx2": bool(fa_cpu_has(FA_ISA_AVX2)), "avx512f": bool(fa_cpu_has(FA_ISA_AVX512)),
             "f16c": bool(fa_cpu_has_f16c()), "avx512bf16": bool(fa_cpu_has_avx512bf16()),
             "amx_bf16": bool(fa_cpu_has_amx())}
 
@@ -223,104 +237,25 @@ def omp_max_threads():
     return fa_omp_max_threads()
 
 
-cdef extern from "backward.h":
-    ctypedef struct fa_bwd_params:
-        fa_params f
-        const void *dout
-        int64_t do_sb, do_sh, do_sl
-        void *dq
-        int64_t dq_sb, dq_sh, dq_sl
-        void *dk
-        int64_t dk_sb, dk_sh, dk_sl
-        void *dv
-        int64_t dv_sb, dv_sh, dv_sl
-        double *dsinks
-
-    int fa_attention_backward(const fa_bwd_params *p) nogil
-
-
-def attention_backward(cnp.ndarray dout, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
-                       cnp.ndarray lse, cnp.ndarray dq, cnp.ndarray dk, cnp.ndarray dv,
-                       object mask, int mask_kind, double scale, bint causal,
-                       int64_t window_left, int64_t window_right, double softcap,
-                       object alibi, object sinks, object dsinks, object q_lens, object k_lens,
-                       int num_threads):
+def attention_backward(object plan, cnp.ndarray dout, cnp.ndarray dq, cnp.ndarray dk, cnp.ndarray dv,
+                       object dsinks):
     """Run the fused backward kernel (fastattn.backward checks every argument).
 
-    All arrays are 4-D (B, H, L, X) views in the compute dtype (lse: (B, Hq, L))."""
+    plan: the forward's 4-D Plan in the compute dtype, its ``o`` the forward's
+    output and ``lse`` its LSE (both read); dout, dq, dk, dv: (B, H, L, X) views
+    in the compute dtype; dsinks: float64 (Hq,) when the plan has sinks."""
     cdef fa_bwd_params bp
-    cdef int64_t s[3]
     cdef int rc
-    cdef int code = DTYPE_CODES[q.dtype]
-    bp.f.q_dtype = bp.f.k_dtype = bp.f.v_dtype = bp.f.o_dtype = code
-    bp.f.B = q.shape[0]
-    bp.f.Hq = q.shape[1]
-    bp.f.L = q.shape[2]
-    bp.f.D = q.shape[3]
-    bp.f.Hk = k.shape[1]
-    bp.f.S = k.shape[2]
-    bp.f.Dv = v.shape[3]
-    bp.f.q = _ptr(q)
-    _strides3(q, s)
-    bp.f.q_sb, bp.f.q_sh, bp.f.q_sl = s[0], s[1], s[2]
-    bp.f.k = _ptr(k)
-    _strides3(k, s)
-    bp.f.k_sb, bp.f.k_sh, bp.f.k_sl = s[0], s[1], s[2]
-    bp.f.v = _ptr(v)
-    _strides3(v, s)
-    bp.f.v_sb, bp.f.v_sh, bp.f.v_sl = s[0], s[1], s[2]
-    bp.f.o = <void *>_ptr(out)
-    _strides3(out, s)
-    bp.f.o_sb, bp.f.o_sh, bp.f.o_sl = s[0], s[1], s[2]
-    bp.f.lse = <void *>_ptr(lse)
-    _strides3(lse, s)
-    bp.f.lse_sb, bp.f.lse_sh, bp.f.lse_sl = s[0], s[1], s[2]
-    bp.f.mask_kind = mask_kind
-    bp.f.mask = _ptr(mask)
-    bp.f.m_sb = bp.f.m_sh = bp.f.m_sl = bp.f.m_ss = 0
-    if mask is not None:
-        _strides3(mask, s)
-        bp.f.m_sb, bp.f.m_sh, bp.f.m_sl = s[0], s[1], s[2]
-        bp.f.m_ss = cnp.PyArray_STRIDE(<cnp.ndarray>mask, 3) // cnp.PyArray_ITEMSIZE(<cnp.ndarray>mask)
-    bp.f.scale = scale
-    bp.f.causal = causal
-    bp.f.window_left = window_left
-    bp.f.window_right = window_right
-    bp.f.softcap = softcap
-    bp.f.alibi = <const double *>_ptr(alibi)
-    bp.f.alibi_sb = bp.f.alibi_sh = 0
-    if alibi is not None:
-        bp.f.alibi_sb = cnp.PyArray_STRIDE(<cnp.ndarray>alibi, 0) // 8
-        bp.f.alibi_sh = cnp.PyArray_STRIDE(<cnp.ndarray>alibi, 1) // 8
-    bp.f.sinks = <const double *>_ptr(sinks)
-    bp.dsinks = <double *>_ptr(dsinks)
-    bp.f.q_lens = <const int64_t *>_ptr(q_lens)
-    bp.f.k_lens = <const int64_t *>_ptr(k_lens)
-    bp.f.cu_q = NULL
-    bp.f.cu_k = NULL
-    bp.f.bmask = NULL
-    bp.f.bm_sb = bp.f.bm_sh = bp.f.bm_si = bp.f.bm_sj = 0
-    bp.f.bm_q = bp.f.bm_k = 1
-    bp.f.num_threads = num_threads
+    _fill(&bp.f, plan)
     bp.dout = _ptr(dout)
-    _strides3(dout, s)
-    bp.do_sb, bp.do_sh, bp.do_sl = s[0], s[1], s[2]
+    _strides3(dout, &bp.do_sb, &bp.do_sh, &bp.do_sl)
     bp.dq = <void *>_ptr(dq)
-    _strides3(dq, s)
-    bp.dq_sb, bp.dq_sh, bp.dq_sl = s[0], s[1], s[2]
+    _strides3(dq, &bp.dq_sb, &bp.dq_sh, &bp.dq_sl)
     bp.dk = <void *>_ptr(dk)
-    _strides3(dk, s)
-    bp.dk_sb, bp.dk_sh, bp.dk_sl = s[0], s[1], s[2]
+    _strides3(dk, &bp.dk_sb, &bp.dk_sh, &bp.dk_sl)
     bp.dv = <void *>_ptr(dv)
-    _strides3(dv, s)
-    bp.dv_sb, bp.dv_sh, bp.dv_sl = s[0], s[1], s[2]
+    _strides3(dv, &bp.dv_sb, &bp.dv_sh, &bp.dv_sl)
+    bp.dsinks = <double *>_ptr(dsinks)
     with nogil:
         rc = fa_attention_backward(&bp)
-    if rc == 1:
-        raise MemoryError("fastattn: could not allocate backward scratch memory")
-    if rc == 3:
-        raise RuntimeError(
-            f"fastattn: the operating system refused to start the threads of a team "
-            f"(num_threads={num_threads}); pass a smaller num_threads")
-    if rc != 0:
-        raise RuntimeError(f"fastattn: backward kernel failed with status {rc}")
+    _status(rc, bp.f.num_threads, "backward")

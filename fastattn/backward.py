@@ -10,19 +10,23 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _kernels
+from ._args import (
+    Plan,
+    check_dtypes,
+    check_shapes,
+    compute_dtype,
+    element_strides,
+    lengths,
+    mask_value,
+    merged_stride,
+    per_head,
+    sinks_value,
+    softcap_value,
+    window_value,
+)
+from ._args import bhsd as bhsd_view
 from ._checks import F32, F64, as_array, check_float, kernel_ready, scale_value, threads_value
 from ._config import get_num_threads
-from .functional import (
-    _check_dtypes,
-    _check_shapes,
-    _compute_dtype,
-    _lengths,
-    _mask_value,
-    _merge_lead,
-    _per_head,
-    _softcap,
-    _window,
-)
 
 __all__ = ["scaled_dot_product_attention_backward"]
 
@@ -81,19 +85,21 @@ def scaled_dot_product_attention_backward(
     q = as_array(query, "query")
     k = as_array(key, "key")
     v = as_array(value, "value")
-    _check_dtypes(q, k, v)
-    lead, (Hq, L, D), (Hk, S, Dv) = _check_shapes(q, k, v, layout, enable_gqa)
+    check_dtypes(q, k, v)
+    lead, (Hq, L, D), (Hk, S, Dv) = check_shapes(q, k, v, layout, enable_gqa)
     sc = scale_value(scale, D, F64 if q.dtype == F64 else F32)
     threads = threads_value(num_threads, get_num_threads)
-    wl, wr = _window(window)
-    cap = _softcap(softcap)
-    cdt = _compute_dtype(q)
+    wl, wr = window_value(window)
+    cap = softcap_value(softcap)
+    cdt = compute_dtype(q.dtype)
     B = math.prod(lead)
-    mask, mask_kind = _mask_value(attn_mask, lead + (Hq, L, S), cdt)
-    alibi = None if alibi_slopes is None else _per_head(alibi_slopes, "alibi_slopes", lead, Hq, True)
-    sk = None if sinks is None else _per_head(sinks, "sinks", (1,), Hq, False)[0].copy()
-    k_lens = None if key_lengths is None else _lengths(key_lengths, "key_lengths", lead, S)
-    q_lens = None if query_lengths is None else _lengths(query_lengths, "query_lengths", lead, L)
+    mask, mask_kind = mask_value(attn_mask, lead + (Hq, L, S), cdt)
+    alibi = None
+    if alibi_slopes is not None:
+        alibi = per_head(alibi_slopes, "alibi_slopes", lead, Hq, True).reshape(B, Hq)
+    sk = sinks_value(sinks, Hq)
+    k_lens = None if key_lengths is None else lengths(key_lengths, "key_lengths", lead, S).reshape(B)
+    q_lens = None if query_lengths is None else lengths(query_lengths, "query_lengths", lead, L).reshape(B)
 
     out_shape = q.shape[:-1] + (Dv,)
     go = as_array(grad_out, "grad_out")
@@ -121,11 +127,8 @@ def scaled_dot_product_attention_backward(
     def bhsd(a: NDArray) -> NDArray:
         if a.dtype != cdt:
             a = a.astype(cdt)
-        if layout == "bshd":
-            a = np.swapaxes(a, -2, -3)
-        elif a.ndim == 2:
-            a = a[None]
-        return a
+        a = bhsd_view(a, layout)
+        return a[None] if a.ndim == 2 else a
 
     def merged(a: NDArray) -> NDArray:  # (*lead, x, y, z) -> (B, x, y, z), kernel-readable
         return kernel_ready(a.reshape((B,) + a.shape[-3:]))
@@ -136,41 +139,51 @@ def scaled_dot_product_attention_backward(
     dv = np.zeros(v.shape, dtype=cdt)
     dqh, dkh, dvh = (bhsd(a).reshape((B,) + bhsd(a).shape[-3:]) for a in (dq, dk, dv))
     dsinks = np.zeros(Hq, dtype=F64) if sk is not None else None
-    m4 = None if mask is None else (mask[None] if lead == () else _merge_lead(mask, B))
-    opts = (mask_kind, sc, bool(is_causal), wl, wr, cap, alibi, sk, q_lens, k_lens, threads)
+    m4 = None
+    if mask is not None:
+        m = mask[None] if lead == () else mask
+        nl = m.ndim - 3
+        if merged_stride(m.shape[:nl], element_strides(m)[:nl]) is not None:
+            m4 = m.reshape((B,) + m.shape[nl:])
+    plan = Plan(
+        q=qh,
+        k=kh,
+        v=vh,
+        o=oh,
+        lse=lse3,
+        mask=m4,
+        mask_kind=mask_kind,
+        scale=sc,
+        causal=bool(is_causal),
+        window_left=wl,
+        window_right=wr,
+        softcap=cap,
+        alibi=alibi,
+        sinks=sk,
+        q_lens=q_lens,
+        k_lens=k_lens,
+        num_threads=threads,
+        precision=_kernels.FA_PRECISION_HIGHEST,  # (the backward computes float32 as "highest")
+        L=L,
+        S=S,
+    )
     if mask is not None and m4 is None:
         # A broadcast mask whose leading dims cannot merge: one call per batch element.
         for bidx, idx in enumerate(np.ndindex(*lead)):
             sl = slice(bidx, bidx + 1)
             part = None if dsinks is None else np.zeros(Hq, dtype=F64)
-            _kernels.attention_backward(
-                goh[sl], qh[sl], kh[sl], vh[sl], oh[sl], lse3[sl], dqh[sl], dkh[sl], dvh[sl],
-                mask[idx][None], mask_kind, sc, bool(is_causal), wl, wr, cap,
-                None if alibi is None else alibi[sl], sk, part,
-                None if q_lens is None else q_lens[sl], None if k_lens is None else k_lens[sl], threads,
+            sub = Plan(
+                q=qh[sl], k=kh[sl], v=vh[sl], o=oh[sl], lse=lse3[sl], mask=mask[idx][None],
+                mask_kind=mask_kind, scale=sc, causal=bool(is_causal), window_left=wl, window_right=wr,
+                softcap=cap, alibi=None if alibi is None else alibi[sl], sinks=sk,
+                q_lens=None if q_lens is None else q_lens[sl], k_lens=None if k_lens is None else k_lens[sl],
+                num_threads=threads, precision=plan.precision, L=L, S=S,
             )  # fmt: skip
+            _kernels.attention_backward(sub, goh[sl], dqh[sl], dkh[sl], dvh[sl], part)
             if part is not None:
                 dsinks += part
     else:
-        _kernels.attention_backward(
-            goh,
-            qh,
-            kh,
-            vh,
-            oh,
-            lse3,
-            dqh,
-            dkh,
-            dvh,
-            m4,
-            *opts[:6],
-            alibi,
-            sk,
-            dsinks,
-            q_lens,
-            k_lens,
-            threads,
-        )
+        _kernels.attention_backward(plan, goh, dqh, dkh, dvh, dsinks)
     if q.dtype != cdt:
         dq, dk, dv = dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
     return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)

@@ -44,9 +44,11 @@ from typing import Any
 import numpy as np
 
 from . import _torch_bridge
+from ._args import is_real_float as _is_real_float
+from ._args import query_dtype_ok as _query_dtype_ok
+from ._args import rows as _rows
 from ._checks import as_array, int_value, is_storage_dtype
 from .functional import scaled_dot_product_attention, varlen_attention
-from .kvcache import _is_real_float, _query_dtype_ok, _rows
 from .positions import _CacheRotary
 
 __all__ = [

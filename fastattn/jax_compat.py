@@ -20,9 +20,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ._args import check_dtypes
 from ._checks import as_array, scale_value, threads_value
 from .backward import scaled_dot_product_attention_backward
-from .functional import _check_dtypes, scaled_dot_product_attention
+from .functional import scaled_dot_product_attention
 
 __all__ = ["dot_product_attention"]
 
@@ -402,7 +403,7 @@ def _jax_forward(
             "query, key and value must have the same number of dimensions, got "
             f"{q.shape}, {k.shape}, {v.shape}"
         )
-    _check_dtypes(*(np.empty(0, dtype=np.dtype(a.dtype)) for a in (q, k, v)))
+    check_dtypes(*(np.empty(0, dtype=np.dtype(a.dtype)) for a in (q, k, v)))
     squeeze = q.ndim == 3
     q, k, v = (_to_4d(jnp, a) for a in (q, k, v))
     B, T, N, H = q.shape

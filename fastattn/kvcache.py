@@ -19,6 +19,11 @@ import threading
 
 import numpy as np
 
+from ._args import is_real_float as _is_real_float
+from ._args import per_head, softcap_value, window_value
+from ._args import query_dtype_ok as _query_dtype_ok
+from ._args import query_dtypes as _query_dtypes
+from ._args import rows as _rows
 from ._checks import (
     F32,
     F64,
@@ -26,12 +31,11 @@ from ._checks import (
     bfloat16_dtype,
     flag_value,
     int_value,
-    is_bfloat16,
     is_storage_dtype,
     scale_value,
     threads_value,
 )
-from .functional import _per_head, _softcap, _window, scaled_dot_product_attention
+from .functional import scaled_dot_product_attention
 from .positions import _CacheRotary
 
 __all__ = ["KVCache", "attention_with_kvcache"]
@@ -45,22 +49,6 @@ def _cache_dtype(dtype):
     if not is_storage_dtype(dt):
         raise TypeError(f"dtype must be float16, bfloat16, float32 or float64, got {dt}")
     return dt
-
-
-def _is_real_float(dt):
-    return dt.kind == "f" or is_bfloat16(dt)
-
-
-def _query_dtype_ok(qdt, cdt):
-    """Queries may be float32 or the cache dtype (float64 caches need float64 queries)."""
-    if cdt == F64:
-        return qdt == F64
-    return qdt == F32 or qdt == cdt
-
-
-def _query_dtypes(cdt):
-    """The query dtypes a cache of dtype cdt takes, in words (for error messages)."""
-    return cdt.name if cdt in (F32, F64) else f"float32 or {cdt}"
 
 
 def _batch_indices(batch_index, B, name="batch_index"):
@@ -89,29 +77,6 @@ def _batch_indices(batch_index, B, name="batch_index"):
     if np.unique(a).size != a.size:
         raise ValueError(f"{name} must not repeat an index")
     return a
-
-
-def _progression(idx):
-    """(start, step) when idx is start, start+step, ... with step >= 1 (a strided view suffices)."""
-    if idx.size == 1:
-        return int(idx[0]), 1
-    d = np.diff(idx)
-    if d[0] >= 1 and np.all(d == d[0]):
-        return int(idx[0]), int(d[0])
-    return None
-
-
-def _rows(a, idx):
-    """``a[idx]`` as a view when idx is an arithmetic progression, else None."""
-    if idx is None:
-        return a
-    pr = _progression(idx) if idx.size else None
-    if idx.size == 0:
-        return a[:0]
-    if pr is None:
-        return None
-    start, step = pr
-    return a[start : start + step * (idx.size - 1) + 1 : step]
 
 
 def _new_tokens(x, name, n, Hk, Dx, allow_3d):
@@ -749,9 +714,9 @@ def _as_new(x, name, layout):
 
 def _check_options(window, alibi_slopes, softcap, scale, num_threads, B, Hq, D, qdt):
     """The option checks of scaled_dot_product_attention, run before the caches are written."""
-    _window(window)
-    _softcap(softcap)
+    window_value(window)
+    softcap_value(softcap)
     scale_value(scale, D, F64 if qdt == F64 else F32)
     threads_value(num_threads, lambda: 1)
     if alibi_slopes is not None:
-        _per_head(alibi_slopes, "alibi_slopes", (B,), Hq, True)
+        per_head(alibi_slopes, "alibi_slopes", (B,), Hq, True)
