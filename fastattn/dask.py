@@ -70,15 +70,13 @@ import numpy.typing as npt
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 
+from . import _args
 from . import functional as _functional
 from ._checks import (
     F16,
     F32,
     F64,
-    INT64_MAX,
-    as_array,
     flag_value,
-    int_value,
     is_bfloat16,
     scale_value,
     threads_value,
@@ -648,55 +646,51 @@ def scaled_dot_product_attention(
     whose float32 rounding grows with the key chunk length.  Argument errors
     raise ``TypeError``/``ValueError`` here, before any task runs.
     """
-    if not isinstance(layout, str) or layout not in ("bhsd", "bshd"):
-        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    # The in-memory function's checks, in its order, from fastattn._args (the shape and dtype
+    # checks read only .shape, .ndim and .dtype, so they take the Dask arrays as they are).
+    prec = _precision(precision)
+    layout = _args.layout_value(layout)
     causal = flag_value(is_causal, "is_causal")
     want_lse = flag_value(return_lse, "return_lse")
     q = _as_dask(query, "query")
     k = _as_dask(key, "key")
     v = _as_dask(value, "value")
-    _functional._check_dtypes(q, k, v)
-    # the in-memory function's shape checks (they read only .ndim and .shape)
-    lead, (Hq, L, D), (Hk, S, Dv) = _functional._check_shapes(q, k, v, layout, enable_gqa)
-    cdt = F64 if q.dtype == F64 else F32
+    _args.check_dtypes(q, k, v)
+    lead, (Hq, L, D), (Hk, S, Dv) = _args.check_shapes(q, k, v, layout, enable_gqa)
+    cdt = _args.compute_dtype(q.dtype)
     sc = scale_value(scale, D, cdt)
-    if num_threads is not None:
+    if num_threads is not None:  # (None: the worker's default, resolved there)
         threads_value(num_threads, lambda: 1)
-    wl, wr = _functional._window(window)
-    cap = _functional._softcap(softcap)
-    prec = _precision(precision)
+    wl, wr = _args.window_value(window)
+    cap = _args.softcap_value(softcap)
+    m = None
+    full = lead + (Hq, L, S)
+    if attn_mask is not None:  # as _args.mask_value, on the shape only
+        m = _as_dask(attn_mask, "attn_mask")
+        if not (m.dtype == np.bool_ or m.dtype.kind == "f" or is_bfloat16(m.dtype)):
+            raise TypeError(f"attn_mask must be bool or floating, got dtype {m.dtype}")
+        try:
+            ok = np.broadcast_shapes(m.shape, full) == full
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"attn_mask of shape {m.shape} does not broadcast to {full}")
     alibi = None
     if alibi_slopes is not None:
-        alibi = _functional._per_head(alibi_slopes, "alibi_slopes", lead, Hq, True).reshape(lead + (Hq,))
-    sk = None if sinks is None else _functional._per_head(sinks, "sinks", (1,), Hq, False)[0].copy()
-    klens = None
-    if key_lengths is not None:
-        klens = _functional._lengths(key_lengths, "key_lengths", lead, S).reshape(lead)
-    qlens = None
-    if query_lengths is not None:
-        qlens = _functional._lengths(query_lengths, "query_lengths", lead, L).reshape(lead)
+        alibi = _args.per_head(alibi_slopes, "alibi_slopes", lead, Hq, True)
+    sk = _args.sinks_value(sinks, Hq)
+    # (reshaped: for lead == () the contiguous copy is 1-D)
+    klens = None if key_lengths is None else _args.lengths(key_lengths, "key_lengths", lead, S).reshape(lead)
+    qlens = (
+        None
+        if query_lengths is None
+        else _args.lengths(query_lengths, "query_lengths", lead, L).reshape(lead)
+    )
+    bm_view, bq_, bk_ = _args.block_mask_value(block_mask, block_size, lead, Hq, L, S)
     bm_full, bsz = None, None
-    if block_mask is not None or block_size is not None:
-        if block_mask is None or block_size is None:
-            raise ValueError("block_mask and block_size must be given together")
-        if not isinstance(block_size, (tuple, list)) or len(block_size) != 2:
-            raise TypeError(f"block_size must be a (bq, bk) pair of ints, got {block_size!r}")
-        bsz = (
-            int_value(block_size[0], "block_size[0]", 1, INT64_MAX),
-            int_value(block_size[1], "block_size[1]", 1, INT64_MAX),
-        )
-        bm = as_array(block_mask, "block_mask")
-        if bm.dtype != np.bool_:
-            raise TypeError(f"block_mask must be a bool array, got dtype {bm.dtype}")
-        nbq, nbk = -(-L // bsz[0]), -(-S // bsz[1])
-        try:
-            np.broadcast_to(bm, lead + (Hq, nbq, nbk))
-        except ValueError:
-            raise ValueError(
-                f"block_mask of shape {bm.shape} does not broadcast to "
-                f"{lead + (Hq, nbq, nbk)} (blocks of {bsz[0]}x{bsz[1]})"
-            ) from None
-        bm_full = bm
+    if bm_view is not None:
+        # the user's array (not the broadcast view): its broadcast dims stay size 1 in each task
+        bm_full, bsz = np.asarray(block_mask), (bq_, bk_)
 
     two_d = q.ndim == 2
     if two_d:  # one head: work on (1, L, D)
@@ -728,16 +722,8 @@ def scaled_dot_product_attention(
     k = _rechunk(k, layout_chunks(hk_chunks, s_chunks, D))
     v = _rechunk(v, layout_chunks(hk_chunks, s_chunks, Dv))
 
-    m = None
     mask_bcast: list[bool] = []
-    if attn_mask is not None:
-        m = _as_dask(attn_mask, "attn_mask")
-        if not (m.dtype == np.bool_ or m.dtype.kind == "f" or is_bfloat16(m.dtype)):
-            raise TypeError(f"attn_mask must be bool or floating, got dtype {m.dtype}")
-        full = lead + (Hq, L, S)
-        shown = full[1:] if two_d else full
-        if m.ndim > len(full):
-            raise ValueError(f"attn_mask of shape {m.shape} does not broadcast to {shown}")
+    if m is not None:  # (checked above: broadcasts to full)
         if m.ndim < len(full):
             m = m[(None,) * (len(full) - m.ndim)]
         target = list(lead_chunks) + [hq_chunks, l_chunks, s_chunks]
@@ -746,11 +732,9 @@ def scaled_dot_product_attention(
             if ms == fs and not (ms == 1 and len(m.chunks[d]) == 1):
                 mask_bcast.append(False)
                 mchunks.append(target[d])
-            elif ms == 1:
+            else:  # size 1: broadcast
                 mask_bcast.append(True)
                 mchunks.append((1,))
-            else:
-                raise ValueError(f"attn_mask of shape {attn_mask.shape} does not broadcast to {shown}")
         m = _rechunk(m, mchunks)
 
     opts: dict[str, Any] = dict(
@@ -894,21 +878,6 @@ def scaled_dot_product_attention(
 
 
 # --------------------------------------------------------------------------- varlen
-
-
-def _cu_value(cu: npt.ArrayLike, name: str, T: int) -> NDArray:
-    """A cu_seqlens argument, checked as the in-memory varlen_attention does."""
-    c = as_array(cu, name)
-    if c.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be an integer array, got dtype {c.dtype}")
-    if c.ndim != 1 or c.shape[0] < 1:
-        raise ValueError(f"{name} must be 1-D with at least one entry, got shape {c.shape}")
-    c = np.ascontiguousarray(c, dtype=np.int64)
-    if c[0] != 0 or np.any(np.diff(c) < 0):
-        raise ValueError(f"{name} must start at 0 and be non-decreasing")
-    if c[-1] != T:
-        raise ValueError(f"{name}[-1] must equal the packed length {T}, got {c[-1]}")
-    return c
 
 
 def _vpart(
@@ -1061,10 +1030,11 @@ def varlen_attention(
     ``window``, get no task.  Returns ``(Tq, Hq, Dv)`` and, with ``return_lse``,
     ``(Hq, Tq)``; the same argument errors as the in-memory function, raised here.
     """
+    # The in-memory function's checks, in its order, from fastattn._args.
     causal = flag_value(is_causal, "is_causal")
     want_lse = flag_value(return_lse, "return_lse")
     qa, ka, va = _as_dask(q, "q"), _as_dask(k, "k"), _as_dask(v, "v")
-    _functional._check_dtypes(qa, ka, va)
+    _args.check_dtypes(qa, ka, va, ("q", "k", "v"))
     for a, nm in ((qa, "q"), (ka, "k"), (va, "v")):
         if a.ndim != 3:
             raise ValueError(f"{nm} must be 3-D (total_tokens, heads, head_dim), got shape {a.shape}")
@@ -1078,28 +1048,23 @@ def varlen_attention(
     if D == 0 or Dv == 0:
         raise ValueError("head dims of q, k and v must be >= 1")
     if Hq != Hk:
-        if not enable_gqa:
-            raise ValueError(f"q has {Hq} heads but k/v have {Hk}; pass enable_gqa=True")
-        if Hk == 0 or Hq % Hk:
-            raise ValueError(f"q heads ({Hq}) must be a multiple of k/v heads ({Hk})")
-    cq = _cu_value(cu_seqlens_q, "cu_seqlens_q", Tq)
-    ck = _cu_value(cu_seqlens_k, "cu_seqlens_k", Tk)
+        _args.check_heads(Hq, Hk, enable_gqa, "q", "k/v")
+    cq = _args._cu_seqlens(cu_seqlens_q, "cu_seqlens_q", Tq)
+    ck = _args._cu_seqlens(cu_seqlens_k, "cu_seqlens_k", Tk)
     if cq.shape != ck.shape:
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must have the same length, got {cq.shape[0]} and {ck.shape[0]}"
         )
     nb = cq.shape[0] - 1
     prec = _precision(precision)
-    cdt = F64 if qa.dtype == F64 else F32
+    cdt = _args.compute_dtype(qa.dtype)
     sc = scale_value(scale, D, cdt)
     if num_threads is not None:
         threads_value(num_threads, lambda: 1)
-    wl, wr = _functional._window(window)
-    cap = _functional._softcap(softcap)
-    alibi = None
-    if alibi_slopes is not None:
-        alibi = _functional._per_head(alibi_slopes, "alibi_slopes", (nb,), Hq, True)
-    sk = None if sinks is None else _functional._per_head(sinks, "sinks", (), Hq, False)[0].copy()
+    wl, wr = _args.window_value(window)
+    cap = _args.softcap_value(softcap)
+    alibi = None if alibi_slopes is None else _args.per_head(alibi_slopes, "alibi_slopes", (nb,), Hq, True)
+    sk = _args.sinks_value(sinks, Hq)
 
     G = Hq // Hk if Hk else 1
     qb = {(b // G) * G for b in _bounds(qa.chunks[1])} | {Hq}
