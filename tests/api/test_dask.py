@@ -459,6 +459,18 @@ def test_bad_options_same_errors_as_in_memory(bad):
     )
 
 
+@pytest.mark.parametrize("shape", [(8, 4), (2, 8, 4), (2, 2, 8, 4)])
+@pytest.mark.parametrize(
+    "mask", [np.zeros((3, 8), bool), np.zeros((8, 8), np.int32), np.zeros((1, 1, 1, 1, 8), bool)]
+)
+def test_bad_mask_same_errors_as_in_memory(shape, mask):
+    q = np.ones(shape, np.float32)
+    _same_error(
+        lambda: fastattn.scaled_dot_product_attention(q, q, q, mask),
+        lambda: fd.scaled_dot_product_attention(da.from_array(q), q, q, mask),
+    )
+
+
 def test_import_does_not_import_ml_dtypes():
     """ml_dtypes (slow to import) is imported only once a bfloat16 array exists."""
     code = "import sys, fastattn.dask; assert 'ml_dtypes' not in sys.modules, 'ml_dtypes imported'"
