@@ -180,7 +180,7 @@ def scaled_dot_product_attention_backward(
                 num_threads=threads, precision=plan.precision, L=L, S=S,
             )  # fmt: skip
             _kernels.attention_backward(sub, goh[sl], dqh[sl], dkh[sl], dvh[sl], part)
-            if part is not None:
+            if part is not None and dsinks is not None:  # (part is set exactly when dsinks is)
                 dsinks += part
     else:
         _kernels.attention_backward(plan, goh, dqh, dkh, dvh, dsinks)
