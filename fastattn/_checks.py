@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
 _DTYPE_NAMES = "float32, float64, float16 or bfloat16"
@@ -16,24 +19,25 @@ _DTYPE_NAMES = "float32, float64, float16 or bfloat16"
 # import it.  An array can only have the bfloat16 dtype once ml_dtypes has been imported
 # (by whoever made the array), so a dtype is recognised by its name first and compared
 # with ml_dtypes' only then; code that creates bfloat16 arrays calls bfloat16_dtype().
-def bfloat16_dtype():
+def bfloat16_dtype() -> np.dtype[Any]:
     """``np.dtype(ml_dtypes.bfloat16)`` (imports ml_dtypes on first use)."""
     import ml_dtypes
 
-    return np.dtype(ml_dtypes.bfloat16)
+    dt: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+    return dt
 
 
-def is_bfloat16(dt) -> bool:
+def is_bfloat16(dt: np.dtype[Any]) -> bool:
     """True when ``dt`` is ml_dtypes' bfloat16 (without importing ml_dtypes for other dtypes)."""
-    return dt.name == "bfloat16" and dt == bfloat16_dtype()
+    return bool(dt.name == "bfloat16" and dt == bfloat16_dtype())
 
 
-def is_storage_dtype(dt) -> bool:
+def is_storage_dtype(dt: np.dtype[Any]) -> bool:
     """float32, float64, float16 or bfloat16: the dtypes the kernel reads."""
     return dt == F32 or dt == F64 or dt == F16 or is_bfloat16(dt)
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     # Older spellings, resolved on use (they import ml_dtypes).
     if name == "BFLOAT16":
         return bfloat16_dtype()
@@ -47,7 +51,7 @@ MAX_THREADS = 1024
 INT64_MAX = 2**63 - 1
 
 
-def as_array(x, name):
+def as_array(x: Any, name: str) -> npt.NDArray[Any]:
     """``np.asarray`` without copying when possible; rejects non-array-likes.
     Non-native byte order is converted to native (a copy)."""
     if type(x) is np.ndarray:  # the common case
@@ -71,12 +75,12 @@ def as_array(x, name):
     return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
 
 
-def check_float(a, name):
+def check_float(a: Any, name: str) -> None:
     if not is_storage_dtype(a.dtype):
         raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}, got {a.dtype}")
 
 
-def kernel_ready(a):
+def kernel_ready(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
     """A view the kernel can read: native byte order, aligned (pointer and
     strides multiples of the item size), last dim contiguous; else a copy."""
     if a.flags.aligned and a.dtype.isnative and (a.strides[-1] == a.itemsize or a.shape[-1] <= 1):
@@ -94,7 +98,7 @@ _SCALE_MAX = {
 }
 
 
-def scale_value(scale, D, compute_dtype=F32):
+def scale_value(scale: Any, D: int, compute_dtype: np.dtype[Any] = F32) -> float:
     if scale is None:
         return 1.0 / math.sqrt(D)
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
@@ -112,7 +116,7 @@ def scale_value(scale, D, compute_dtype=F32):
     return s
 
 
-def flag_value(x, name):
+def flag_value(x: Any, name: str) -> bool:
     """A bool argument: bool, NumPy bool, int or None (false); arrays are rejected
     with the argument's name instead of NumPy's "truth value is ambiguous"."""
     if x is None or isinstance(x, (bool, np.bool_)):
@@ -122,23 +126,25 @@ def flag_value(x, name):
     raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
 
 
-def threads_value(num_threads, default):
+def threads_value(num_threads: Any, default: Callable[[], int]) -> int:
     if num_threads is None:
         return default()
     if type(num_threads) is int and 1 <= num_threads <= MAX_THREADS:  # the fast path (no ABC check)
         return num_threads
     if isinstance(num_threads, (bool, np.bool_)) or not isinstance(num_threads, numbers.Integral):
         raise TypeError(f"num_threads must be an int or None, got {type(num_threads).__name__}")
-    if not 1 <= num_threads <= MAX_THREADS:
+    n = int(num_threads)
+    if not 1 <= n <= MAX_THREADS:
         raise ValueError(f"num_threads must be in [1, {MAX_THREADS}], got {num_threads}")
-    return int(num_threads)
+    return n
 
 
-def int_value(x, name, minimum=None, maximum=None):
+def int_value(x: Any, name: str, minimum: int | None = None, maximum: int | None = None) -> int:
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-    if minimum is not None and x < minimum:
+    v = int(x)
+    if minimum is not None and v < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {x}")
-    if maximum is not None and x > maximum:
+    if maximum is not None and v > maximum:
         raise ValueError(f"{name} must be <= {maximum}, got {x}")
-    return int(x)
+    return v

@@ -159,7 +159,7 @@ def config() -> dict:
     # layer, which imports this one (an import cycle).  Same facts as
     # fastattn.cuda.is_built() / is_available().
     try:
-        from . import _cuda  # type: ignore[attr-defined]
+        from . import _cuda
 
         cuda_built, cuda_available = True, _cuda.device_count() > 0
     except Exception:  # noqa: BLE001 - optional module

@@ -1,47 +1,79 @@
 """Type stubs for the compiled module ``fastattn._kernels`` (fastattn/_kernels.pyx).
 
 A thin binding to the C kernels: the public API is in :mod:`fastattn.functional`;
-these functions trust their arguments (the callers have validated them).
+these functions trust their arguments (fastattn._args has checked them).
 """
+
+import enum
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-ISA_NAMES: tuple[str, str, str]
-DTYPE_CODES: dict[str, int]
+from ._args import Plan
+
+ISA_NAMES: tuple[str, str, str, str]
+DTYPE_CODES: dict[np.dtype[Any], int]
 MASK_NONE: int
 MASK_BOOL: int
 MASK_F32: int
 MASK_F64: int
 
-def attention(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    out: np.ndarray,
-    lse: np.ndarray | None,
-    mask: np.ndarray | None,
-    mask_kind: int,
-    scale: float,
-    causal: bool,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    alibi: npt.NDArray[np.float64] | None,
-    sinks: npt.NDArray[np.float64] | None,
-    q_lens: npt.NDArray[np.int64] | None,
-    k_lens: npt.NDArray[np.int64] | None,
-    cu_q: npt.NDArray[np.int64] | None,
-    cu_k: npt.NDArray[np.int64] | None,
-    bmask: npt.NDArray[np.bool_] | None,
-    bm_q: int,
-    bm_k: int,
-    num_threads: int,
-    seq_q: int = ...,
-    seq_k: int = ...,
-    precision: int = ...,
-) -> None:
-    """Run the fused kernel on 4-D ``(B, H, L, D)`` views; every argument is trusted."""
+# csrc/fastattn.h's enums (fastattn/_kernels.pxd), as classes and as plain ints.
+class fa_dtype(enum.IntEnum):
+    FA_F32 = 0
+    FA_F64 = 1
+    FA_F16 = 2
+    FA_BF16 = 3
+
+class fa_mask_kind(enum.IntEnum):
+    FA_MASK_NONE = 0
+    FA_MASK_BOOL = 1
+    FA_MASK_F32 = 2
+    FA_MASK_F64 = 3
+
+class fa_isa(enum.IntEnum):
+    FA_ISA_SCALAR = 0
+    FA_ISA_AVX2 = 1
+    FA_ISA_AVX512 = 2
+    FA_ISA_AMX = 3
+
+class fa_precision(enum.IntEnum):
+    FA_PRECISION_HIGHEST = 0
+    FA_PRECISION_HIGH = 1
+    FA_PRECISION_MEDIUM = 2
+
+class fa_status(enum.IntEnum):
+    FA_OK = 0
+    FA_ENOMEM = 1
+    FA_EINVAL = 2
+    FA_ETHREADS = 3
+
+FA_F32: int
+FA_F64: int
+FA_F16: int
+FA_BF16: int
+FA_MASK_NONE: int
+FA_MASK_BOOL: int
+FA_MASK_F32: int
+FA_MASK_F64: int
+FA_ISA_SCALAR: int
+FA_ISA_AVX2: int
+FA_ISA_AVX512: int
+FA_ISA_AMX: int
+FA_PRECISION_HIGHEST: int
+FA_PRECISION_HIGH: int
+FA_PRECISION_MEDIUM: int
+FA_OK: int
+FA_ENOMEM: int
+FA_EINVAL: int
+FA_ETHREADS: int
+
+def attention(plan: Plan) -> None:
+    """Run the fused kernel on a 4-D ``fastattn._args.Plan`` (trusted: checked when built)."""
+
+def small_call_dims(q: object, k: object, v: object) -> tuple[int, int, int, int, int, int] | None:
+    """``(B, Hq, L, D, S, Dv)`` when q, k, v suit the small-call fast path unchanged, else None."""
 
 def exp2(x: npt.NDArray[np.float32], isa: str) -> npt.NDArray[np.float32]:
     """The vectorised exp2 of one ISA path (a test hook)."""
@@ -56,27 +88,11 @@ def cpu_features() -> dict[str, bool]: ...
 def openmp_enabled() -> bool: ...
 def omp_max_threads() -> int: ...
 def attention_backward(
+    plan: Plan,
     dout: np.ndarray,
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    out: np.ndarray,
-    lse: np.ndarray,
     dq: np.ndarray,
     dk: np.ndarray,
     dv: np.ndarray,
-    mask: np.ndarray | None,
-    mask_kind: int,
-    scale: float,
-    causal: bool,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    alibi: npt.NDArray[np.float64] | None,
-    sinks: npt.NDArray[np.float64] | None,
     dsinks: npt.NDArray[np.float64] | None,
-    q_lens: npt.NDArray[np.int64] | None,
-    k_lens: npt.NDArray[np.int64] | None,
-    num_threads: int,
 ) -> None:
-    """Run the fused backward kernel on 4-D views in the compute dtype; every argument is trusted."""
+    """Run the fused backward kernel on the forward's 4-D plan (compute dtype); every argument is trusted."""

@@ -39,17 +39,16 @@ flash-attn where it costs nothing: float32/float64 inputs, a float32 ``q`` with
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _torch_bridge
+from . import _torch_bridge, positions
 from ._args import is_real_float as _is_real_float
 from ._args import query_dtype_ok as _query_dtype_ok
-from ._args import rows as _rows
+from ._args import row_view as _rows
+from ._args import sdpa_call, varlen_call
 from ._checks import as_array, int_value, is_storage_dtype
-from .functional import scaled_dot_product_attention, varlen_attention
-from .positions import _CacheRotary
 
 __all__ = [
     "flash_attn_func",
@@ -60,6 +59,9 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_with_kvcache",
 ]
+
+# The rotary helper of fastattn.positions (Any: that module is typed by its owner).
+_CacheRotary: Any = positions._CacheRotary
 
 
 # ------------------------------------------------------------------ arguments
@@ -76,7 +78,7 @@ def _array(x: Any, name: str, *, writable: bool = False) -> np.ndarray:
     return as_array(x, name)
 
 
-def _wrap(torch_out: bool, *arrays):
+def _wrap(torch_out: bool, *arrays: np.ndarray) -> Any:
     res = tuple(_torch_bridge.from_numpy(a) if torch_out else a for a in arrays)
     return res if len(res) > 1 else res[0]
 
@@ -118,14 +120,26 @@ def _alibi(alibi_slopes: Any) -> np.ndarray | None:
     return None if alibi_slopes is None else _array(alibi_slopes, "alibi_slopes")
 
 
-def _common(dropout_p, window_size, softcap, alibi_slopes, deterministic):
-    _dropout(dropout_p)
-    _flag(deterministic, "deterministic")
-    return dict(
-        window=_window_size(window_size),
-        softcap=_softcap(softcap),
-        alibi_slopes=_alibi(alibi_slopes),
-    )
+class _Opts(NamedTuple):
+    """The trailing arguments every flash-attn function shares (checked by common())."""
+
+    dropout_p: Any
+    softmax_scale: Any
+    causal: Any
+    window_size: Any
+    softcap: Any
+    alibi_slopes: Any
+    deterministic: Any
+    return_attn_probs: Any
+
+    def common(self) -> dict[str, Any]:
+        _dropout(self.dropout_p)
+        _flag(self.deterministic, "deterministic")
+        return dict(
+            window=_window_size(self.window_size),
+            softcap=_softcap(self.softcap),
+            alibi_slopes=_alibi(self.alibi_slopes),
+        )
 
 
 def _ndim(a: np.ndarray, name: str, nd: int, shape: str) -> None:
@@ -139,35 +153,22 @@ def _probs_placeholder(q: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------- dense batches
-def _dense(
-    q,
-    k,
-    v,
-    torch_out,
-    dropout_p,
-    softmax_scale,
-    causal,
-    window_size,
-    softcap,
-    alibi_slopes,
-    deterministic,
-    return_attn_probs,
-):
-    opts = _common(dropout_p, window_size, softcap, alibi_slopes, deterministic)
-    ret = _flag(return_attn_probs, "return_attn_probs")
+def _dense(q: np.ndarray, k: np.ndarray, v: np.ndarray, torch_out: bool, o: _Opts) -> Any:
+    opts = o.common()
+    ret = _flag(o.return_attn_probs, "return_attn_probs")
     for a, n in ((q, "q"), (k, "k"), (v, "v")):
         _ndim(a, n, 4, "(batch, seqlen, nheads, headdim)")
-    res = scaled_dot_product_attention(
+    res = sdpa_call(
         q,
         k,
         v,
-        is_causal=_flag(causal, "causal"),
-        scale=softmax_scale,
+        is_causal=_flag(o.causal, "causal"),
+        scale=o.softmax_scale,
         enable_gqa=True,
         layout="bshd",
         return_lse=ret,
         **opts,
-    )
+    ).run()
     if not ret:
         return _wrap(torch_out, res)
     out, lse = res
@@ -175,18 +176,18 @@ def _dense(
 
 
 def flash_attn_func(
-    q,
-    k,
-    v,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+    q: Any,
+    k: Any,
+    v: Any,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Any:
     """flash-attn's ``flash_attn_func``.
 
     q ``(batch, seqlen_q, nheads, headdim)``, k ``(batch, seqlen_k, nheads_k,
@@ -203,28 +204,30 @@ def flash_attn_func(
         ka,
         va,
         torch_out,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
+        _Opts(
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+        ),
     )
 
 
 def flash_attn_qkvpacked_func(
-    qkv,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+    qkv: Any,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Any:
     """flash-attn's ``flash_attn_qkvpacked_func``: ``qkv`` is ``(batch, seqlen, 3, nheads, headdim)``,
     read in place; otherwise as :func:`flash_attn_func`."""
     torch_out = _torch_bridge.is_tensor(qkv)
@@ -236,29 +239,31 @@ def flash_attn_qkvpacked_func(
         a[:, :, 1],
         a[:, :, 2],
         torch_out,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
+        _Opts(
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+        ),
     )
 
 
 def flash_attn_kvpacked_func(
-    q,
-    kv,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+    q: Any,
+    kv: Any,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Any:
     """flash-attn's ``flash_attn_kvpacked_func``: q ``(batch, seqlen_q, nheads, headdim)``,
     ``kv`` ``(batch, seqlen_k, 2, nheads_k, headdim)``, read in place; otherwise as
     :func:`flash_attn_func`."""
@@ -271,14 +276,16 @@ def flash_attn_kvpacked_func(
         kva[:, :, 0],
         kva[:, :, 1],
         torch_out,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
+        _Opts(
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+        ),
     )
 
 
@@ -294,43 +301,36 @@ def _max_seqlen(m: Any, name: str, cu: np.ndarray, cu_name: str) -> None:
 
 
 def _varlen(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    torch_out,
-    dropout_p,
-    softmax_scale,
-    causal,
-    window_size,
-    softcap,
-    alibi_slopes,
-    deterministic,
-    return_attn_probs,
-    block_table,
-):
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    max_seqlen_q: Any,
+    max_seqlen_k: Any,
+    torch_out: bool,
+    o: _Opts,
+    block_table: Any,
+) -> Any:
     if block_table is not None:
         raise NotImplementedError("block_table (paged KV cache) is not supported by fastattn")
-    opts = _common(dropout_p, window_size, softcap, alibi_slopes, deterministic)
-    ret = _flag(return_attn_probs, "return_attn_probs")
+    opts = o.common()
+    ret = _flag(o.return_attn_probs, "return_attn_probs")
     cq, ck = _array(cu_seqlens_q, "cu_seqlens_q"), _array(cu_seqlens_k, "cu_seqlens_k")
     _max_seqlen(max_seqlen_q, "max_seqlen_q", cq, "cu_seqlens_q")
     _max_seqlen(max_seqlen_k, "max_seqlen_k", ck, "cu_seqlens_k")
-    res = varlen_attention(
+    res = varlen_call(
         q,
         k,
         v,
         cq,
         ck,
-        is_causal=_flag(causal, "causal"),
-        scale=softmax_scale,
+        is_causal=_flag(o.causal, "causal"),
+        scale=o.softmax_scale,
         enable_gqa=True,
         return_lse=ret,
         **opts,
-    )
+    ).run()
     if not ret:
         return _wrap(torch_out, res)
     out, lse = res
@@ -338,23 +338,23 @@ def _varlen(
 
 
 def flash_attn_varlen_func(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-    block_table=None,
-):
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    max_seqlen_q: Any,
+    max_seqlen_k: Any,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: Any = None,
+) -> Any:
     """flash-attn's ``flash_attn_varlen_func``: sequences packed back to back.
 
     q ``(total_q, nheads, headdim)``, k ``(total_k, nheads_k, headdim)``, v
@@ -376,31 +376,33 @@ def flash_attn_varlen_func(
         max_seqlen_q,
         max_seqlen_k,
         torch_out,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
+        _Opts(
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+        ),
         block_table,
     )
 
 
 def flash_attn_varlen_qkvpacked_func(
-    qkv,
-    cu_seqlens,
-    max_seqlen,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+    qkv: Any,
+    cu_seqlens: Any,
+    max_seqlen: Any,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Any:
     """flash-attn's ``flash_attn_varlen_qkvpacked_func``: ``qkv`` ``(total, 3, nheads, headdim)``."""
     torch_out = _torch_bridge.is_tensor(qkv)
     a = _array(qkv, "qkv")
@@ -415,34 +417,36 @@ def flash_attn_varlen_qkvpacked_func(
         max_seqlen,
         max_seqlen,
         torch_out,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
+        _Opts(
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+        ),
         None,
     )
 
 
 def flash_attn_varlen_kvpacked_func(
-    q,
-    kv,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-):
+    q: Any,
+    kv: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    max_seqlen_q: Any,
+    max_seqlen_k: Any,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Any:
     """flash-attn's ``flash_attn_varlen_kvpacked_func``: ``kv`` ``(total_k, 2, nheads_k, headdim)``."""
     torch_out = _torch_bridge.is_tensor(q)
     qa, kva = _array(q, "q"), _array(kv, "kv")
@@ -457,14 +461,16 @@ def flash_attn_varlen_kvpacked_func(
         max_seqlen_q,
         max_seqlen_k,
         torch_out,
-        dropout_p,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        alibi_slopes,
-        deterministic,
-        return_attn_probs,
+        _Opts(
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+        ),
         None,
     )
 
@@ -495,26 +501,26 @@ def _to_cache_dtype(x: np.ndarray, dt: np.dtype, name: str) -> np.ndarray:
 
 
 def flash_attn_with_kvcache(
-    q,
-    k_cache,
-    v_cache,
-    k=None,
-    v=None,
-    rotary_cos=None,
-    rotary_sin=None,
-    cache_seqlens=None,
-    cache_batch_idx=None,
-    cache_leftpad=None,
-    block_table=None,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    rotary_interleaved=True,
-    alibi_slopes=None,
-    num_splits=0,
-    return_softmax_lse=False,
-):
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    k: Any = None,
+    v: Any = None,
+    rotary_cos: Any = None,
+    rotary_sin: Any = None,
+    cache_seqlens: Any = None,
+    cache_batch_idx: Any = None,
+    cache_leftpad: Any = None,
+    block_table: Any = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: Any = True,
+    alibi_slopes: Any = None,
+    num_splits: Any = 0,
+    return_softmax_lse: Any = False,
+) -> Any:
     """flash-attn's ``flash_attn_with_kvcache``: append new keys/values in place, then attend.
 
     q ``(batch, seqlen_q, nheads, headdim)``; k_cache ``(batch_cache, seqlen_cache,
@@ -657,7 +663,7 @@ def flash_attn_with_kvcache(
     mask = None
     if left is not None and np.any(left):
         mask = (np.arange(S)[None, :] >= left[:, None])[:, None, None, :]  # (B, 1, 1, S): True = attend
-    opts = dict(
+    opts: dict[str, Any] = dict(
         is_causal=is_causal,
         scale=softmax_scale,
         enable_gqa=True,
@@ -667,53 +673,17 @@ def flash_attn_with_kvcache(
         return_lse=ret,
     )
     al = _alibi(alibi_slopes)
-    # All checks that do not need the cache contents: run the option checks of
-    # the attention call now, on a zero-size problem, before writing.
-    scaled_dot_product_attention(
-        np.empty((0, 0, Hq, D), qa.dtype),
-        np.empty((0, 0, Hk, D), cdt),
-        np.empty((0, 0, Hk, Dv), cdt),
-        alibi_slopes=None if al is None else (al if al.ndim == 1 else al[:0]),
-        **opts,
-    )
-    if al is not None and al.ndim == 2 and al.shape[0] != B:
-        raise ValueError(f"alibi_slopes must have shape ({Hq},) or ({B}, {Hq}), got {al.shape}")
-
-    # ---- write (nothing has been modified before this point)
-    if T and B:
-        seq_l = seq.tolist()
-        if rot is not None:  # keys rotated and written in one C pass over the new tokens
-            kdst = kc[:B] if idx is None else _rows(kc, idx)
-            if kdst is not None:
-                rot.append(ka_h, np.swapaxes(kdst, 1, 2), kpos)
-            else:
-                for b, c in enumerate(rows.tolist()):
-                    rot.append(ka_h[b : b + 1], np.swapaxes(kc[c : c + 1], 1, 2), kpos[b : b + 1])
-        if len(set(seq_l)) == 1 and _rows(kc, idx) is not None:
-            s0 = seq_l[0]
-            if rot is None:
-                _rows(kc, idx)[:, s0 : s0 + T] = kw
-            _rows(vc, idx)[:, s0 : s0 + T] = vw
-        else:
-            for b, (c, s0) in enumerate(zip(rows.tolist(), seq_l)):
-                if rot is None:
-                    kc[c, s0 : s0 + T] = kw[b]
-                vc[c, s0 : s0 + T] = vw[b]
-    if rot is not None:
-        qa = np.swapaxes(rot.rotate_q(np.swapaxes(qa, 1, 2), qpos), 1, 2)
-
-    # ---- attend
+    # Every check of the attention, once, before anything is written: the calls read
+    # the caches in place (views), so they see the tokens written below.
     kview = kc[:B] if idx is None else _rows(kc, idx)
-    if kview is not None:
-        vview = vc[:B] if idx is None else _rows(vc, idx)
-        res = scaled_dot_product_attention(
-            qa, kview, vview, attn_mask=mask, key_lengths=total, alibi_slopes=al, **opts
-        )
+    vview = vc[:B] if idx is None else _rows(vc, idx)
+    if kview is not None and vview is not None:
+        calls = [sdpa_call(qa, kview, vview, attn_mask=mask, key_lengths=total, alibi_slopes=al, **opts)]
     else:  # scattered cache rows: one call per sequence, each on a view of its row
-        out = np.empty((B, Lq, Hq, Dv), dtype=qa.dtype)
-        lse = np.empty((B, Hq, Lq), dtype=np.float64 if qa.dtype.name == "float64" else np.float32)
-        for b, c in enumerate(rows.tolist()):
-            r = scaled_dot_product_attention(
+        if al is not None and al.ndim == 2 and al.shape[0] != B:
+            raise ValueError(f"alibi_slopes must have shape ({Hq},) or ({B}, {Hq}), got {al.shape}")
+        calls = [
+            sdpa_call(
                 qa[b : b + 1],
                 kc[c : c + 1],
                 vc[c : c + 1],
@@ -722,10 +692,43 @@ def flash_attn_with_kvcache(
                 alibi_slopes=None if al is None else (al if al.ndim == 1 else al[b : b + 1]),
                 **opts,
             )
-            if ret:
-                out[b : b + 1], lse[b : b + 1] = r
+            for b, c in enumerate(rows.tolist())
+        ]
+
+    # ---- write (nothing has been modified before this point)
+    if T and B:
+        seq_l = seq.tolist()
+        if rot is not None:  # keys rotated and written in one C pass over the new tokens
+            if kview is not None:
+                rot.append(ka_h, np.swapaxes(kview, 1, 2), kpos)
             else:
-                out[b : b + 1] = r
+                for b, c in enumerate(rows.tolist()):
+                    rot.append(ka_h[b : b + 1], np.swapaxes(kc[c : c + 1], 1, 2), kpos[b : b + 1])
+        if len(set(seq_l)) == 1 and kview is not None and vview is not None:
+            s0 = seq_l[0]
+            if rot is None:
+                kview[:, s0 : s0 + T] = kw
+            vview[:, s0 : s0 + T] = vw
+        else:
+            for b, (c, s0) in enumerate(zip(rows.tolist(), seq_l)):
+                if rot is None:
+                    kc[c, s0 : s0 + T] = kw[b]
+                vc[c, s0 : s0 + T] = vw[b]
+    if rot is not None:  # the queries rotated after every check (bhsd, as the plans hold them)
+        qr = rot.rotate_q(np.swapaxes(qa, 1, 2), qpos)
+        calls = [c.with_queries(qr if len(calls) == 1 else qr[b : b + 1]) for b, c in enumerate(calls)]
+
+    # ---- attend
+    if len(calls) == 1 and kview is not None:
+        res = calls[0].run()
+    else:
+        out = np.empty((B, Lq, Hq, Dv), dtype=qa.dtype)
+        lse = np.empty((B, Hq, Lq), dtype=np.float64 if qa.dtype.name == "float64" else np.float32)
+        for b, call in enumerate(calls):
+            if ret:
+                out[b : b + 1], lse[b : b + 1] = call.run()
+            else:
+                out[b : b + 1] = call.run()
         res = (out, lse) if ret else out
     if ret:
         return _wrap(torch_out, *res)

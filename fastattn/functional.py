@@ -229,7 +229,8 @@ def scaled_dot_product_attention(
                 raise ValueError(f"{name} is not supported with device='cuda'")
         from . import cuda
 
-        return cuda.scaled_dot_product_attention(
+        cuda_sdpa: Any = cuda.scaled_dot_product_attention  # (fastattn.cuda is typed by its owner)
+        return cuda_sdpa(
             query,
             key,
             value,

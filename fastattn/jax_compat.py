@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._args import check_dtypes
+from ._args import check_dtypes, check_heads
 from ._checks import as_array, scale_value, threads_value
 from .backward import scaled_dot_product_attention_backward
 from .functional import scaled_dot_product_attention
@@ -149,7 +149,7 @@ def dot_product_attention(
     return (out, res) if return_residual else out
 
 
-def _any_jax(args: tuple) -> bool:
+def _any_jax(args: tuple[Any, ...]) -> bool:
     jax = sys.modules.get("jax")  # no JAX array can exist before jax is imported
     return jax is not None and any(isinstance(a, jax.Array) for a in args)
 
@@ -205,9 +205,9 @@ def _numpy_backward(
         q4, k4, v4, scale=scale, num_threads=num_threads, return_lse=True, **kw
     )
     go = np.asarray(grad_out, dtype=out.dtype)
-    return scaled_dot_product_attention_backward(
-        go, q4, k4, v4, out, lse, scale=scale, num_threads=num_threads, **kw
-    )
+    bwd: Any = scaled_dot_product_attention_backward  # (fastattn.backward is typed by its owner)
+    dq, dk, dv = bwd(go, q4, k4, v4, out, lse, scale=scale, num_threads=num_threads, **kw)
+    return dq, dk, dv
 
 
 def _numpy_prepare(
@@ -220,7 +220,7 @@ def _numpy_prepare(
     key_value_seq_lengths: Any,
     is_causal: bool,
     window: tuple[int, int] | None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict, bool]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, Any], bool]:
     """JAX's arguments as fastattn's: 4-D bshd query, key, value, the keyword
     arguments of :func:`fastattn.scaled_dot_product_attention` (mask, GQA, lengths,
     causal / window) and whether the inputs were 3-D."""
@@ -243,8 +243,7 @@ def _numpy_prepare(
         raise ValueError(
             f"query, key and value must have the same batch size, got {q.shape}, {k.shape}, {v.shape}"
         )
-    if K == 0 or N % K:
-        raise ValueError(f"the number of query heads ({N}) must be a multiple of key/value heads ({K})")
+    check_heads(N, K, True, "query", "key/value")
     q_lens = _seq_lengths(query_seq_lengths, "query_seq_lengths", B, T)
     kv_lens = _seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", B, S)
 
@@ -317,15 +316,17 @@ def _numpy_prepare(
 _BASE_NDIM = (4, 4, 4, 4, 4, 1, 1)
 
 
-def _host_callback(*arrays: Any, scale, is_causal, window, num_threads) -> tuple[np.ndarray, np.ndarray]:
-    opts = dict(scale=scale, is_causal=is_causal, window=window, num_threads=num_threads)
+def _host_callback(
+    *arrays: Any, scale: Any, is_causal: bool, window: Any, num_threads: Any
+) -> tuple[np.ndarray, np.ndarray]:
+    opts: dict[str, Any] = dict(scale=scale, is_causal=is_causal, window=window, num_threads=num_threads)
     leads = [a.shape[: a.ndim - nd] for a, nd in zip(arrays, _BASE_NDIM) if a is not None]
     lead = np.broadcast_shapes(*leads)
     if lead == ():
         return _numpy_forward(*arrays, **opts)
     outs, ress = [], []
     for idx in np.ndindex(*lead):  # one kernel call per vmapped element
-        sub = []
+        sub: list[Any] = []
         for a, nd in zip(arrays, _BASE_NDIM):
             if a is None:
                 sub.append(None)
@@ -342,18 +343,20 @@ def _host_callback(*arrays: Any, scale, is_causal, window, num_threads) -> tuple
     )
 
 
-def _host_backward(*arrays: Any, scale, is_causal, window, num_threads) -> tuple:
+def _host_backward(
+    *arrays: Any, scale: Any, is_causal: bool, window: Any, num_threads: Any
+) -> tuple[Any, ...]:
     """Host side of the backward: ``(dq, dk, dv)`` for the 4-D arrays (plus the
     output cotangent, 4-D), one kernel call per element under jax.vmap."""
-    opts = dict(scale=scale, is_causal=is_causal, window=window, num_threads=num_threads)
+    opts: dict[str, Any] = dict(scale=scale, is_causal=is_causal, window=window, num_threads=num_threads)
     base = _BASE_NDIM + (4,)
     leads = [a.shape[: a.ndim - nd] for a, nd in zip(arrays, base) if a is not None]
     lead = np.broadcast_shapes(*leads)
     if lead == ():
         return _numpy_backward(*arrays, **opts)
-    grads: list = [[], [], []]
+    grads: list[list[Any]] = [[], [], []]
     for idx in np.ndindex(*lead):
-        sub = []
+        sub: list[Any] = []
         for a, nd in zip(arrays, base):
             if a is None:
                 sub.append(None)
@@ -403,7 +406,8 @@ def _jax_forward(
             "query, key and value must have the same number of dimensions, got "
             f"{q.shape}, {k.shape}, {v.shape}"
         )
-    check_dtypes(*(np.empty(0, dtype=np.dtype(a.dtype)) for a in (q, k, v)))
+    q0, k0, v0 = (np.empty(0, dtype=np.dtype(a.dtype)) for a in (q, k, v))  # dtype probes
+    check_dtypes(q0, k0, v0)
     squeeze = q.ndim == 3
     q, k, v = (_to_4d(jnp, a) for a in (q, k, v))
     B, T, N, H = q.shape
@@ -415,8 +419,7 @@ def _jax_forward(
         )
     if k.shape[3] != H:
         raise ValueError(f"query and key must have the same head dim, got {H} and {k.shape[3]}")
-    if K == 0 or N % K:
-        raise ValueError(f"the number of query heads ({N}) must be a multiple of key/value heads ({K})")
+    check_heads(N, K, True, "query", "key/value")
     full = (B, N, T, S)
     b = m = None
     if bias is not None:
@@ -435,15 +438,15 @@ def _jax_forward(
         if m.ndim > 4:
             raise ValueError(f"mask must have at most 4 dimensions (B, N, T, S), got shape {m.shape}")
         m = _to_4d(jnp, m)
-    for a, n in ((b, "bias"), (m, "mask")):
-        if a is not None:
+    for arr, n in ((b, "bias"), (m, "mask")):
+        if arr is not None:
             try:
-                ok = np.broadcast_shapes(a.shape, full) == full
+                ok = np.broadcast_shapes(arr.shape, full) == full
             except ValueError:
                 ok = False
             if not ok:
-                raise ValueError(f"{n} of shape {a.shape} does not broadcast to (B, N, T, S) = {full}")
-    lens = []
+                raise ValueError(f"{n} of shape {arr.shape} does not broadcast to (B, N, T, S) = {full}")
+    lens: list[Any] = []
     for x, n in ((query_seq_lengths, "query_seq_lengths"), (key_value_seq_lengths, "key_value_seq_lengths")):
         if x is None:
             lens.append(None)
@@ -466,7 +469,9 @@ def _jax_forward(
 
 
 @functools.lru_cache(maxsize=64)
-def _jax_core(scale: float | None, is_causal: bool, window: tuple[int, int] | None, num_threads: int | None):
+def _jax_core(
+    scale: float | None, is_causal: bool, window: tuple[int, int] | None, num_threads: int | None
+) -> Any:
     """``(q, k, v, bias, mask, q_lens, kv_lens) -> (output, residual)`` on 4-D JAX
     arrays for these (static) options: a ``jax.custom_vjp`` whose forward and
     backward run on the host through ``jax.pure_callback`` (``vmap_method=
@@ -478,28 +483,29 @@ def _jax_core(scale: float | None, is_causal: bool, window: tuple[int, int] | No
     stops them), nor does the residual."""
     import jax
 
-    opts = dict(scale=scale, is_causal=is_causal, window=window, num_threads=num_threads)
+    jx: Any = jax  # (JAX's own annotations leave ShapeDtypeStruct untyped)
+    opts: dict[str, Any] = dict(scale=scale, is_causal=is_causal, window=window, num_threads=num_threads)
 
-    def forward(q, k, v, b, m, ql, kl):
+    def forward(q: Any, k: Any, v: Any, b: Any, m: Any, ql: Any, kl: Any) -> Any:
         B, T, N, _ = q.shape
         result = (
-            jax.ShapeDtypeStruct((B, T, N, v.shape[3]), q.dtype),
-            jax.ShapeDtypeStruct((B, T, N), k.dtype),
+            jx.ShapeDtypeStruct((B, T, N, v.shape[3]), q.dtype),
+            jx.ShapeDtypeStruct((B, T, N), k.dtype),
         )
         callback = functools.partial(_host_callback, **opts)
         return jax.pure_callback(callback, result, q, k, v, b, m, ql, kl, vmap_method="expand_dims")
 
     @jax.custom_vjp
-    def core(q, k, v, b, m, ql, kl):
+    def core(q: Any, k: Any, v: Any, b: Any, m: Any, ql: Any, kl: Any) -> Any:
         return forward(q, k, v, b, m, ql, kl)
 
-    def core_fwd(q, k, v, b, m, ql, kl):
+    def core_fwd(q: Any, k: Any, v: Any, b: Any, m: Any, ql: Any, kl: Any) -> Any:
         return forward(q, k, v, b, m, ql, kl), (q, k, v, b, m, ql, kl)
 
-    def core_bwd(saved, cts):
+    def core_bwd(saved: Any, cts: Any) -> Any:
         q, k, v, b, m, ql, kl = saved
         d_out = cts[0]  # the residual's cotangent is dropped: it is stopped in _jax_forward
-        result = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v))
+        result = tuple(jx.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v))
         callback = functools.partial(_host_backward, **opts)
         dq, dk, dv = jax.pure_callback(
             callback, result, q, k, v, b, m, ql, kl, d_out, vmap_method="expand_dims"

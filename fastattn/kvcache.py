@@ -16,130 +16,35 @@ from __future__ import annotations
 
 import numbers
 import threading
+from collections.abc import Sequence
+from typing import Any, Literal, overload
 
 import numpy as np
+import numpy.typing as npt
 
-from ._args import is_real_float as _is_real_float
-from ._args import per_head, softcap_value, window_value
-from ._args import query_dtype_ok as _query_dtype_ok
-from ._args import query_dtypes as _query_dtypes
-from ._args import rows as _rows
-from ._checks import (
-    F32,
-    F64,
-    as_array,
-    bfloat16_dtype,
-    flag_value,
-    int_value,
-    is_storage_dtype,
-    scale_value,
-    threads_value,
+from . import positions
+from ._args import (
+    batch_indices,
+    cache_dtype_value,
+    cache_operands,
+    cache_tokens,
+    check_heads,
+    layout_value,
+    query_dtype_ok,
+    query_dtypes,
+    rotation_fits,
+    row_view,
+    sdpa_call,
+    to_cache_dtype,
 )
-from .functional import scaled_dot_product_attention
-from .positions import _CacheRotary
+from ._checks import F32, F64, as_array, flag_value, int_value
 
 __all__ = ["KVCache", "attention_with_kvcache"]
 
-
-def _cache_dtype(dtype):
-    try:
-        dt = bfloat16_dtype() if isinstance(dtype, str) and dtype == "bfloat16" else np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"dtype must be float16, bfloat16, float32 or float64, got {dtype!r}") from None
-    if not is_storage_dtype(dt):
-        raise TypeError(f"dtype must be float16, bfloat16, float32 or float64, got {dt}")
-    return dt
-
-
-def _batch_indices(batch_index, B, name="batch_index"):
-    """None -> None; int / slice / 1-D int array -> int64 array of distinct indices in [0, B)."""
-    if batch_index is None:
-        return None
-    if isinstance(batch_index, slice):
-        return np.arange(B, dtype=np.int64)[batch_index]
-    if isinstance(batch_index, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an int, a slice or an integer array, got bool")
-    if isinstance(batch_index, numbers.Integral):
-        i = int(batch_index)
-        if not 0 <= i < B:
-            raise ValueError(f"{name} {i} is out of range for a batch of {B}")
-        return np.array([i], dtype=np.int64)
-    a = as_array(batch_index, name)
-    if a.ndim == 1 and a.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if a.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be an int, a slice or an integer array, got dtype {a.dtype}")
-    if a.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
-    if a.size and (a.min() < 0 or a.max() >= B):
-        raise ValueError(f"{name} values must lie in [0, {B}), got range [{a.min()}, {a.max()}]")
-    a = a.astype(np.int64)
-    if np.unique(a).size != a.size:
-        raise ValueError(f"{name} must not repeat an index")
-    return a
-
-
-def _new_tokens(x, name, n, Hk, Dx, allow_3d):
-    """Check one block of new keys/values: shape (n, Hk, T, Dx), real floating; returns it converted."""
-    a = as_array(x, name)
-    if not _is_real_float(a.dtype):
-        raise TypeError(f"{name} must be a real floating array, got dtype {a.dtype}")
-    if allow_3d and a.ndim == 3:
-        a = a[None]
-    if a.ndim != 4 or a.shape[0] != n or a.shape[1] != Hk or a.shape[3] != Dx:
-        want = f"({n}, {Hk}, T, {Dx})" + (f" or ({Hk}, T, {Dx})" if allow_3d else "")
-        raise ValueError(f"{name} must have shape {want}, got {np.shape(x)}")
-    return a
-
-
-def _max_finite(dt):
-    if dt == F64 or dt == F32 or dt.kind == "f":
-        return float(np.finfo(dt).max)
-    import ml_dtypes  # bfloat16
-
-    return float(ml_dtypes.finfo(dt).max)
-
-
-def _rotation_fits(k, dt):
-    """True when rotating k's values (each output is x*cos -/+ y*sin of a pair, at most
-    sqrt(2) * max|k| in magnitude) cannot overflow the cache dtype dt."""
-    if k.size == 0:
-        return True
-    with np.errstate(invalid="ignore"):
-        a = np.abs(k.astype(F64) if k.dtype != F64 else k)
-    m = float(np.max(a, where=np.isfinite(a), initial=0.0))
-    return m * 1.4142136 < _max_finite(dt) * 0.999
-
-
-def _to_cache_dtype(a, dt, name, rot=None, pos=None, num_threads=None):
-    """``a`` converted to the cache dtype ``dt`` (rotated at ``pos`` first with ``rot``);
-    ValueError when a finite value becomes inf (beyond the dtype's range), so that nothing
-    is lost silently.  Called before any write."""
-    if rot is not None:
-        from .positions import _last_contiguous, rotate
-
-        src = a if is_storage_dtype(a.dtype) else a.astype(rot.cos.dtype)
-        c = np.empty(a.shape, dtype=dt)
-        with np.errstate(over="ignore", invalid="ignore"):
-            rotate(_last_contiguous(src), c, pos, rot.cos, rot.sin, rot.interleaved, num_threads)
-    elif a.dtype == dt:
-        return a
-    else:
-        with np.errstate(over="ignore", invalid="ignore"):
-            c = a.astype(dt)
-    inf = np.isinf(c)
-    if inf.any():
-        # an inf given stays inf; rotated, it may spread to its pair: any non-finite input in a row
-        given = np.isinf(a) if rot is None else ~np.isfinite(a).all(axis=-1, keepdims=True)
-        lost = inf & ~given
-        if lost.any():
-            where = tuple(int(i) for i in np.argwhere(lost)[0])
-            raise ValueError(
-                f"{name} holds {int(lost.sum())} value(s) beyond the range of the cache dtype {dt} "
-                f"(e.g. {float(a[where])!r} at index {where}), which would be stored as inf; nothing was "
-                "written. Use a wider cache dtype (float32) or rescale the values."
-            )
-    return c
+_Window = tuple[int, int] | Sequence[int] | None
+_Index = int | slice | npt.ArrayLike | None
+# The rotary helper of fastattn.positions (Any: that module is typed by its owner).
+_CacheRotary: Any = positions._CacheRotary
 
 
 class KVCache:
@@ -183,94 +88,95 @@ class KVCache:
 
     def __init__(
         self,
-        batch,
-        num_kv_heads,
-        max_len,
-        head_dim,
+        batch: int,
+        num_kv_heads: int,
+        max_len: int | None,
+        head_dim: int,
         *,
-        dtype=np.float32,
-        value_dim=None,
-        rotary_cos=None,
-        rotary_sin=None,
-        rotary_interleaved=False,
-    ):
+        dtype: npt.DTypeLike = np.float32,
+        value_dim: int | None = None,
+        rotary_cos: npt.ArrayLike | None = None,
+        rotary_sin: npt.ArrayLike | None = None,
+        rotary_interleaved: bool = False,
+    ) -> None:
         B = int_value(batch, "batch", 1)
         Hk = int_value(num_kv_heads, "num_kv_heads", 1)
         self._max_len = None if max_len is None else int_value(max_len, "max_len", 1)
         D = int_value(head_dim, "head_dim", 1)
         Dv = D if value_dim is None else int_value(value_dim, "value_dim", 1)
-        dt = _cache_dtype(dtype)
+        dt = cache_dtype_value(dtype)
         S = self._INITIAL_CAPACITY if self._max_len is None else self._max_len
         self._k = np.zeros((B, Hk, S, D), dtype=dt)
         self._v = np.zeros((B, Hk, S, Dv), dtype=dt)
         self._len = np.zeros(B, dtype=np.int64)
         self._lock = threading.Lock()  # append/reset/crop/reorder_cache (see the class doc)
         # Rotary (RoPE): keys rotated at their positions as they are appended, queries as they attend.
-        self._rot = None
+        self._rot: Any = None
         if rotary_cos is not None or rotary_sin is not None:
             self._rot = _CacheRotary(rotary_cos, rotary_sin, rotary_interleaved, D, dt)
 
     # ----------------------------------------------------------- properties
     @property
-    def batch(self):
+    def batch(self) -> int:
         """Number of sequences."""
-        return self._k.shape[0]
+        return int(self._k.shape[0])
 
     @property
-    def num_kv_heads(self):
+    def num_kv_heads(self) -> int:
         """Key/value heads (Hk)."""
-        return self._k.shape[1]
+        return int(self._k.shape[1])
 
     @property
-    def max_len(self):
+    def max_len(self) -> int | None:
         """The most tokens a sequence may hold: the ``max_len`` given, None for a growing cache."""
         return self._max_len
 
     @property
-    def capacity(self):
+    def capacity(self) -> int:
         """Tokens per sequence allocated now (``max_len``, or a growing cache's current size)."""
-        return self._k.shape[2]
+        return int(self._k.shape[2])
 
     @property
-    def head_dim(self):
+    def head_dim(self) -> int:
         """Key head dim (D)."""
-        return self._k.shape[3]
+        return int(self._k.shape[3])
 
     @property
-    def value_dim(self):
+    def value_dim(self) -> int:
         """Value head dim (Dv)."""
-        return self._v.shape[3]
+        return int(self._v.shape[3])
 
     @property
-    def dtype(self):
+    def dtype(self) -> np.dtype[Any]:
         """Storage dtype of keys and values."""
-        return self._k.dtype
+        dt: np.dtype[Any] = self._k.dtype
+        return dt
 
     @property
-    def lengths(self):
+    def lengths(self) -> np.ndarray:
         """Valid tokens per sequence: an int64 copy, shape (batch,)."""
         return self._len.copy()
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         """Bytes held by the key and value arrays."""
-        return self._k.nbytes + self._v.nbytes
+        return int(self._k.nbytes + self._v.nbytes)
 
     @property
-    def k(self):
+    def k(self) -> np.ndarray:
         """The whole allocated key array (read-only view; only ``[b, :, :lengths[b]]`` is valid)."""
         view = self._k.view()
         view.flags.writeable = False
         return view
 
     @property
-    def v(self):
+    def v(self) -> np.ndarray:
         """The whole preallocated value array (read-only view)."""
         view = self._v.view()
         view.flags.writeable = False
         return view
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (
             f"KVCache(batch={self.batch}, num_kv_heads={self.num_kv_heads}, max_len={self.max_len}, "
             f"capacity={self.capacity}, "
@@ -279,7 +185,7 @@ class KVCache:
         )
 
     # -------------------------------------------------------------- mutation
-    def append(self, k_new, v_new, *, batch_index=None):
+    def append(self, k_new: npt.ArrayLike, v_new: npt.ArrayLike, *, batch_index: _Index = None) -> np.ndarray:
         """Append T tokens to each selected sequence.
 
         ``k_new``: ``(B, Hk, T, D)`` (``(len(idx), Hk, T, D)`` with
@@ -294,13 +200,13 @@ class KVCache:
         with self._lock:  # the length checks and the writes as one step
             return self._append(k_new, v_new, batch_index)
 
-    def _append(self, k_new, v_new, batch_index):
-        idx = _batch_indices(batch_index, self.batch)
+    def _append(self, k_new: npt.ArrayLike, v_new: npt.ArrayLike, batch_index: _Index) -> np.ndarray:
+        idx = batch_indices(batch_index, self.batch)
         n = self.batch if idx is None else idx.size
         allow_3d = isinstance(batch_index, numbers.Integral) and not isinstance(batch_index, bool)
         dt = self.dtype
-        k = _new_tokens(k_new, "k_new", n, self.num_kv_heads, self.head_dim, allow_3d)
-        v = _new_tokens(v_new, "v_new", n, self.num_kv_heads, self.value_dim, allow_3d)
+        k = cache_tokens(k_new, "k_new", n, self.num_kv_heads, self.head_dim, allow_3d)
+        v = cache_tokens(v_new, "v_new", n, self.num_kv_heads, self.value_dim, allow_3d)
         T = k.shape[2]
         if v.shape[2] != T:
             raise ValueError(f"k_new and v_new must hold the same number of tokens, got {T} and {v.shape[2]}")
@@ -321,9 +227,9 @@ class KVCache:
         # failing conversion changes nothing.  Rotated keys are rotated and converted in
         # one C pass while written, unless the rotation could overflow the cache dtype:
         # then into a checked buffer first (kc), written like unrotated keys.
-        rot_direct = rot is not None and _rotation_fits(k, dt)
-        kc = k if rot_direct else _to_cache_dtype(k, dt, "k_new", rot, kpos if rot is not None else None)
-        vc = _to_cache_dtype(v, dt, "v_new")
+        rot_direct = rot is not None and rotation_fits(k, dt)
+        kc = k if rot_direct else to_cache_dtype(k, dt, "k_new", rot, kpos if rot is not None else None)
+        vc = to_cache_dtype(v, dt, "v_new")
         if need > self.capacity:
             self._grow(need)
         if T and rows.size:
@@ -336,11 +242,11 @@ class KVCache:
             start = self._len[rows]
             if np.all(start == start[0]):
                 s0 = int(start[0])
-                kv = _rows(self._k, idx)
-                if kv is not None:
+                kv, vv = row_view(self._k, idx), row_view(self._v, idx)
+                if kv is not None and vv is not None:
                     if not rot_direct:
                         kv[:, :, s0 : s0 + T] = kc
-                    _rows(self._v, idx)[:, :, s0 : s0 + T] = vc
+                    vv[:, :, s0 : s0 + T] = vc
                 else:
                     if not rot_direct:
                         self._k[rows, :, s0 : s0 + T] = kc
@@ -353,7 +259,7 @@ class KVCache:
             self._len[rows] += T
         return self._len[rows].copy()
 
-    def _grow(self, need):
+    def _grow(self, need: int) -> None:
         """Reallocate a growing cache to max(need, 2 * capacity) tokens, keeping the valid prefix."""
         cap = max(need, 2 * self.capacity)
         used = int(self._len.max()) if self._len.size else 0
@@ -363,7 +269,7 @@ class KVCache:
         v[:, :, :used] = self._v[:, :, :used]
         self._k, self._v = k, v
 
-    def crop(self, n):
+    def crop(self, n: int) -> None:
         """Roll back to at most ``n`` tokens per sequence (``lengths = min(lengths, n)``).
 
         What speculative decoding calls after rejected draft tokens.  ``n``: an
@@ -376,7 +282,7 @@ class KVCache:
         with self._lock:
             np.minimum(self._len, n, out=self._len)
 
-    def reorder_cache(self, beam_idx):
+    def reorder_cache(self, beam_idx: npt.ArrayLike) -> None:
         """Beam search: sequence ``b`` takes the contents and length of sequence ``beam_idx[b]``.
 
         ``beam_idx``: ``(batch,)`` integers in ``[0, batch)`` (repeats allowed: a
@@ -403,13 +309,13 @@ class KVCache:
                 self._v[:, :, :used] = self._v[idx, :, :used]
             self._len = self._len[idx]
 
-    def get_seq_length(self):
+    def get_seq_length(self) -> int:
         """Tokens in the cache: the longest sequence's length, an int (0 when empty)."""
         return int(self._len.max()) if self._len.size else 0
 
-    def reset(self, batch_index=None):
+    def reset(self, batch_index: _Index = None) -> None:
         """Forget the tokens of the selected sequences (all when None): their lengths become 0."""
-        idx = _batch_indices(batch_index, self.batch)
+        idx = batch_indices(batch_index, self.batch)
         with self._lock:
             if idx is None:
                 self._len[:] = 0
@@ -417,18 +323,44 @@ class KVCache:
                 self._len[idx] = 0
 
     # -------------------------------------------------------------- attention
+    @overload
     def attend(
         self,
-        q,
+        q: npt.ArrayLike,
         *,
-        window=None,
-        alibi_slopes=None,
-        softcap=None,
-        scale=None,
-        return_lse=False,
-        num_threads=None,
-        batch_index=None,
-    ):
+        window: _Window = None,
+        alibi_slopes: npt.ArrayLike | None = None,
+        softcap: float | None = None,
+        scale: float | None = None,
+        return_lse: Literal[False] = False,
+        num_threads: int | None = None,
+        batch_index: _Index = None,
+    ) -> np.ndarray: ...
+    @overload
+    def attend(
+        self,
+        q: npt.ArrayLike,
+        *,
+        window: _Window = None,
+        alibi_slopes: npt.ArrayLike | None = None,
+        softcap: float | None = None,
+        scale: float | None = None,
+        return_lse: Literal[True],
+        num_threads: int | None = None,
+        batch_index: _Index = None,
+    ) -> tuple[np.ndarray, np.ndarray]: ...
+    def attend(
+        self,
+        q: npt.ArrayLike,
+        *,
+        window: _Window = None,
+        alibi_slopes: npt.ArrayLike | None = None,
+        softcap: float | None = None,
+        scale: float | None = None,
+        return_lse: bool = False,
+        num_threads: int | None = None,
+        batch_index: _Index = None,
+    ) -> Any:
         """Causal attention of the ``Lq`` newest tokens over each sequence's cached prefix.
 
         ``q``: ``(B, Hq, Lq, D)`` (``(len(idx), Hq, Lq, D)`` with
@@ -441,20 +373,17 @@ class KVCache:
         ``(B, Hq)``), ``softcap``, ``scale``, ``num_threads`` as in
         :func:`fastattn.scaled_dot_product_attention`.
         """
-        idx = _batch_indices(batch_index, self.batch)
+        idx = batch_indices(batch_index, self.batch)
         n = self.batch if idx is None else idx.size
         qa = as_array(q, "q")
-        if not _query_dtype_ok(qa.dtype, self.dtype):
+        if not query_dtype_ok(qa.dtype, self.dtype):
             raise TypeError(
-                f"q must have dtype {_query_dtypes(self.dtype)} for a {self.dtype} cache, got {qa.dtype}"
+                f"q must have dtype {query_dtypes(self.dtype)} for a {self.dtype} cache, got {qa.dtype}"
             )
         if qa.ndim != 4 or qa.shape[0] != n or qa.shape[3] != self.head_dim:
             raise ValueError(f"q must have shape ({n}, Hq, Lq, {self.head_dim}), got {qa.shape}")
         Hq, Lq = qa.shape[1], qa.shape[2]
-        if Hq % self.num_kv_heads:
-            raise ValueError(
-                f"q heads ({Hq}) must be a multiple of the cache's kv heads ({self.num_kv_heads})"
-            )
+        check_heads(Hq, self.num_kv_heads, True, "q", "the cache's kv")
         lens = self._len if idx is None else self._len[idx]
         if lens.size and lens.min() < Lq:
             b = int(np.argmin(lens)) if idx is None else int(idx[np.argmin(lens)])
@@ -468,7 +397,7 @@ class KVCache:
                 raise ValueError(f"alibi_slopes must have shape ({Hq},) or ({n}, {Hq}), got {al.shape}")
         if self._rot is not None:  # the queries are the last Lq cached positions
             qa = self._rot.rotate_q(qa, self._rot.positions(lens - Lq, Lq))
-        opts = dict(
+        opts: dict[str, Any] = dict(
             is_causal=True,
             enable_gqa=True,
             window=window,
@@ -477,54 +406,98 @@ class KVCache:
             return_lse=return_lse,
             num_threads=num_threads,
         )
-        kv = _rows(self._k, idx)
-        if kv is not None:
-            return scaled_dot_product_attention(
-                qa, kv, _rows(self._v, idx), key_lengths=lens.copy(), alibi_slopes=alibi_slopes, **opts
-            )
-        # Scattered indices: one kernel call per sequence, each on a view of the cache.
-        out = np.empty(qa.shape[:3] + (self.value_dim,), dtype=qa.dtype)
-        # The LSE dtype of the contiguous path: float64 for a float64 cache.
-        want_lse = flag_value(return_lse, "return_lse")
-        lse = np.empty(qa.shape[:3], dtype=F64 if qa.dtype == F64 else F32) if want_lse else None
-        al = None if alibi_slopes is None else as_array(alibi_slopes, "alibi_slopes")
-        for r, b in enumerate(idx.tolist()):
-            slopes = None if al is None else (al[r : r + 1] if al.ndim == 2 else al)
-            res = scaled_dot_product_attention(
+        kv, vv = row_view(self._k, idx), row_view(self._v, idx)
+        if kv is not None and vv is not None:
+            return sdpa_call(qa, kv, vv, key_lengths=lens.copy(), alibi_slopes=alibi_slopes, **opts).run()
+        # Scattered indices: one kernel call per sequence, each on a view of the cache,
+        # every one checked before the first runs.
+        assert idx is not None
+        al_all = None if alibi_slopes is None else as_array(alibi_slopes, "alibi_slopes")
+        calls = [
+            sdpa_call(
                 qa[r : r + 1],
                 self._k[b : b + 1],
                 self._v[b : b + 1],
                 key_lengths=self._len[b : b + 1].copy(),
-                alibi_slopes=slopes,
+                alibi_slopes=None if al_all is None else (al_all[r : r + 1] if al_all.ndim == 2 else al_all),
                 **opts,
             )
-            if return_lse:
-                out[r : r + 1], lse[r : r + 1] = res
+            for r, b in enumerate(idx.tolist())
+        ]
+        out = np.empty(qa.shape[:3] + (self.value_dim,), dtype=qa.dtype)
+        # The LSE dtype of the contiguous path: float64 for a float64 cache.
+        want_lse = flag_value(return_lse, "return_lse")
+        lse = np.empty(qa.shape[:3], dtype=F64 if qa.dtype == F64 else F32)
+        for r, call in enumerate(calls):
+            if want_lse:
+                out[r : r + 1], lse[r : r + 1] = call.run()
             else:
-                out[r : r + 1] = res
-        return (out, lse) if return_lse else out
+                out[r : r + 1] = call.run()
+        return (out, lse) if want_lse else out
 
 
+@overload
 def attention_with_kvcache(
-    q,
-    k_cache,
-    v_cache,
-    cache_seqlens,
-    k_new=None,
-    v_new=None,
+    q: npt.ArrayLike,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    cache_seqlens: int | npt.ArrayLike,
+    k_new: npt.ArrayLike | None = None,
+    v_new: npt.ArrayLike | None = None,
     *,
-    is_causal=True,
-    window=None,
-    alibi_slopes=None,
-    softcap=None,
-    scale=None,
-    return_lse=False,
-    num_threads=None,
-    layout="bhsd",
-    rotary_cos=None,
-    rotary_sin=None,
-    rotary_interleaved=False,
-):
+    is_causal: bool = True,
+    window: _Window = None,
+    alibi_slopes: npt.ArrayLike | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    return_lse: Literal[False] = False,
+    num_threads: int | None = None,
+    layout: Literal["bhsd", "bshd"] = "bhsd",
+    rotary_cos: npt.ArrayLike | None = None,
+    rotary_sin: npt.ArrayLike | None = None,
+    rotary_interleaved: bool = False,
+) -> np.ndarray: ...
+@overload
+def attention_with_kvcache(
+    q: npt.ArrayLike,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    cache_seqlens: int | npt.ArrayLike,
+    k_new: npt.ArrayLike | None = None,
+    v_new: npt.ArrayLike | None = None,
+    *,
+    is_causal: bool = True,
+    window: _Window = None,
+    alibi_slopes: npt.ArrayLike | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    return_lse: Literal[True],
+    num_threads: int | None = None,
+    layout: Literal["bhsd", "bshd"] = "bhsd",
+    rotary_cos: npt.ArrayLike | None = None,
+    rotary_sin: npt.ArrayLike | None = None,
+    rotary_interleaved: bool = False,
+) -> tuple[np.ndarray, np.ndarray]: ...
+def attention_with_kvcache(
+    q: npt.ArrayLike,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    cache_seqlens: int | npt.ArrayLike,
+    k_new: npt.ArrayLike | None = None,
+    v_new: npt.ArrayLike | None = None,
+    *,
+    is_causal: bool = True,
+    window: _Window = None,
+    alibi_slopes: npt.ArrayLike | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    num_threads: int | None = None,
+    layout: Literal["bhsd", "bshd"] = "bhsd",
+    rotary_cos: npt.ArrayLike | None = None,
+    rotary_sin: npt.ArrayLike | None = None,
+    rotary_interleaved: bool = False,
+) -> Any:
     """Attention over caller-owned caches, optionally appending new keys/values first
     (the semantics of flash-attn's ``flash_attn_with_kvcache``).
 
@@ -556,94 +529,14 @@ def attention_with_kvcache(
     rotate-half by default, GPT-J pairs with ``rotary_interleaved=True``.
     q and k_new are not modified.
     """
-    if not isinstance(layout, str) or layout not in ("bhsd", "bshd"):
-        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    lay = layout_value(layout)
     is_causal = flag_value(is_causal, "is_causal")
     return_lse = flag_value(return_lse, "return_lse")
     qa = as_array(q, "q")
-    if not isinstance(k_cache, np.ndarray):
-        raise TypeError(f"k_cache must be a numpy.ndarray, got {type(k_cache).__name__}")
-    if not isinstance(v_cache, np.ndarray):
-        raise TypeError(f"v_cache must be a numpy.ndarray, got {type(v_cache).__name__}")
-    cdt = k_cache.dtype
-    if not is_storage_dtype(cdt):
-        raise TypeError(f"k_cache must have dtype float16, bfloat16, float32 or float64, got {cdt}")
-    if v_cache.dtype != cdt:
-        raise TypeError(f"v_cache must have the dtype of k_cache ({cdt}), got {v_cache.dtype}")
-    if not _query_dtype_ok(qa.dtype, cdt):
-        raise TypeError(f"q must have dtype {_query_dtypes(cdt)} for {cdt} caches, got {qa.dtype}")
-    for a, name in ((qa, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
-        if a.ndim != 4:
-            raise ValueError(f"{name} must be 4-D ({layout}), got shape {a.shape}")
-
-    def bhsd(a):
-        return a if layout == "bhsd" else np.swapaxes(a, 1, 2)
-
-    qh, kc, vc = bhsd(qa), bhsd(k_cache), bhsd(v_cache)
+    qh, kc, vc, seq, kn, vn = cache_operands(qa, k_cache, v_cache, cache_seqlens, k_new, v_new, lay)
     B, Hq, Lq, D = qh.shape
-    _, Hk, S, Dk = kc.shape
-    if kc.shape[0] != B or vc.shape[0] != B:
-        raise ValueError(
-            f"q, k_cache and v_cache must share the batch size, got {qa.shape}, "
-            f"{k_cache.shape}, {v_cache.shape}"
-        )
-    if Dk != D:
-        raise ValueError(f"k_cache head dim ({Dk}) must equal q's ({D})")
-    if vc.shape[1] != Hk or vc.shape[2] != S:
-        raise ValueError(
-            f"v_cache must have the heads and length of k_cache, got {v_cache.shape} and {k_cache.shape}"
-        )
-    Dv = vc.shape[3]
-    if D == 0 or Dv == 0:
-        raise ValueError(f"head dims must be >= 1, got head_dim {D} and value_dim {Dv}")
-    if Hk == 0 or Hq % Hk:
-        raise ValueError(f"q heads ({Hq}) must be a multiple of the cache's kv heads ({Hk})")
-
-    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, (bool, np.bool_)):
-        if not 0 <= cache_seqlens <= S:  # before np.full: a value beyond int64 is OverflowError there
-            raise ValueError(f"cache_seqlens must lie in [0, {S}], got {cache_seqlens}")
-        seq = np.full(B, int(cache_seqlens), dtype=np.int64)
-    else:
-        s = as_array(cache_seqlens, "cache_seqlens")
-        if s.dtype.kind not in "iu":
-            raise TypeError(f"cache_seqlens must be an int or an integer array, got dtype {s.dtype}")
-        if s.ndim == 0:
-            s = np.broadcast_to(s, (B,))
-        if s.shape != (B,):
-            raise ValueError(f"cache_seqlens must have shape ({B},), got {s.shape}")
-        seq = s.astype(np.int64)
-    if seq.size and (seq.min() < 0 or seq.max() > S):
-        raise ValueError(f"cache_seqlens values must lie in [0, {S}], got range [{seq.min()}, {seq.max()}]")
-
-    if (k_new is None) != (v_new is None):
-        raise ValueError("k_new and v_new must be given together")
-    T = 0
-    if k_new is not None:
-        kn = bhsd(_as_new(k_new, "k_new", layout))
-        vn = bhsd(_as_new(v_new, "v_new", layout))
-        if kn.shape[:2] != (B, Hk) or kn.shape[3] != D:
-            raise ValueError(
-                f"k_new must have {B} sequences, {Hk} heads and head dim {D}, got {np.shape(k_new)}"
-            )
-        if vn.shape[:2] != (B, Hk) or vn.shape[3] != Dv:
-            raise ValueError(
-                f"v_new must have {B} sequences, {Hk} heads and head dim {Dv}, got {np.shape(v_new)}"
-            )
-        T = kn.shape[2]
-        if vn.shape[2] != T:
-            raise ValueError(
-                f"k_new and v_new must hold the same number of tokens, got {T} and {vn.shape[2]}"
-            )
-        if seq.size and seq.max() + T > S:
-            b = int(np.argmax(seq))
-            raise ValueError(
-                f"cache_seqlens[{b}] + {T} new tokens = {int(seq[b]) + T} exceeds the cache length {S}"
-            )
-        for a, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
-            if not a.flags.writeable:
-                raise ValueError(f"{name} must be writable to append k_new/v_new")
-        if np.may_share_memory(k_cache, v_cache):
-            raise ValueError("k_cache and v_cache must not share memory")
+    cdt = kc.dtype
+    T = 0 if kn is None else kn.shape[2]
     total = seq + T
     if is_causal and total.size and total.min() < Lq:
         b = int(np.argmin(total))
@@ -652,8 +545,24 @@ def attention_with_kvcache(
             "causal decoding needs cache_seqlens + new tokens >= query length "
             "(or pass is_causal=False)"
         )
-    _check_options(window, alibi_slopes, softcap, scale, num_threads, B, Hq, D, qa.dtype)
-    rot = None
+    # Every check of the attention itself, once, before anything is written; the
+    # plan reads the caches in place, so it sees the tokens written below.
+    call = sdpa_call(
+        qa,
+        k_cache,
+        v_cache,
+        is_causal=is_causal,
+        enable_gqa=True,
+        layout=lay,
+        key_lengths=total,
+        window=window,
+        alibi_slopes=alibi_slopes,
+        softcap=softcap,
+        scale=scale,
+        return_lse=return_lse,
+        num_threads=num_threads,
+    )
+    rot: Any = None
     if rotary_cos is not None or rotary_sin is not None:
         rot = _CacheRotary(rotary_cos, rotary_sin, rotary_interleaved, D, cdt)
         if k_new is None:
@@ -663,14 +572,14 @@ def attention_with_kvcache(
         qpos = rot.positions(seq, Lq) if (is_causal or local) else np.broadcast_to(seq[:, None], (B, Lq))
         rot.check(kpos, "the new keys' positions (cache_seqlens + t)")
         rot.check(qpos, "the queries' positions")
-    if T and B:
-        rot_direct = rot is not None and _rotation_fits(kn, cdt)
+    if T and B and kn is not None and vn is not None:
+        rot_direct = rot is not None and rotation_fits(kn, cdt)
         kw = (
             kn
             if rot_direct
-            else _to_cache_dtype(kn, cdt, "k_new", rot, kpos if rot is not None else None, num_threads)
+            else to_cache_dtype(kn, cdt, "k_new", rot, kpos if rot is not None else None, num_threads)
         )
-        vw = _to_cache_dtype(vn, cdt, "v_new")  # raises before any write when a value does not fit
+        vw = to_cache_dtype(vn, cdt, "v_new")  # raises before any write when a value does not fit
         if rot_direct:  # rotate and write in one C pass over the new tokens
             rot.append(kw, kc, kpos, num_threads)
         if np.all(seq == seq[0]):
@@ -684,39 +593,5 @@ def attention_with_kvcache(
                     kc[b, :, s0 : s0 + T] = kw[b]
                 vc[b, :, s0 : s0 + T] = vw[b]
     if rot is not None:
-        qr = rot.rotate_q(qh, qpos, num_threads)
-        qa = qr if layout == "bhsd" else np.swapaxes(qr, 1, 2)
-    return scaled_dot_product_attention(
-        qa,
-        k_cache,
-        v_cache,
-        is_causal=bool(is_causal),
-        enable_gqa=True,
-        layout=layout,
-        key_lengths=total,
-        window=window,
-        alibi_slopes=alibi_slopes,
-        softcap=softcap,
-        scale=scale,
-        return_lse=return_lse,
-        num_threads=num_threads,
-    )
-
-
-def _as_new(x, name, layout):
-    a = as_array(x, name)
-    if not _is_real_float(a.dtype):
-        raise TypeError(f"{name} must be a real floating array, got dtype {a.dtype}")
-    if a.ndim != 4:
-        raise ValueError(f"{name} must be 4-D ({layout}), got shape {a.shape}")
-    return a
-
-
-def _check_options(window, alibi_slopes, softcap, scale, num_threads, B, Hq, D, qdt):
-    """The option checks of scaled_dot_product_attention, run before the caches are written."""
-    window_value(window)
-    softcap_value(softcap)
-    scale_value(scale, D, F64 if qdt == F64 else F32)
-    threads_value(num_threads, lambda: 1)
-    if alibi_slopes is not None:
-        per_head(alibi_slopes, "alibi_slopes", (B,), Hq, True)
+        call = call.with_queries(rot.rotate_q(qh, qpos, num_threads))
+    return call.run()

@@ -15,7 +15,7 @@ import tempfile
 import pytest
 
 import fastattn
-from fastattn import _build_config, _config, _kernels, functional, jax_compat
+from fastattn import _build_config, _config, _kernels, functional, jax_compat, kvcache, merge
 
 PKG = os.path.dirname(os.path.abspath(fastattn.__file__))
 ROOT = os.path.dirname(PKG)
@@ -68,12 +68,31 @@ def _check_stub(module, stub_name):
     return stubs
 
 
-# (fastattn.merge carries inline annotations: no stub)
-@pytest.mark.parametrize("module,stub", [(functional, "functional.pyi")])
-def test_python_stubs_match_the_implementation(module, stub):
-    stubs = _check_stub(module, stub)
+# (the Python modules carry inline annotations; only the compiled extensions have stubs)
+@pytest.mark.parametrize("module", [functional, kvcache, merge])
+def test_annotated_modules_have_no_stub_and_full_annotations(module):
+    # These modules carry their types inline (checked by mypy --strict): a stub
+    # next to them would hide the code from type checkers.
+    path = module.__file__
+    assert not os.path.exists(path[:-3] + ".pyi"), f"{path}: a stale stub"
+    funcs = []
     for name in module.__all__:
-        assert name in stubs, f"{stub} lacks the public function {name}"
+        obj = getattr(module, name)
+        if inspect.isclass(obj):
+            funcs += [f for n, f in vars(obj).items() if inspect.isfunction(f) and not n.startswith("_")]
+            funcs.append(obj.__init__)
+        else:
+            funcs.append(obj)
+    assert funcs
+    for f in funcs:
+        sig = inspect.signature(f)
+        missing = [
+            p
+            for p in sig.parameters
+            if p != "self" and sig.parameters[p].annotation is inspect.Parameter.empty
+        ]
+        assert not missing, f"{f.__qualname__}: parameters without annotations {missing}"
+        assert sig.return_annotation is not inspect.Signature.empty, f"{f.__qualname__}: no return annotation"
 
 
 def test_compiled_module_stub_matches():
@@ -90,6 +109,18 @@ def test_compiled_module_stub_matches():
         text = f.read()
     for const in ("ISA_NAMES", "DTYPE_CODES", "MASK_NONE", "MASK_BOOL", "MASK_F32", "MASK_F64"):
         assert hasattr(_kernels, const) and f"{const}:" in text
+    # The enums of csrc/fastattn.h: the stub's classes name the extension's members and values,
+    # and each member is also a plain module-level int of that value.
+    tree = ast.parse(text)
+    enums = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    assert set(enums) == {"fa_dtype", "fa_mask_kind", "fa_isa", "fa_precision", "fa_status"}
+    for name, node in enums.items():
+        stub = {t.targets[0].id: t.value.value for t in node.body if isinstance(t, ast.Assign)}
+        runtime = getattr(_kernels, name)
+        assert stub == {m.name: int(m) for m in runtime}, name
+        for member, value in stub.items():
+            assert type(getattr(_kernels, member)) is int and getattr(_kernels, member) == value
+            assert f"{member}: int" in text
 
 
 def test_typing_files_are_package_data():
