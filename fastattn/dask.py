@@ -37,16 +37,20 @@ How a chunk pair reproduces the whole problem's positions.  The kernel aligns
 query i sits at ``i' = i + S_b - L_b``.  A chunk call has its own, different
 bottom right, so each task works with ``t = j - i'`` in global terms:
 
-* causal and window bounds on t become a window of the chunk call when one
-  exists (both of its sides non-negative), else an explicit boolean mask of the
-  chunk (rows x keys of that pair only);
-* ALiBi, ``-slope * |t|``: when the chunk's own alignment equals the global one
-  (diagonal chunks of an equal L/S chunking) the kernel's ALiBi is used as is;
-  otherwise the pair is split at ``t = 0`` into the part with keys at or
-  before the diagonal and the part after it, where ``|t|`` is linear: a
-  per-key bias (an additive ``(.., 1, S_chunk)`` mask, broadcast over the rows)
-  plus a per-row constant, added to the part's LSE (it does not change the
-  softmax weights), and the two parts are merged by LSE;
+* the call is trimmed (views) to the rows and keys holding visible pairs under
+  the causal / window bounds on t; those bounds are then always a window of the
+  trimmed call (only with a block mask, whose grid fixes where a call may start,
+  can an explicit boolean mask of the pair's rows x keys be needed);
+* ALiBi, ``-slope * |t|``: when the trimmed call's own alignment equals the
+  global one (diagonal chunks of an equal L/S chunking, and any pair under
+  ``window=(0, 0)``) the kernel's ALiBi is used as is; otherwise the pair is
+  split at ``t = 0`` into the part with keys at or before the diagonal and the
+  part after it, where ``|t|`` is linear: a per-key bias (an additive
+  ``(.., 1, S_chunk)`` mask, broadcast over the rows) plus a per-row constant,
+  added to the part's LSE (it does not change the softmax weights), and the
+  parts are merged by LSE.  The kernel stores each logit in float32, so the
+  bias is kept small where the weight is: calls of at most 64 rows
+  (``_ALIBI_ROWS``), each with its reference key next to the diagonal;
 * ``key_lengths`` / ``query_lengths``: each batch element's valid keys and
   rows of the chunk are sliced (views), so the chunk call needs no lengths;
   rows past a query length stay zeros with LSE -inf;
@@ -630,9 +634,11 @@ def scaled_dot_product_attention(
     alibi_slopes, softcap, sinks, key_lengths, query_lengths, block_mask,
         block_size, scale, precision: as in the in-memory function (the small
         per-head, per-batch and block arrays as NumPy array-likes; the block mask
-        is sliced per chunk).  With a block mask the L and S chunks are rounded
-        down to whole blocks.  Key chunks past every key length, and chunk pairs
-        whose blocks are all False, get no task.
+        is sliced per chunk; ``precision=None`` is the caller's
+        ``fastattn.get_float32_matmul_precision()`` when the graph is built).
+        With a block mask the L and S chunks are rounded down to whole blocks.
+        Key chunks past every key length, and chunk pairs whose blocks are all
+        False, get no task.
     num_threads: threads of each chunk task (None: ``fastattn.get_num_threads()``
         on the worker).  With several Dask threads per worker, 1 avoids
         oversubscription.
@@ -641,9 +647,10 @@ def scaled_dot_product_attention(
 
     Returns a lazy ``dask.array.Array`` (and the LSE array): nothing runs until
     it is computed.  Partial results are float32 (float64 for float64 inputs),
-    so the result is exact up to float32 rounding of the merge.  ALiBi off the
-    diagonal chunks adds a per-key bias of up to ``slope * key_chunk_length``,
-    whose float32 rounding grows with the key chunk length.  Argument errors
+    so the result is exact up to float32 rounding of the merge.  ALiBi on chunk
+    pairs off the diagonal (or with unequal L/S chunks) runs in calls of 64 rows
+    with a per-key bias of up to ``slope * 64`` where the weights are: float32
+    logits a few ulps further from the in-memory ones.  Argument errors
     raise ``TypeError``/``ValueError`` here, before any task runs.
     """
     # The in-memory function's checks, in its order, from fastattn._args (the shape and dtype
