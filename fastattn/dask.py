@@ -210,6 +210,12 @@ def _bounded(
     Lr, Sr = q.shape[-2], k.shape[-2]
     if _visibility(0, Lr, 0, Sr, lo, hi) == "none":
         return None
+    # Bounds that restrict nothing (every pair has -(Lr - 1) <= c - a <= Sr - 1) are dropped: a window
+    # of up to 2**63 - 1 shifted by a chunk offset could otherwise exceed what the call accepts.
+    if lo is not None and lo <= -(Lr - 1):
+        lo = None
+    if hi is not None and hi >= Sr - 1:
+        hi = None
     bq, bk = opts["block_size"] or (1, 1)
     a0, a1, c0, c1 = _trim(Lr, Sr, lo, hi, (bq, bk))
     d = c0 - a0  # the trimmed call's c - a is the original's minus d
@@ -486,10 +492,11 @@ def _any_visible(
     ok = (i1b > i0) & (j1b > j0)
     diag = Sb - Lb  # j - i on the bottom-right diagonal
     hi = 0 if causal else wr
+    # (the bounds, up to 2**63 - 1, stay on their own side: diag + hi could wrap around in int64)
     if hi >= 0:
-        ok &= j0 - (i1b - 1) <= diag + hi
+        ok &= j0 - (i1b - 1) - diag <= hi
     if wl >= 0:
-        ok &= (j1b - 1) - i0 >= diag - wl
+        ok &= (j1b - 1) - i0 - diag >= -wl
     return bool(np.any(ok))
 
 
@@ -1125,10 +1132,10 @@ def varlen_attention(
                 c1 = np.minimum(ck[bs + 1], u1) - ck[bs]
                 ok = (r1 > r0) & (c1 > c0)
                 diag = Sseq[bs] - Lseq[bs]  # j - i on each sequence's bottom-right diagonal
-                if hi_t >= 0:
-                    ok &= c0 - (r1 - 1) <= diag + hi_t
+                if hi_t >= 0:  # (as in _any_visible: no diag + bound, which could wrap around)
+                    ok &= c0 - (r1 - 1) - diag <= hi_t
                 if wl >= 0:
-                    ok &= (c1 - 1) - r0 >= diag - wl
+                    ok &= (c1 - 1) - r0 - diag >= -wl
                 kept = np.flatnonzero(ok)
                 if kept.size:
                     pairs.append((uj, b_lo + int(kept[0]), b_lo + int(kept[-1]) + 1))

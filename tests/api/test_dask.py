@@ -343,6 +343,28 @@ def test_alibi_uneven_chunks_row_blocks(causal):
     np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "window", [(sys.maxsize, sys.maxsize), (sys.maxsize, 0), (0, sys.maxsize), (sys.maxsize - 5, 3)]
+)
+def test_huge_windows(window):
+    """Window bounds up to 2**63 - 1 (sys.maxsize, "unbounded") shifted by chunk
+    offsets: no int64 wrap-around when skipping chunks, no out-of-range window in a
+    chunk call (sdpa with and without ALiBi and lengths, varlen)."""
+    rng = np.random.default_rng(16)
+    q = rng.standard_normal((2, 2, 20, 8)).astype(np.float32)
+    k = rng.standard_normal((2, 2, 30, 8)).astype(np.float32)
+    qd, kd = da.from_array(q, chunks=(1, 1, 7, 8)), da.from_array(k, chunks=(2, 2, 9, 8))
+    for kw in ({}, {"alibi_slopes": np.array([0.3, 0.1])}, {"key_lengths": np.array([30, 11])}):
+        want = fastattn.scaled_dot_product_attention(q, k, k, window=window, **kw)
+        got = fd.scaled_dot_product_attention(qd, kd, k, window=window, **kw).compute(scheduler="sync")
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    p = rng.standard_normal((20, 2, 8)).astype(np.float32)
+    cu = np.array([0, 5, 20])
+    want = fastattn.varlen_attention(p, p, p, cu, cu, window=window)
+    got = fd.varlen_attention(da.from_array(p, chunks=(7, 2, 8)), p, p, cu, cu, window=window)
+    np.testing.assert_allclose(got.compute(scheduler="sync"), want, rtol=2e-5, atol=2e-5)
+
+
 def test_fully_masked_rows_and_sinks():
     """Rows with no visible key: zeros and LSE -inf, or LSE = sink with sinks
     (the sink counted once however many key chunks the row has)."""
