@@ -25,12 +25,13 @@ passed here as ``~mask``.
 from __future__ import annotations
 
 import math
-import numbers
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-from ._checks import as_array
-from .functional import scaled_dot_product_attention
+from ._args import sdpa_call
+from ._checks import as_array, int_value
 
 __all__ = ["MultiHeadAttention"]
 
@@ -41,22 +42,18 @@ _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 NEED_WEIGHTS_MAX_BYTES = 1 << 30
 
 
-def _pos_int(x, name):
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-    if x < 1:
-        raise ValueError(f"{name} must be >= 1, got {x}")
-    return int(x)
+def _pos_int(x: Any, name: str) -> int:
+    return int_value(x, name, 1)
 
 
-def _flag(x, name):
+def _flag(x: Any, name: str) -> bool:
     """A bool argument: True/False (or NumPy's bool); anything else is a TypeError."""
     if not isinstance(x, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
     return bool(x)
 
 
-def _to_numpy(x, name):
+def _to_numpy(x: Any, name: str) -> np.ndarray:
     """A torch tensor (detached, on the CPU) or an array-like as a NumPy array."""
     if hasattr(x, "detach") and hasattr(x, "cpu"):
         x = x.detach().cpu()
@@ -112,17 +109,17 @@ class MultiHeadAttention:
 
     def __init__(
         self,
-        embed_dim,
-        num_heads,
+        embed_dim: int,
+        num_heads: int,
         *,
-        num_kv_heads=None,
-        kdim=None,
-        vdim=None,
-        bias=True,
-        batch_first=False,
-        dtype=np.float32,
-        seed=None,
-    ):
+        num_kv_heads: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        bias: bool = True,
+        batch_first: bool = False,
+        dtype: npt.DTypeLike = np.float32,
+        seed: int | None = None,
+    ) -> None:
         self.embed_dim = _pos_int(embed_dim, "embed_dim")
         self.num_heads = _pos_int(num_heads, "num_heads")
         if self.embed_dim % self.num_heads:
@@ -139,18 +136,18 @@ class MultiHeadAttention:
             raise TypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
         if dt not in _DTYPES:
             raise TypeError(f"dtype must be float32 or float64, got {dt}")
-        self.dtype = dt
+        self.dtype: np.dtype[Any] = dt
         self.head_dim = self.embed_dim // self.num_heads
         self.bias = bool(bias)
         self._init_weights(np.random.default_rng(seed))
 
     # ------------------------------------------------------------------ weights
     @property
-    def kv_dim(self):
+    def kv_dim(self) -> int:
         """Output features of the key and value projections: ``num_kv_heads * head_dim``."""
         return self.num_kv_heads * self.head_dim
 
-    def _shapes(self):
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
         E, kv = self.embed_dim, self.kv_dim
         return {
             "q_proj_weight": (E, E),
@@ -164,13 +161,13 @@ class MultiHeadAttention:
         }
 
     @property
-    def _packed(self):
+    def _packed(self) -> bool:
         return self.kdim == self.embed_dim and self.vdim == self.embed_dim
 
-    def _init_weights(self, rng):
+    def _init_weights(self, rng: np.random.Generator) -> None:
         E, kv, dt = self.embed_dim, self.kv_dim, self.dtype
 
-        def xavier(fan_out, fan_in):
+        def xavier(fan_out: int, fan_in: int) -> np.ndarray:
             bound = math.sqrt(6.0 / (fan_in + fan_out))
             return rng.uniform(-bound, bound, size=(fan_out, fan_in)).astype(dt)
 
@@ -194,9 +191,9 @@ class MultiHeadAttention:
             self.v_proj_bias = np.zeros(kv, dt)
             self.out_proj_bias = np.zeros(E, dt)
         else:
-            self.q_proj_bias = self.k_proj_bias = self.v_proj_bias = self.out_proj_bias = None
+            self.q_proj_bias = self.k_proj_bias = self.v_proj_bias = self.out_proj_bias = None  # type: ignore[assignment]  # (None only with bias=False; every reader checks self.bias)
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, np.ndarray]:
         """The weights under ``torch.nn.MultiheadAttention``'s names (copies):
         ``in_proj_weight`` (packed q, k, v rows) when ``kdim == vdim == embed_dim``,
         else ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight``; then
@@ -216,7 +213,7 @@ class MultiHeadAttention:
             d["out_proj.bias"] = self.out_proj_bias.copy()
         return d
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: Any) -> None:
         """Load weights named as in :meth:`state_dict` (NumPy arrays or torch
         tensors, e.g. ``torch_mha.state_dict()``); converted to ``self.dtype``.
         Every expected key must be present, with the right shape, and no other."""
@@ -271,7 +268,7 @@ class MultiHeadAttention:
             setattr(self, n, a)
 
     @classmethod
-    def from_torch(cls, module, *, dtype=None):
+    def from_torch(cls, module: Any, *, dtype: npt.DTypeLike | None = None) -> MultiHeadAttention:
         """A module with the weights and ``batch_first`` of a ``torch.nn.MultiheadAttention``,
         so that it takes the same inputs and gives the same outputs.  ``add_bias_kv`` and
         ``add_zero_attn`` are not supported (ValueError); dropout is ignored
@@ -298,7 +295,7 @@ class MultiHeadAttention:
         return m
 
     # ------------------------------------------------------------------ forward
-    def _input(self, x, name, feat, batched):
+    def _input(self, x: Any, name: str, feat: int, batched: bool) -> np.ndarray:
         a = as_array(x, name)
         if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
             raise TypeError(f"{name} must be a floating array, got dtype {a.dtype}")
@@ -310,13 +307,16 @@ class MultiHeadAttention:
             raise ValueError(f"{name} must have {feat} features in its last dim, got shape {a.shape}")
         return a if a.dtype == self.dtype else a.astype(self.dtype)
 
-    def _project(self, x, w, b, heads):
+    def _project(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, heads: int) -> np.ndarray:
         y = np.matmul(x.reshape(-1, x.shape[-1]), w.T)  # one GEMM over all tokens, in x's layout
         if b is not None:
             y += b
-        return y.reshape(x.shape[:-1] + (heads, self.head_dim))
+        out: np.ndarray = y.reshape(x.shape[:-1] + (heads, self.head_dim))
+        return out
 
-    def _masks(self, key_padding_mask, attn_mask, B, L, S, causal_mask):
+    def _masks(
+        self, key_padding_mask: Any, attn_mask: Any, B: int, L: int, S: int, causal_mask: np.ndarray | None
+    ) -> np.ndarray | None:
         """The combined mask in the kernel's convention (bool True = may attend, float
         added), broadcastable to (B, H, L, S), or None.  Inputs use torch's convention:
         bool True = NOT allowed.  ``causal_mask``: an (L, S) bool "may attend" mask to
@@ -363,17 +363,17 @@ class MultiHeadAttention:
 
     def __call__(
         self,
-        query,
-        key=None,
-        value=None,
-        key_padding_mask=None,
-        need_weights=True,
-        attn_mask=None,
-        average_attn_weights=True,
-        is_causal=False,
+        query: npt.ArrayLike,
+        key: npt.ArrayLike | None = None,
+        value: npt.ArrayLike | None = None,
+        key_padding_mask: npt.ArrayLike | None = None,
+        need_weights: bool = True,
+        attn_mask: npt.ArrayLike | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
         *,
-        num_threads=None,
-    ):
+        num_threads: int | None = None,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
         """Attend ``query`` to ``key``/``value``: ``torch.nn.MultiheadAttention.forward``.
 
         The arguments, their order and their defaults are torch's.
@@ -466,7 +466,7 @@ class MultiHeadAttention:
 
         H, Hk = self.num_heads, self.num_kv_heads
 
-        def project(a, w, b, heads):
+        def project(a: np.ndarray, w: np.ndarray, b: np.ndarray | None, heads: int) -> np.ndarray:
             if seq_first:  # project the (S, B, E) original, view it as (B, S, heads, hd)
                 return self._project(a.swapaxes(0, 1), w, b, heads).swapaxes(0, 1)
             return self._project(a, w, b, heads)
@@ -475,7 +475,7 @@ class MultiHeadAttention:
         k = project(kx, self.k_proj_weight, self.k_proj_bias, Hk)  # (B, S, Hk, hd)
         v = project(vx, self.v_proj_weight, self.v_proj_bias, Hk)
         o = np.empty((L, B, H, self.head_dim) if seq_first else (B, L, H, self.head_dim), self.dtype)
-        res = scaled_dot_product_attention(
+        res = sdpa_call(
             q,
             k,
             v,
@@ -486,7 +486,7 @@ class MultiHeadAttention:
             return_lse=need_weights,
             out=o.swapaxes(0, 1) if seq_first else o,
             num_threads=num_threads,
-        )
+        ).run()
         lse = res[1] if need_weights else None
         E = self.embed_dim
         y = np.matmul(o.reshape(-1, E), self.out_proj_weight.T).reshape(o.shape[:2] + (E,))
@@ -496,12 +496,15 @@ class MultiHeadAttention:
             y = y[0]
         if not need_weights:
             return y, None
+        assert lse is not None  # (need_weights: the call returned the LSE)
         w = self._weights(q, k, mask, kernel_causal, lse)
         if average_attn_weights:
             w = w.mean(axis=1)
         return y, (w if batched else w[0])
 
-    def _weights(self, q, k, mask, is_causal, lse):
+    def _weights(
+        self, q: np.ndarray, k: np.ndarray, mask: np.ndarray | None, is_causal: bool, lse: np.ndarray
+    ) -> np.ndarray:
         """exp(scores * scale + mask - lse): (B, H, L, S).  ``mask`` in the kernel's
         convention (bool True = may attend); ``is_causal`` only with L == S."""
         B, L, H, hd = q.shape
@@ -510,7 +513,7 @@ class MultiHeadAttention:
         qg = q.reshape(B, L, Hk, g, hd).transpose(0, 2, 3, 1, 4)  # (B, Hk, g, L, hd)
         kt = k.transpose(0, 2, 3, 1)[:, :, None]  # (B, Hk, 1, hd, S)
         s = np.matmul(qg, kt).reshape(B, H, L, S)
-        s *= self.dtype.type(1.0 / math.sqrt(hd))
+        s *= np.asarray(1.0 / math.sqrt(hd), dtype=self.dtype)
         if mask is not None:
             if mask.dtype == np.bool_:
                 s = np.where(mask, s, -np.inf)
@@ -523,7 +526,7 @@ class MultiHeadAttention:
             p = np.exp(s - lse)
         return np.where(np.isfinite(lse), p, 0).astype(self.dtype, copy=False)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         extra = "" if self.num_kv_heads == self.num_heads else f", num_kv_heads={self.num_kv_heads}"
         if not self._packed:
             extra += f", kdim={self.kdim}, vdim={self.vdim}"
@@ -533,12 +536,14 @@ class MultiHeadAttention:
         )
 
 
-def _combine(a, b, ft):
+def _combine(a: np.ndarray, b: np.ndarray, ft: np.dtype[Any]) -> np.ndarray:
     """Two masks in the kernel's convention combined: both bool -> and; else additive floats."""
     if a.dtype == np.bool_ and b.dtype == np.bool_:
-        return np.logical_and(a, b)
+        both: np.ndarray = np.logical_and(a, b)
+        return both
 
-    def add(m):
+    def add(m: np.ndarray) -> np.ndarray:
         return np.where(m, ft.type(0), ft.type(-np.inf)) if m.dtype == np.bool_ else m
 
-    return add(a) + add(b)
+    total: np.ndarray = add(a) + add(b)
+    return total
