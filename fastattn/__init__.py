@@ -4,8 +4,10 @@
 # ([tool.setuptools.dynamic]) and everything else imports it.
 __version__ = "0.1.0"
 
+from types import ModuleType as _ModuleType
 
-def _installed_copy():
+
+def _installed_copy() -> _ModuleType | None:
     """Hand ``import fastattn`` over to an installed copy when this is an unbuilt source tree.
 
     ``python -m fastattn`` (and ``python -c 'import fastattn'``) run in a clone's root put
@@ -24,7 +26,7 @@ def _installed_copy():
 
     here = os.path.dirname(os.path.abspath(__file__))
 
-    def built(d):
+    def built(d: str) -> bool:
         return any(
             os.path.isfile(os.path.join(d, "_kernels" + s)) for s in importlib.machinery.EXTENSION_SUFFIXES
         )
@@ -112,7 +114,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> _ModuleType:
     # fastattn.cuda is imported on first use only (it never fails without CUDA).
     if name == "cuda":
         import importlib

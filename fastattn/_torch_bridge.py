@@ -9,15 +9,19 @@ so a bfloat16 tensor is viewed as int16 and that view reinterpreted as
 from __future__ import annotations
 
 import sys
+from types import ModuleType
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 __all__ = ["is_tensor", "to_numpy", "from_numpy"]
 
 
-def _torch():
-    return sys.modules.get("torch")
+def _torch() -> Any:
+    """The torch module when it was imported, else None (typed Any: torch is optional)."""
+    torch: ModuleType | None = sys.modules.get("torch")
+    return torch
 
 
 def is_tensor(x: Any) -> bool:
@@ -26,7 +30,7 @@ def is_tensor(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def to_numpy(t: Any, name: str, *, writable: bool = False) -> np.ndarray:
+def to_numpy(t: Any, name: str, *, writable: bool = False) -> npt.NDArray[Any]:
     """A NumPy view of a CPU tensor's memory (no copy, strides kept).
 
     Refuses tensors on other devices and, while autograd is recording,
@@ -44,6 +48,7 @@ def to_numpy(t: Any, name: str, *, writable: bool = False) -> np.ndarray:
         t = t.detach()
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
+    a: npt.NDArray[Any]
     if t.dtype == torch.bfloat16:
         import ml_dtypes  # only when a bfloat16 tensor is actually seen
 
@@ -55,7 +60,7 @@ def to_numpy(t: Any, name: str, *, writable: bool = False) -> np.ndarray:
     return a
 
 
-def from_numpy(a: np.ndarray) -> Any:
+def from_numpy(a: npt.NDArray[Any]) -> Any:
     """A tensor sharing a's memory (bfloat16 arrays become bfloat16 tensors)."""
     torch = _torch()
     if a.dtype.name == "bfloat16":

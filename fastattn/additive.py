@@ -10,6 +10,7 @@ softmax, so the ``(L, S, A)`` tensor of the textbook formulation never exists.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -22,8 +23,10 @@ __all__ = ["additive_attention"]
 
 _MASK_BOOL, _MASK_F32, _MASK_F64 = 1, 2, 3
 
+NDArray = npt.NDArray[Any]
 
-def _param(x, name, shape, cdt):
+
+def _param(x: object, name: str, shape: tuple[int, ...], cdt: np.dtype[Any]) -> NDArray:
     a = as_array(x, name)
     if a.dtype.kind not in "fiu" or a.dtype == np.bool_:
         raise TypeError(f"{name} must be a real array, got dtype {a.dtype}")
@@ -32,7 +35,7 @@ def _param(x, name, shape, cdt):
     return np.ascontiguousarray(a, dtype=cdt)
 
 
-def _merge(a, shape):
+def _merge(a: NDArray, shape: tuple[int, ...]) -> NDArray:
     """a reshaped to shape as a view, or a contiguous copy when the strides cannot merge."""
     try:
         return np.reshape(a, shape, copy=False)
@@ -52,7 +55,7 @@ def additive_attention(
     attn_mask: npt.ArrayLike | None = None,
     return_weights: bool = False,
     num_threads: int | None = None,
-) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+) -> NDArray | tuple[NDArray, NDArray]:
     """Additive attention: ``softmax_j(e_ij + mask) @ value`` with
     ``e_ij = sum_a v[a] tanh((query_i @ w_query.T)[a] + (key_j @ w_key.T)[a] + bias[a])``.
 
@@ -149,6 +152,6 @@ def additive_attention(
     elif wts is not None:
         wts[...] = 0
     res = out.reshape(out_shape)
-    if return_weights:
+    if wts is not None:  # (return_weights)
         return res, wts.reshape(lead + (L, S))
     return res

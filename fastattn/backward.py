@@ -4,8 +4,10 @@ dK, dV (and d sinks) by recomputing each score tile from the forward's LSE."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from . import _kernels
 from ._args import (
@@ -31,28 +33,30 @@ __all__ = ["scaled_dot_product_attention_backward"]
 # Rows of the -inf LSE check gathered at a time (rows x S mask values).
 _CHECK_CHUNK = 1 << 22
 
+NDArray = npt.NDArray[Any]
+
 
 def scaled_dot_product_attention_backward(
-    grad_out,
-    query,
-    key,
-    value,
-    out,
-    lse,
-    attn_mask=None,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
+    grad_out: npt.ArrayLike,
+    query: npt.ArrayLike,
+    key: npt.ArrayLike,
+    value: npt.ArrayLike,
+    out: npt.ArrayLike,
+    lse: npt.ArrayLike,
+    attn_mask: npt.ArrayLike | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
     *,
-    layout="bhsd",
-    window=None,
-    alibi_slopes=None,
-    softcap=None,
-    sinks=None,
-    key_lengths=None,
-    query_lengths=None,
-    num_threads=None,
-):
+    layout: str = "bhsd",
+    window: tuple[int, int] | None = None,
+    alibi_slopes: npt.ArrayLike | None = None,
+    softcap: float | None = None,
+    sinks: npt.ArrayLike | None = None,
+    key_lengths: npt.ArrayLike | None = None,
+    query_lengths: npt.ArrayLike | None = None,
+    num_threads: int | None = None,
+) -> tuple[NDArray, ...]:
     """Gradients of :func:`fastattn.scaled_dot_product_attention` with respect to
     query, key and value (and sinks), fused and tiled as in FlashAttention-2.
 
@@ -120,13 +124,13 @@ def scaled_dot_product_attention_backward(
     _check_dead_rows(lse3, mask, lead, Hq, L, S, is_causal, wl, wr, k_lens, q_lens, sk is not None)
 
     # bhsd views in the compute dtype (16-bit inputs are computed in float32).
-    def bhsd(a):
+    def bhsd(a: NDArray) -> NDArray:
         if a.dtype != cdt:
             a = a.astype(cdt)
         a = bhsd_view(a, layout)
         return a[None] if a.ndim == 2 else a
 
-    def merged(a):  # (*lead, x, y, z) -> (B, x, y, z), kernel-readable
+    def merged(a: NDArray) -> NDArray:  # (*lead, x, y, z) -> (B, x, y, z), kernel-readable
         return kernel_ready(a.reshape((B,) + a.shape[-3:]))
 
     qh, kh, vh, oh, goh = (merged(bhsd(a)) for a in (q, k, v, o, go))
@@ -176,7 +180,7 @@ def scaled_dot_product_attention_backward(
                 num_threads=threads, precision=plan.precision, L=L, S=S,
             )  # fmt: skip
             _kernels.attention_backward(sub, goh[sl], dqh[sl], dkh[sl], dvh[sl], part)
-            if part is not None:
+            if part is not None and dsinks is not None:  # (part is set exactly when dsinks is)
                 dsinks += part
     else:
         _kernels.attention_backward(plan, goh, dqh, dkh, dvh, dsinks)
@@ -185,7 +189,20 @@ def scaled_dot_product_attention_backward(
     return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
 
 
-def _check_dead_rows(lse3, mask, lead, Hq, L, S, causal, wl, wr, k_lens, q_lens, has_sinks):
+def _check_dead_rows(
+    lse3: NDArray,
+    mask: NDArray | None,
+    lead: tuple[int, ...],
+    Hq: int,
+    L: int,
+    S: int,
+    causal: bool,
+    wl: int,
+    wr: int,
+    k_lens: NDArray | None,
+    q_lens: NDArray | None,
+    has_sinks: bool,
+) -> None:
     """ValueError when the LSE is -inf on a row that sees a key (with sinks: on
     any valid row): such an LSE did not come from this forward."""
     b, h, i = np.nonzero(np.isneginf(lse3))

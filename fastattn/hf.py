@@ -69,8 +69,12 @@ def register(name: str = NAME) -> str:
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
     try:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        # (transformers is optional and may be absent, or present without type information)
+        from transformers import AttentionInterface  # type: ignore[import-not-found, import-untyped, unused-ignore]
+        from transformers.masking_utils import (  # type: ignore[import-not-found, import-untyped, unused-ignore]
+            AttentionMaskInterface,
+            sdpa_mask,
+        )
     except ImportError as e:  # pragma: no cover - exercised without transformers
         raise ImportError(
             "fastattn.hf.register() needs transformers with AttentionInterface and "
@@ -83,7 +87,7 @@ def register(name: str = NAME) -> str:
 
 def _grad_needed(*tensors: Any) -> bool:
     torch = _torch_bridge._torch()
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    return bool(torch.is_grad_enabled()) and any(t is not None and t.requires_grad for t in tensors)
 
 
 def attention_forward(

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
+import numpy.typing as npt
 
 from ._checks import as_array
 
 __all__ = ["merge_attention_states"]
 
 
-def merge_attention_states(outs, lses):
+def merge_attention_states(
+    outs: Sequence[npt.ArrayLike] | npt.NDArray[Any],
+    lses: Sequence[npt.ArrayLike] | npt.NDArray[Any],
+) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
     """Merge partial attention outputs with the log-sum-exp rule.
 
     Part p attended over a disjoint subset of the keys and produced ``outs[p]``

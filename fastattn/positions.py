@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -32,8 +33,10 @@ from ._config import get_num_threads
 
 __all__ = ["sinusoidal_positions", "rotary_cos_sin", "apply_rotary"]
 
+NDArray = npt.NDArray[Any]
 
-def _base_value(base):
+
+def _base_value(base: object) -> float:
     if isinstance(base, (bool, np.bool_)) or not isinstance(base, numbers.Real):
         raise TypeError(f"base must be a real number, got {type(base).__name__}")
     b = float(base)
@@ -42,7 +45,7 @@ def _base_value(base):
     return b
 
 
-def _out_dtype(dtype):
+def _out_dtype(dtype: npt.DTypeLike) -> np.dtype[Any]:
     try:
         dt = np.dtype(dtype)
     except TypeError:
@@ -88,8 +91,15 @@ def rotary_cos_sin(
     return np.cos(ang).astype(dt, copy=False), np.sin(ang).astype(dt, copy=False)
 
 
-def rotary_tables(cos, sin, head_dim, cdt, names=("cos", "sin")):
-    """Checked ``(npos, rotary_dim/2)`` tables, C-contiguous in the compute dtype cdt."""
+def rotary_tables(
+    cos: object,
+    sin: object,
+    head_dim: int,
+    cdt: np.dtype[Any],
+    names: tuple[str, str] = ("cos", "sin"),
+) -> tuple[NDArray, NDArray]:
+    """Checked ``(npos, rotary_dim/2)`` tables, C-contiguous in the compute dtype cdt
+    (anything else, None included, is refused by name)."""
     nc, ns = names
     c = as_array(cos, nc)
     s = as_array(sin, ns)
@@ -108,7 +118,7 @@ def rotary_tables(cos, sin, head_dim, cdt, names=("cos", "sin")):
     return np.ascontiguousarray(c, dtype=cdt), np.ascontiguousarray(s, dtype=cdt)
 
 
-def check_positions(pos, npos, what):
+def check_positions(pos: NDArray, npos: int, what: str) -> None:
     """Positions must index the tables: 0 <= pos < npos (pos is an int64 array)."""
     if pos.size == 0:
         return
@@ -122,7 +132,16 @@ def check_positions(pos, npos, what):
         )
 
 
-def rotate(src4, dst4, pos2, cos, sin, interleaved, num_threads=None, dst_at_pos=False):
+def rotate(
+    src4: NDArray,
+    dst4: NDArray,
+    pos2: NDArray,
+    cos: NDArray,
+    sin: NDArray,
+    interleaved: bool,
+    num_threads: int | None = None,
+    dst_at_pos: bool = False,
+) -> None:
     """The C rotation over (B, H, T, D) views (checked by the caller)."""
     _family.rotary(
         src4,
@@ -136,7 +155,7 @@ def rotate(src4, dst4, pos2, cos, sin, interleaved, num_threads=None, dst_at_pos
     )
 
 
-def _last_contiguous(a):
+def _last_contiguous(a: NDArray) -> NDArray:
     if a.shape[-1] <= 1 or a.strides[-1] == a.itemsize:
         if a.flags.aligned:
             return a
@@ -217,7 +236,14 @@ def apply_rotary(
 class _CacheRotary:
     """Checked rotary tables of a cache path (attention_with_kvcache, KVCache)."""
 
-    def __init__(self, rotary_cos, rotary_sin, rotary_interleaved, head_dim, cache_dtype):
+    def __init__(
+        self,
+        rotary_cos: npt.ArrayLike | None,
+        rotary_sin: npt.ArrayLike | None,
+        rotary_interleaved: bool,
+        head_dim: int,
+        cache_dtype: np.dtype[Any],
+    ) -> None:
         if not isinstance(rotary_interleaved, (bool, np.bool_)):
             raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
         if (rotary_cos is None) != (rotary_sin is None):
@@ -230,14 +256,14 @@ class _CacheRotary:
         self.npos = self.cos.shape[0]
 
     @staticmethod
-    def positions(start, n):
+    def positions(start: npt.ArrayLike, n: int) -> NDArray:
         """(B, n) int64 positions start[b] + t."""
         return np.asarray(start, dtype=np.int64)[:, None] + np.arange(n, dtype=np.int64)[None, :]
 
-    def check(self, pos, what):
+    def check(self, pos: NDArray, what: str) -> None:
         check_positions(pos, self.npos, what)
 
-    def append(self, k_new4, cache4, pos, num_threads=None):
+    def append(self, k_new4: NDArray, cache4: NDArray, pos: NDArray, num_threads: int | None = None) -> None:
         """Rotate the new keys (B, H, T, D) and write them into cache rows pos[b, t], in one C pass."""
         if not is_storage_dtype(k_new4.dtype):  # e.g. longdouble: through the compute dtype
             k_new4 = k_new4.astype(self.cos.dtype)
@@ -246,13 +272,13 @@ class _CacheRotary:
             rotate(src, cache4, pos, self.cos, self.sin, self.interleaved, num_threads, dst_at_pos=True)
             return
         # A cache whose rows are not contiguous: rotate into a buffer, then copy row by row.
-        buf = np.empty(src.shape, dtype=cache4.dtype)
+        buf: NDArray = np.empty(src.shape, dtype=cache4.dtype)
         rotate(src, buf, pos, self.cos, self.sin, self.interleaved, num_threads)
         for b in range(buf.shape[0]):
             s0 = int(pos[b, 0])
             cache4[b, :, s0 : s0 + buf.shape[2]] = buf[b]
 
-    def rotate_q(self, q4, pos, num_threads=None):
+    def rotate_q(self, q4: NDArray, pos: NDArray, num_threads: int | None = None) -> NDArray:
         """A rotated copy of q (B, H, L, D) in q's dtype (its bhsd view is returned)."""
         out = np.empty(q4.shape, dtype=q4.dtype)
         rotate(_last_contiguous(q4), out, pos, self.cos, self.sin, self.interleaved, num_threads)

@@ -9,7 +9,12 @@ float64 (the caller compares at the precision of its inputs).
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import numpy as np
+import numpy.typing as npt
+
+NDArray = npt.NDArray[Any]
 
 __all__ = [
     "scaled_dot_product_attention",
@@ -23,33 +28,33 @@ __all__ = [
 ]
 
 
-def _f64(x):
+def _f64(x: npt.ArrayLike) -> npt.NDArray[np.float64]:
     return np.asarray(x).astype(np.float64)
 
 
 def scaled_dot_product_attention(
-    query,
-    key,
-    value,
-    attn_mask=None,
-    dropout_p=0.0,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
+    query: npt.ArrayLike,
+    key: npt.ArrayLike,
+    value: npt.ArrayLike,
+    attn_mask: npt.ArrayLike | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
     *,
-    layout="bhsd",
-    return_lse=False,
-    out=None,
-    num_threads=None,
-    window=None,
-    alibi_slopes=None,
-    softcap=None,
-    sinks=None,
-    key_lengths=None,
-    query_lengths=None,
-    block_mask=None,
-    block_size=None,
-):
+    layout: str = "bhsd",
+    return_lse: bool = False,
+    out: NDArray | None = None,
+    num_threads: int | None = None,
+    window: tuple[int, int] | None = None,
+    alibi_slopes: npt.ArrayLike | None = None,
+    softcap: float | None = None,
+    sinks: npt.ArrayLike | None = None,
+    key_lengths: npt.ArrayLike | None = None,
+    query_lengths: npt.ArrayLike | None = None,
+    block_mask: npt.ArrayLike | None = None,
+    block_size: tuple[int, int] | None = None,
+) -> NDArray | tuple[NDArray, NDArray]:
     q, k, v = _f64(query), _f64(key), _f64(value)
     if layout == "bshd":
         q, k, v = (np.swapaxes(a, -2, -3) for a in (q, k, v))
@@ -95,7 +100,7 @@ def scaled_dot_product_attention(
         if right >= 0:
             allowed = allowed & (j <= ipos + right)
     if block_mask is not None:
-        bq, bk = block_size
+        bq, bk = cast("tuple[int, int]", block_size)
         allowed = allowed & np.asarray(block_mask)[..., i // bq, j // bk]
     s = np.where(allowed, s, -np.inf)
 
@@ -121,7 +126,7 @@ def scaled_dot_product_attention(
     pad = np.broadcast_to(i[..., 0] >= Lb[..., 0], lse.shape)
     lse = np.where(pad, -np.inf, lse)
     # NaN in the scores of a row poisons that row (as in a plain softmax).
-    nan_rows = np.isnan(s).any(axis=-1)
+    nan_rows = cast(NDArray, np.isnan(s).any(axis=-1))
     o = np.where(nan_rows[..., None], np.nan, o)
     lse = np.where(nan_rows, np.nan, lse)
 
@@ -133,23 +138,23 @@ def scaled_dot_product_attention(
 
 
 def varlen_attention(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
+    q: npt.ArrayLike,
+    k: npt.ArrayLike,
+    v: npt.ArrayLike,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
     *,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
-    window=None,
-    alibi_slopes=None,
-    softcap=None,
-    sinks=None,
-    return_lse=False,
-    out=None,
-    num_threads=None,
-):
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    window: tuple[int, int] | None = None,
+    alibi_slopes: npt.ArrayLike | None = None,
+    softcap: float | None = None,
+    sinks: npt.ArrayLike | None = None,
+    return_lse: bool = False,
+    out: NDArray | None = None,
+    num_threads: int | None = None,
+) -> NDArray | tuple[NDArray, NDArray]:
     """Packed sequences, one reference call per sequence."""
     q, k, v = _f64(q), _f64(k), _f64(v)
     Hq = q.shape[1]
@@ -162,18 +167,21 @@ def varlen_attention(
         if alibi_slopes is not None:
             a = np.asarray(alibi_slopes)
             slopes = a if a.ndim == 1 else a[b]
-        ob, lb = scaled_dot_product_attention(
-            q[qs:qe],
-            k[ks:ke],
-            v[ks:ke],
-            is_causal=is_causal,
-            scale=scale,
-            layout="bshd",
-            window=window,
-            alibi_slopes=slopes,
-            softcap=softcap,
-            sinks=sinks,
-            return_lse=True,
+        ob, lb = cast(
+            "tuple[NDArray, NDArray]",
+            scaled_dot_product_attention(
+                q[qs:qe],
+                k[ks:ke],
+                v[ks:ke],
+                is_causal=is_causal,
+                scale=scale,
+                layout="bshd",
+                window=window,
+                alibi_slopes=slopes,
+                softcap=softcap,
+                sinks=sinks,
+                return_lse=True,
+            ),
         )
         o[qs:qe] = ob
         lse[:, qs:qe] = lb
@@ -181,26 +189,26 @@ def varlen_attention(
 
 
 def scaled_dot_product_attention_backward(
-    grad_out,
-    query,
-    key,
-    value,
-    out=None,
-    lse=None,
-    attn_mask=None,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
+    grad_out: npt.ArrayLike,
+    query: npt.ArrayLike,
+    key: npt.ArrayLike,
+    value: npt.ArrayLike,
+    out: npt.ArrayLike | None = None,
+    lse: npt.ArrayLike | None = None,
+    attn_mask: npt.ArrayLike | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
     *,
-    layout="bhsd",
-    window=None,
-    alibi_slopes=None,
-    softcap=None,
-    sinks=None,
-    key_lengths=None,
-    query_lengths=None,
-    num_threads=None,
-):
+    layout: str = "bhsd",
+    window: tuple[int, int] | None = None,
+    alibi_slopes: npt.ArrayLike | None = None,
+    softcap: float | None = None,
+    sinks: npt.ArrayLike | None = None,
+    key_lengths: npt.ArrayLike | None = None,
+    query_lengths: npt.ArrayLike | None = None,
+    num_threads: int | None = None,
+) -> tuple[NDArray, ...]:
     """Gradients of :func:`scaled_dot_product_attention` by the explicit float64
     formula, everything materialised (``out`` and ``lse`` are ignored: the
     probabilities are recomputed here from scratch):
@@ -276,12 +284,13 @@ def scaled_dot_product_attention_backward(
     if two_d:
         res = [a[0] for a in res]
     if sinks is not None:
+        assert p_sink is not None  # (set above whenever sinks is given)
         dsinks = -np.sum(np.where(dead, 0.0, p_sink) * delta, axis=tuple(range(len(lead))) + (-1,))
         res.append(dsinks)
     return tuple(res)
 
 
-def _softmax_rows(s):
+def _softmax_rows(s: NDArray) -> tuple[NDArray, NDArray]:
     """Row softmax of float64 scores with -inf exclusions: (weights, lse); dead rows give 0, -inf."""
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
     m_safe = np.where(np.isfinite(m), m, 0.0)
@@ -294,8 +303,18 @@ def _softmax_rows(s):
 
 
 def additive_attention(
-    query, key, value, w_query, w_key, v, *, bias=None, attn_mask=None, return_weights=False, num_threads=None
-):
+    query: npt.ArrayLike,
+    key: npt.ArrayLike,
+    value: npt.ArrayLike,
+    w_query: npt.ArrayLike,
+    w_key: npt.ArrayLike,
+    v: npt.ArrayLike,
+    *,
+    bias: npt.ArrayLike | None = None,
+    attn_mask: npt.ArrayLike | None = None,
+    return_weights: bool = False,
+    num_threads: int | None = None,
+) -> NDArray | tuple[NDArray, NDArray]:
     """Bahdanau attention the textbook way: the (..., L, S, A) tanh tensor, then v."""
     q, k, val = _f64(query), _f64(key), _f64(value)
     pq = q @ _f64(w_query).T  # (..., L, A)
@@ -311,25 +330,25 @@ def additive_attention(
     return (o, p) if return_weights else o
 
 
-def lsh_rotations(seed, n_hashes, head_dim, n_buckets):
+def lsh_rotations(seed: int | None, n_hashes: int, head_dim: int, n_buckets: int) -> NDArray:
     """The rotations a seed stands for (the documented recipe of fastattn.lsh_attention)."""
     return np.random.default_rng(seed).standard_normal((n_hashes, head_dim, n_buckets // 2))
 
 
 def lsh_attention(
-    qk,
-    value,
+    qk: npt.ArrayLike,
+    value: npt.ArrayLike,
     *,
-    n_buckets,
-    n_hashes=1,
-    chunk_size=64,
-    causal=False,
-    scale=None,
-    seed=None,
-    rotations=None,
-    return_lse=False,
-    num_threads=None,
-):
+    n_buckets: int,
+    n_hashes: int = 1,
+    chunk_size: int = 64,
+    causal: bool = False,
+    scale: float | None = None,
+    seed: int | None = None,
+    rotations: npt.ArrayLike | None = None,
+    return_lse: bool = False,
+    num_threads: int | None = None,
+) -> NDArray | tuple[NDArray, NDArray]:
     """Reformer LSH attention, one chunk at a time, each rule written out."""
     x, val = _f64(qk), _f64(value)
     lead, (L, D) = x.shape[:-2], x.shape[-2:]
@@ -363,16 +382,16 @@ def lsh_attention(
                 l_r[qi] = lse
             outs.append(o_r)
             lses.append(l_r)
-        lses = np.stack(lses)  # (rounds, L)
-        tot = np.logaddexp.reduce(lses, axis=0)
-        w = np.exp(lses - tot)
+        lse_rounds = np.stack(lses)  # (rounds, L)
+        tot = np.logaddexp.reduce(lse_rounds, axis=0)
+        w = np.exp(lse_rounds - tot)
         out[b] = np.einsum("rl,rld->ld", w, np.stack(outs))
         lse_all[b] = tot
     o = out.reshape(lead + (L, vb.shape[-1]))
     return (o, lse_all.reshape(lead + (L,))) if return_lse else o
 
 
-def sinusoidal_positions(length, dim, base=10000.0):
+def sinusoidal_positions(length: int, dim: int, base: float = 10000.0) -> NDArray:
     pe = np.zeros((length, dim))
     for p in range(length):
         for c in range(dim):
@@ -382,13 +401,21 @@ def sinusoidal_positions(length, dim, base=10000.0):
     return pe
 
 
-def rotary_cos_sin(length, rotary_dim, base=10000.0):
+def rotary_cos_sin(length: int, rotary_dim: int, base: float = 10000.0) -> tuple[NDArray, NDArray]:
     theta = base ** (-np.arange(0, rotary_dim, 2) / rotary_dim)
     ang = np.arange(length)[:, None] * theta[None, :]
     return np.cos(ang), np.sin(ang)
 
 
-def apply_rotary(x, cos, sin, *, positions=None, interleaved=False, layout="bhsd"):
+def apply_rotary(
+    x: npt.ArrayLike,
+    cos: npt.ArrayLike,
+    sin: npt.ArrayLike,
+    *,
+    positions: npt.ArrayLike | None = None,
+    interleaved: bool = False,
+    layout: str = "bhsd",
+) -> NDArray:
     """Rotation written with explicit feature pairs: pair (i, i + h) (NeoX) or (2i, 2i+1) (GPT-J)."""
     x = _f64(x)
     cos, sin = _f64(cos), _f64(sin)
@@ -409,17 +436,17 @@ def apply_rotary(x, cos, sin, *, positions=None, interleaved=False, layout="bhsd
 
 
 def attention_weights(
-    query,
-    key,
-    attn_mask=None,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
+    query: npt.ArrayLike,
+    key: npt.ArrayLike,
+    attn_mask: npt.ArrayLike | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
     *,
-    rows=None,
-    layout="bhsd",
-    **options,
-):
+    rows: npt.ArrayLike | None = None,
+    layout: str = "bhsd",
+    **options: Any,
+) -> NDArray:
     """The weights as the output of attention over the identity: softmax(scores) @ I = softmax(scores)."""
     k = _f64(key)
     S = k.shape[-3] if layout == "bshd" else k.shape[-2]
@@ -428,8 +455,11 @@ def attention_weights(
         v = np.broadcast_to(eye[:, None, :], k.shape[:-1] + (S,))
     else:
         v = np.broadcast_to(eye, k.shape[:-1] + (S,))
-    w = scaled_dot_product_attention(
-        query, k, v, attn_mask, 0.0, is_causal, scale, enable_gqa, layout=layout, **options
+    w = cast(
+        NDArray,
+        scaled_dot_product_attention(
+            query, k, v, attn_mask, 0.0, is_causal, scale, enable_gqa, layout=layout, **options
+        ),
     )
     if layout == "bshd":
         w = np.swapaxes(w, -2, -3)

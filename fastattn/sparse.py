@@ -34,11 +34,12 @@ from __future__ import annotations
 import numbers
 
 import numpy as np
+import numpy.typing as npt
 
 __all__ = ["strided_pattern", "fixed_pattern", "local_global_pattern", "to_dense"]
 
 
-def _pos_int(x, name, minimum):
+def _pos_int(x: object, name: str, minimum: int) -> int:
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(x).__name__}")
     if x < minimum:
@@ -46,7 +47,7 @@ def _pos_int(x, name, minimum):
     return int(x)
 
 
-def _grid(L, S, block):
+def _grid(L: int, S: int, block: int) -> tuple[int, int, npt.NDArray[np.int_], npt.NDArray[np.int_], int]:
     """Block counts and the (nbq, 1) diagonal / (1, nbk) key-block index grids."""
     L = _pos_int(L, "L", 0)
     S = _pos_int(S, "S", 0)
@@ -62,7 +63,9 @@ def _grid(L, S, block):
     return nbq, nbk, diag, c, block
 
 
-def strided_pattern(L, S, block, stride, *, causal=True, part="both"):
+def strided_pattern(
+    L: int, S: int, block: int, stride: int, *, causal: bool = True, part: str = "both"
+) -> tuple[npt.NDArray[np.bool_], tuple[int, int]]:
     """Strided factorised pattern of Sparse Transformers (Child et al. 2019, eq. for
     "strided attention"), in units of blocks: ``stride`` is the period ``l / block``.
 
@@ -92,7 +95,9 @@ def strided_pattern(L, S, block, stride, *, causal=True, part="both"):
     return np.broadcast_to(m, (nbq, nbk)).copy(), (block, block)
 
 
-def fixed_pattern(L, S, block, stride, num_summary=1, *, causal=True, part="both"):
+def fixed_pattern(
+    L: int, S: int, block: int, stride: int, num_summary: int = 1, *, causal: bool = True, part: str = "both"
+) -> tuple[npt.NDArray[np.bool_], tuple[int, int]]:
     """Fixed factorised pattern of Sparse Transformers (Child et al. 2019), in units of
     blocks: keys are cut into windows of ``stride`` blocks.
 
@@ -126,7 +131,17 @@ def fixed_pattern(L, S, block, stride, num_summary=1, *, causal=True, part="both
     return np.broadcast_to(m, (nbq, nbk)).copy(), (block, block)
 
 
-def local_global_pattern(L, S, block, window, num_global=1, *, causal=False, num_random=0, seed=None):
+def local_global_pattern(
+    L: int,
+    S: int,
+    block: int,
+    window: int,
+    num_global: int = 1,
+    *,
+    causal: bool = False,
+    num_random: int = 0,
+    seed: int | None = None,
+) -> tuple[npt.NDArray[np.bool_], tuple[int, int]]:
     """Sliding window plus global blocks (Longformer / BigBird style).
 
     Active blocks:
@@ -163,7 +178,7 @@ def local_global_pattern(L, S, block, window, num_global=1, *, causal=False, num
     return m, (block, block)
 
 
-def to_dense(block_mask, block_size, L, S):
+def to_dense(block_mask: npt.ArrayLike, block_size: tuple[int, int], L: int, S: int) -> npt.NDArray[np.bool_]:
     """The element mask ``(..., L, S)`` a block mask describes: entry (i, j) is
     ``block_mask[..., i // bq, j // bk]``."""
     bm = np.asarray(block_mask)

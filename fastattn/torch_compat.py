@@ -12,6 +12,7 @@ import numbers
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from .backward import scaled_dot_product_attention_backward
@@ -22,17 +23,18 @@ __all__ = ["scaled_dot_product_attention"]
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
+def _np(t: torch.Tensor) -> npt.NDArray[Any]:
     """A NumPy view of a CPU tensor's data (no copy, strides kept)."""
     t = t.detach()
     if t.dtype == torch.bfloat16:
         import ml_dtypes
 
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        a: npt.NDArray[Any] = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return a
     return t.numpy()
 
 
-def _torch(a: np.ndarray) -> torch.Tensor:
+def _torch(a: npt.NDArray[Any]) -> torch.Tensor:
     if a.dtype.name == "bfloat16":
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
@@ -45,7 +47,9 @@ def _check_tensor(t: Any, name: str) -> None:
         raise ValueError(f"{name} must be a CPU tensor (fastattn runs on the CPU), got device {t.device}")
 
 
-def _causal_top_left(mask: np.ndarray | None, L: int, S: int) -> tuple[np.ndarray | None, dict]:
+def _causal_top_left(
+    mask: npt.NDArray[Any] | None, L: int, S: int
+) -> tuple[npt.NDArray[Any] | None, dict[str, Any]]:
     """torch's is_causal: query i sees keys j <= i (top-left), combined with any
     mask.  fastattn's is_causal is bottom-right, so: L == S as is; L > S as the
     window right = L - S on the bottom-right position; L < S as a bool (L, S)
@@ -64,7 +68,14 @@ def _causal_top_left(mask: np.ndarray | None, L: int, S: int) -> tuple[np.ndarra
 
 class _FusedSDPA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, mask, kw):  # type: ignore[override]
+    def forward(
+        ctx: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: npt.NDArray[Any] | None,
+        kw: dict[str, Any],
+    ) -> torch.Tensor:
         q, k, v = _np(query), _np(key), _np(value)
         out, lse = _sdpa(q, k, v, mask, return_lse=True, **kw)
         ctx.save_for_backward(query, key, value)
@@ -72,7 +83,9 @@ class _FusedSDPA(torch.autograd.Function):
         return _torch(out)
 
     @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
+    def backward(
+        ctx: Any, grad_out: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
         query, key, value = ctx.saved_tensors
         out, lse, mask, kw = ctx.fa
         go = _np(grad_out.to(query.dtype))
@@ -128,8 +141,9 @@ def scaled_dot_product_attention(
         mask = _np(attn_mask)
     if query.dim() < 2:
         raise ValueError(f"query must have at least 2 dimensions, got shape {tuple(query.shape)}")
-    kw: dict = {"scale": scale, "enable_gqa": bool(enable_gqa)}
+    kw: dict[str, Any] = {"scale": scale, "enable_gqa": bool(enable_gqa)}
     if is_causal:
         mask, extra = _causal_top_left(mask, query.shape[-2], key.shape[-2])
         kw.update(extra)
-    return _FusedSDPA.apply(query, key, value, mask, kw)
+    out: torch.Tensor = _FusedSDPA.apply(query, key, value, mask, kw)
+    return out

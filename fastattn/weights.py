@@ -10,8 +10,9 @@ into memory: only the selected rows are ever held.
 
 from __future__ import annotations
 
+import importlib
 import math
-from typing import Any
+from typing import Any, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -23,8 +24,10 @@ __all__ = ["attention_weights", "plot_attention_weights"]
 
 _TILE_ELEMS = 1 << 21  # scores held at once while tiling (per call)
 
+NDArray = npt.NDArray[Any]
 
-def _rows_value(rows, L):
+
+def _rows_value(rows: npt.ArrayLike | None, L: int) -> npt.NDArray[np.int64]:
     if rows is None:
         return np.arange(L, dtype=np.int64)
     r = as_array(rows, "rows")
@@ -56,7 +59,7 @@ def attention_weights(
     block_mask: npt.ArrayLike | None = None,
     block_size: tuple[int, int] | None = None,
     num_threads: int | None = None,
-) -> np.ndarray:
+) -> NDArray:
     """The softmax weights ``(..., Hq, len(rows), S)`` of
     :func:`fastattn.scaled_dot_product_attention` called with the same score
     options (attn_mask, is_causal, scale, enable_gqa, layout, window,
@@ -87,7 +90,7 @@ def attention_weights(
         is_causal,
         scale,
         enable_gqa,
-        layout=layout,
+        layout=cast(Literal["bhsd", "bshd"], layout),  # (checked by the call)
         return_lse=True,
         num_threads=num_threads,
         window=window,
@@ -129,6 +132,7 @@ def attention_weights(
         slopes = np.broadcast_to(np.asarray(alibi_slopes, dtype=F64), lead + (Hq,))[..., None, None]
     bm = None
     if block_mask is not None:
+        assert block_size is not None  # (the call above requires it with block_mask)
         bq, bk = int(block_size[0]), int(block_size[1])
         bm = np.broadcast_to(np.asarray(block_mask), lead + (Hq, -(-L // bq), -(-S // bk)))
     kf = np.repeat(kh.astype(F64), G, axis=-3) if G > 1 else kh.astype(F64)  # (..., Hq, S, D)
@@ -186,7 +190,8 @@ def plot_attention_weights(
     Returns the matplotlib Figure.
     """
     try:
-        import matplotlib.pyplot as plt
+        # (by name: matplotlib is optional, and its types, where installed, are not needed here)
+        plt: Any = importlib.import_module("matplotlib.pyplot")
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("plot_attention_weights needs matplotlib (pip install matplotlib)") from e
     w = np.asarray(weights)

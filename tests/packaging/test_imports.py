@@ -124,7 +124,7 @@ def test_the_import_graph_has_no_cycle():
         graph.get(a, set()).discard(b)
     # The graph is real: the layers it must see are there.
     assert "_args" in graph["functional"] and "_config" in graph["_args"]
-    assert "_args" in graph["kvcache"] and "functional" in graph["flash_compat"]
+    assert "_args" in graph["kvcache"] and "functional" in graph["hf"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
