@@ -88,7 +88,8 @@ def check_half(rng, B, Hq, Hk, L, S, D, kv_dtype, q_dtype, *, Dv=None, mag=1.0, 
     assert np.all(np.isfinite(o.astype(np.float64)))
     err = np.abs(o.astype(np.float64) - ro)
     allowed = bound(q, k, v, ro, np.dtype(q_dtype), **kw)
-    if amx_path(q, k, v):  # bf16 products, P rounded to bf16: the naive bf16 contract (tests/kernel/test_amx.py)
+    # bf16 products, P rounded to bf16: the naive bf16 contract (tests/kernel/test_amx.py)
+    if amx_path(q, k, v):
         allowed = np.maximum(allowed, 2 * naive_bf16_error(q, k, v, enable_gqa=Hq != Hk, **kw)[0])
     assert np.all(err <= allowed), f"max excess {np.max(err - allowed):.3e}, max error {err.max():.3e}"
     # The LSE is float32 whatever the inputs: compare at float32 precision of its magnitude.
