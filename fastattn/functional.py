@@ -246,6 +246,7 @@ def scaled_dot_product_attention(
             softcap=softcap,
             key_lengths=key_lengths,
         )
+    # sdpa_call takes this function's arguments in this order (by position: ~1 µs less).
     return sdpa_call(
         query,
         key,
@@ -254,19 +255,19 @@ def scaled_dot_product_attention(
         is_causal,
         scale,
         enable_gqa,
-        layout=layout,
-        return_lse=return_lse,
-        out=out,
-        num_threads=num_threads,
-        window=window,
-        alibi_slopes=alibi_slopes,
-        softcap=softcap,
-        sinks=sinks,
-        key_lengths=key_lengths,
-        query_lengths=query_lengths,
-        block_mask=block_mask,
-        block_size=block_size,
-        precision=precision,
+        layout,
+        return_lse,
+        out,
+        num_threads,
+        window,
+        alibi_slopes,
+        softcap,
+        sinks,
+        key_lengths,
+        query_lengths,
+        block_mask,
+        block_size,
+        precision,
     ).run()
 
 
