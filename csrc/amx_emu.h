@@ -102,7 +102,7 @@ static inline void fa_emu_tdpbf16ps(int c, int a, int b)
 #define FA_TILE_RELEASE() _tile_release()
 #define FA_TILE_ZERO(t) _tile_zero(t)
 #define FA_TILE_LOAD(t, base, stride) do { FA_TILE_BARRIER(); _tile_loadd(t, base, stride); FA_TILE_BARRIER(); } while (0)
-#define FA_TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
+#define FA_TILE_STORE(t, base, stride) do { _tile_stored(t, base, stride); FA_TILE_BARRIER(); } while (0)
 #define FA_TILE_DPBF16(c, a, b) _tile_dpbf16ps(c, a, b)
 #endif
 
