@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#ifndef FA_TILECFG_DEFINED
+#define FA_TILECFG_DEFINED
 /* The 64-byte operand of ldtilecfg (palette 1). */
 typedef struct fa_tilecfg {
     uint8_t palette, start_row;
@@ -25,6 +27,7 @@ typedef struct fa_tilecfg {
     uint16_t colsb[16];
     uint8_t rows[16];
 } fa_tilecfg;
+#endif
 
 #if defined(FA_EMULATE_AMX)
 #include "convert.h"

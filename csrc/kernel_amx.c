@@ -37,7 +37,16 @@
 #include "simd.h"
 #include "mask.h"
 #include "kernel.h"
+/* The tile layer: the AMX unit (or its scalar emulation, amx_emu.h), or, for
+ * kernel_avx512bf16.c, which compiles this file with FA_TILES_VDPBF16, the
+ * same tile operations on AVX512-BF16 vectors (vdpbf16.h). */
+#if defined(FA_TILES_VDPBF16)
+#include "vdpbf16.h"
+#define AMX_KERNEL fa_kernel_bf16_avx512bf16
+#else
 #include "amx_emu.h"
+#define AMX_KERNEL fa_kernel_bf16_amx
+#endif
 
 #define AMX_BN 128        /* keys per tile (a multiple of 32) */
 #define AMX_BMR 512        /* stacked rows per task for L >= 1024 (attention.c) */
@@ -817,4 +826,4 @@ static void amx_run(const fa_params *p, const fa_task *t, void *scratch)
     }
 }
 
-const fa_kernel fa_kernel_bf16_amx = { amx_scratch_bytes, amx_run, AMX_BMR, AMX_BMR_SHORT, AMX_BN };
+const fa_kernel AMX_KERNEL = { amx_scratch_bytes, amx_run, AMX_BMR, AMX_BMR_SHORT, AMX_BN };

@@ -7,7 +7,7 @@ these functions trust their arguments (the callers have validated them).
 import numpy as np
 import numpy.typing as npt
 
-ISA_NAMES: tuple[str, str, str]
+ISA_NAMES: tuple[str, ...]
 DTYPE_CODES: dict[str, int]
 MASK_NONE: int
 MASK_BOOL: int

@@ -59,8 +59,9 @@ cdef extern from "fastattn.h":
 
 import numpy as np
 
-# Indexed by csrc/fastattn.h enum fa_isa; "amx" is AVX-512 plus AMX tiles for bfloat16 prefill.
-ISA_NAMES = ("scalar", "avx2", "avx512", "amx")
+# Indexed by csrc/fastattn.h enum fa_isa; "amx" is AVX-512 plus AMX tiles for bfloat16 prefill,
+# "avx512bf16" AVX-512 plus the same kernel on VDPBF16PS (AVX512-BF16 CPUs without AMX).
+ISA_NAMES = ("scalar", "avx2", "avx512", "amx", "avx512bf16")
 
 
 class _DtypeCodes(dict):
