@@ -86,6 +86,7 @@ typedef struct amx_ws {
     float *S;    /* 2 x RG x BN     fp32 scores of two row groups               */
     float *O;    /* rows_cap x Dvq  unnormalised output                         */
     float *m, *l;          /* rows_cap */
+    float *lv;             /* rows_cap x 16: per-lane partial sums of l (full tiles), added at the end */
     int64_t *lo, *hi;      /* rows_cap: visible key range of each row          */
     int64_t *glo, *ghi, *gflo, *gfhi, *act; /* per row group                   */
     /* float32 inputs at precision "high" / "medium" (fa_params.precision): */
@@ -99,7 +100,7 @@ static size_t amx_scratch_bytes(const fa_params *p)
     return amx_al((size_t)(RC * Dq) * 2) + amx_al((size_t)(AMX_BN * Dq) * 2) + amx_al((size_t)(AMX_BN * Dvq) * 2) +
            amx_al((size_t)(2 * AMX_RG * AMX_BN) * 2) + amx_al((size_t)(2 * AMX_RG * AMX_BN) * 4) +
            amx_al((size_t)(RC * Dvq) * 4) + 2 * amx_al((size_t)RC * 4) + 2 * amx_al((size_t)RC * 8) +
-           5 * amx_al((size_t)NG * 8) + amx_al((size_t)(RC * Dq) * 2) + 3 * amx_al((size_t)(AMX_BN * Dq) * 2) +
+           5 * amx_al((size_t)NG * 8) + amx_al((size_t)RC * 64) + amx_al((size_t)(RC * Dq) * 2) + 3 * amx_al((size_t)(AMX_BN * Dq) * 2) +
            3 * amx_al((size_t)(AMX_BN * Dvq) * 2) + amx_al((size_t)(2 * AMX_RG * AMX_BN) * 2) + AMX_ALIGN;
 }
 
@@ -115,6 +116,7 @@ static void amx_carve(const fa_params *p, void *scratch, amx_ws *w)
     w->O = (float *)c; c += amx_al((size_t)(RC * Dvq) * 4);
     w->m = (float *)c; c += amx_al((size_t)RC * 4);
     w->l = (float *)c; c += amx_al((size_t)RC * 4);
+    w->lv = (float *)c; c += amx_al((size_t)RC * 64);
     w->lo = (int64_t *)c; c += amx_al((size_t)RC * 8);
     w->hi = (int64_t *)c; c += amx_al((size_t)RC * 8);
     w->glo = (int64_t *)c; c += amx_al((size_t)NG * 8);
@@ -468,6 +470,8 @@ static void amx_softmax_full(const amx_ws *w, int64_t g0, int64_t nr, const floa
             const vf av = vf_set1(alpha);
             for (int64_t c = 0; c < Dvq; c += 16) vf_store(o + c, vf_mul(av, vf_load(o + c)));
             w->l[rr] *= alpha;
+            float *lv = w->lv + rr * 16;
+            vf_store(lv, vf_mul(av, vf_load(lv)));
         }
         if (mnew > mold || mnew != mnew) w->m[rr] = mnew;
         const vf mn = vf_set1(-mnew);
@@ -483,7 +487,8 @@ static void amx_softmax_full(const amx_ws *w, int64_t g0, int64_t nr, const floa
                 amx_store_bf16x2(pl + 16 * k, vf_sub(e0, h0), vf_sub(e1, h1));
             }
         }
-        w->l[rr] += vf_hsum(vf_add(sum0, sum1));
+        float *lv = w->lv + rr * 16; /* no horizontal sum per tile: lanes summed once, at the end */
+        vf_store(lv, vf_add(vf_load(lv), vf_add(sum0, sum1)));
     }
 }
 
@@ -595,6 +600,7 @@ static void amx_softmax(const fa_params *p, const fa_task *t, const amx_ws *w, i
             const vf av = vf_set1(alpha[r]);
             for (int64_t c = 0; c < Dvq; c += 16) vf_store(o + c, vf_mul(av, vf_load(o + c)));
             w->l[rr] *= alpha[r];
+            vf_store(w->lv + rr * 16, vf_mul(av, vf_load(w->lv + rr * 16)));
         }
         if (mnew > w->m[rr]) w->m[rr] = mnew;
         const vf mn = vf_set1(-mnew), ev = vf_set1(esc);
@@ -671,6 +677,7 @@ static void amx_run(const fa_params *p, const fa_task *t, void *scratch)
         uint16_t *qd = w.Q + r * Dq;
         w.m[r] = -INFINITY;
         w.l[r] = 0;
+        memset(w.lv + r * 16, 0, 64);
         if (r >= R) {
             memset(qd, 0, (size_t)Dq * 2);
             if (x3) memset(w.Ql + r * Dq, 0, (size_t)Dq * 2);
@@ -798,7 +805,7 @@ static void amx_run(const fa_params *p, const fa_task *t, void *scratch)
         const int valid = ii < ni;
         if (valid) {
             mm = w.m[ra];
-            ll = w.l[ra];
+            ll = w.l[ra] + vf_hsum(vf_load(w.lv + ra * 16));
             f = 1.0;
             if (p->sinks && !t->part_o) { /* split parts: the merge adds the sink once */
                 double sk = p->sinks[h] * AMX_LOG2E, M = mm > sk ? mm : sk;
