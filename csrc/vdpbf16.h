@@ -18,6 +18,9 @@
  * unit's: this path has its own (fixed) rounding order, the same for every
  * thread count.
  *
+ * Every function here that can hold a zmm register is named *avx512bf16*
+ * (tools/test_wheel.sh checks that only AVX-named functions use them).
+ *
  * FA_EMULATE_AVX512BF16 (a TEST-ONLY build, setup.py FASTATTN_EMULATE_AVX512BF16=1,
  * tools/emulate_avx512bf16.sh): VDPBF16PS in scalar C with exactly those
  * semantics (odd product first, each addition rounded; checked against the
@@ -43,26 +46,26 @@ typedef struct fa_tilecfg {
 } fa_tilecfg;
 #endif
 
-typedef struct fa_vdp_state {
+typedef struct fa_avx512bf16_tiles {
     float acc[4][16][16];      /* accumulator tiles 0-3                    */
     const char *ptr[8];        /* operand tiles 4-7: first row, row stride */
     long ld[8];
-} fa_vdp_state;
-static _Thread_local fa_vdp_state fa_vdp;
+} fa_avx512bf16_tiles;
+static _Thread_local fa_avx512bf16_tiles fa_avx512bf16_tile;
 
-static inline void fa_vdp_load(int t, const void *base, long stride)
+static inline void fa_avx512bf16_tileload(int t, const void *base, long stride)
 {
     if (t < 4) {
-        for (int r = 0; r < 16; r++) memcpy(fa_vdp.acc[t][r], (const char *)base + (long)r * stride, 64);
+        for (int r = 0; r < 16; r++) memcpy(fa_avx512bf16_tile.acc[t][r], (const char *)base + (long)r * stride, 64);
     } else {
-        fa_vdp.ptr[t] = (const char *)base;
-        fa_vdp.ld[t] = stride;
+        fa_avx512bf16_tile.ptr[t] = (const char *)base;
+        fa_avx512bf16_tile.ld[t] = stride;
     }
 }
 
-static inline void fa_vdp_store(int t, void *base, long stride)
+static inline void fa_avx512bf16_tilestore(int t, void *base, long stride)
 {
-    for (int r = 0; r < 16; r++) memcpy((char *)base + (long)r * stride, fa_vdp.acc[t][r], 64);
+    for (int r = 0; r < 16; r++) memcpy((char *)base + (long)r * stride, fa_avx512bf16_tile.acc[t][r], 64);
 }
 
 #if defined(FA_EMULATE_AVX512BF16) || defined(FA_EMULATE_AVX512)
@@ -80,27 +83,27 @@ static inline void fa_emu_vdpbf16ps(float *acc, const uint16_t *a, const uint16_
     }
 }
 
-static inline void fa_vdp_dp(int c, int a, int b)
+static inline void fa_avx512bf16_tdp(int c, int a, int b)
 {
-    const char *A = fa_vdp.ptr[a], *B = fa_vdp.ptr[b];
-    const long lda = fa_vdp.ld[a], ldb = fa_vdp.ld[b];
+    const char *A = fa_avx512bf16_tile.ptr[a], *B = fa_avx512bf16_tile.ptr[b];
+    const long lda = fa_avx512bf16_tile.ld[a], ldb = fa_avx512bf16_tile.ld[b];
     for (int m = 0; m < 16; m++)
         for (int k = 0; k < 16; k++) {
             uint16_t pair[32];
             for (int j = 0; j < 16; j++) memcpy(pair + 2 * j, A + (long)m * lda + 4 * k, 4); /* broadcast */
-            fa_emu_vdpbf16ps(fa_vdp.acc[c][m], pair, (const uint16_t *)(B + (long)k * ldb));
+            fa_emu_vdpbf16ps(fa_avx512bf16_tile.acc[c][m], pair, (const uint16_t *)(B + (long)k * ldb));
         }
 }
 #else
 #include <immintrin.h>
-static inline void fa_vdp_dp(int c, int a, int b)
+static inline void fa_avx512bf16_tdp(int c, int a, int b)
 {
-    const char *A = fa_vdp.ptr[a], *B = fa_vdp.ptr[b];
-    const long lda = fa_vdp.ld[a], ldb = fa_vdp.ld[b];
+    const char *A = fa_avx512bf16_tile.ptr[a], *B = fa_avx512bf16_tile.ptr[b];
+    const long lda = fa_avx512bf16_tile.ld[a], ldb = fa_avx512bf16_tile.ld[b];
     /* All 16 rows at once: 16 independent accumulator chains (the instruction's
      * latency times its throughput), B's row k loaded once per k. */
     __m512 acc[16];
-    for (int i = 0; i < 16; i++) acc[i] = _mm512_loadu_ps(fa_vdp.acc[c][i]);
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_loadu_ps(fa_avx512bf16_tile.acc[c][i]);
     for (int k = 0; k < 16; k++) {
         const __m512bh bk = (__m512bh)_mm512_loadu_si512((const void *)(B + (long)k * ldb));
         for (int i = 0; i < 16; i++) {
@@ -109,15 +112,15 @@ static inline void fa_vdp_dp(int c, int a, int b)
             acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(w), bk);
         }
     }
-    for (int i = 0; i < 16; i++) _mm512_storeu_ps(fa_vdp.acc[c][i], acc[i]);
+    for (int i = 0; i < 16; i++) _mm512_storeu_ps(fa_avx512bf16_tile.acc[c][i], acc[i]);
 }
 #endif
 
 #define FA_TILE_LOADCONFIG(cfg) ((void)(cfg))
 #define FA_TILE_RELEASE() ((void)0)
-#define FA_TILE_ZERO(t) memset(fa_vdp.acc[t], 0, sizeof(fa_vdp.acc[t]))
-#define FA_TILE_LOAD(t, base, stride) fa_vdp_load((t), (base), (long)(stride))
-#define FA_TILE_STORE(t, base, stride) fa_vdp_store((t), (base), (long)(stride))
-#define FA_TILE_DPBF16(c, a, b) fa_vdp_dp((c), (a), (b))
+#define FA_TILE_ZERO(t) memset(fa_avx512bf16_tile.acc[t], 0, sizeof(fa_avx512bf16_tile.acc[t]))
+#define FA_TILE_LOAD(t, base, stride) fa_avx512bf16_tileload((t), (base), (long)(stride))
+#define FA_TILE_STORE(t, base, stride) fa_avx512bf16_tilestore((t), (base), (long)(stride))
+#define FA_TILE_DPBF16(c, a, b) fa_avx512bf16_tdp((c), (a), (b))
 
 #endif
