@@ -43,7 +43,8 @@ int fa_additive(const fa_additive_params *p, int isa)
         task = fa_additive_task_f64;
     }
 #if defined(FA_FAMILY_X86)
-    else if (isa == FA_ISA_AVX512 || isa == FA_ISA_AMX) { /* amx: AVX-512 plus tiles for bf16 SDPA only */
+    else if (isa == FA_ISA_AVX512 || isa == FA_ISA_AMX || isa == FA_ISA_AVX512BF16) {
+        /* amx, avx512bf16: AVX-512 plus tiles / VDPBF16PS for bf16 SDPA only */
         scratch = fa_additive_scratch_avx512;
         task = fa_additive_task_avx512;
     } else if (isa == FA_ISA_AVX2) {

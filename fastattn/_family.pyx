@@ -54,7 +54,8 @@ cdef extern from "family.h":
 # importing fastattn does not import ml_dtypes).
 from fastattn._kernels import DTYPE_CODES
 
-ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "amx": 3}  # amx: the AVX-512 kernels here
+# amx, avx512bf16: the AVX-512 kernels here (their extra kernels are for bf16 SDPA only)
+ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "amx": 3, "avx512bf16": 4}
 
 
 cdef inline const void *_ptr(object a):
