@@ -229,6 +229,95 @@ def test_lsh_seed_rotations_threads(rng):
     np.testing.assert_array_equal(rot, ref.lsh_rotations(7, 2, 16, 8))
 
 
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize(
+    "B,L,D,Dv,ch,nb,nh,causal",
+    [
+        (1, 256, 13, 5, 16, 6, 1, False),  # odd dims, 16 chunks, half = 3 (not a vector)
+        (2, 192, 16, 33, 16, 34, 3, True),  # Dv > D and odd, half = 17
+        (1, 384, 64, 64, 64, 256, 2, False),  # the benchmark's shape, 6 chunks
+        (1, 320, 67, 9, 64, 8, 3, True),
+        (1, 256, 24, 40, 128, 4, 2, True),  # a window of two tiles
+        (2, 128, 7, 3, 128, 10, 1, False),  # one chunk of 128: one window, no second half
+        (1, 96, 5, 7, 3, 4, 2, True),  # tiny chunks
+    ],
+)
+def test_lsh_kernel_matches_reference(isa, rng, dtype, B, L, D, Dv, ch, nb, nh, causal):
+    """The C path (every ISA) against the reference, over chunk sizes 3-128, 1-3 rounds,
+    Dv != D, causal or not, batches."""
+    qk = randn(rng, (B, L, D), dtype)
+    val = randn(rng, (B, L, Dv), dtype)
+    rot = rng.standard_normal((nh, D, nb // 2))
+    kw = dict(n_buckets=nb, n_hashes=nh, chunk_size=ch, causal=causal, rotations=rot, return_lse=True)
+    o, lse = fastattn.lsh_attention(qk, val, **kw)
+    ro, rl = ref.lsh_attention(qk, val, **kw)  # the same float32 values, in float64
+    assert o.dtype == dtype and lse.dtype == dtype
+    assert_close(o, ro, dtype)
+    assert_close(lse, rl, dtype, tol=1e-10 if dtype == F64 else 1e-6, what="lse")
+
+
+def test_lsh_strided_inputs_and_batch_dims(rng):
+    # Views with row strides (a head slice of a larger array) and two batch dims.
+    big = randn(rng, (2, 3, 128, 40), F64)
+    qk, val = big[..., 3:19], big[..., 20:27]
+    kw = dict(n_buckets=8, n_hashes=2, chunk_size=32, causal=True, seed=3, return_lse=True)
+    o, lse = fastattn.lsh_attention(qk, val, **kw)
+    ro, rl = ref.lsh_attention(qk, val, **kw)
+    assert o.shape == (2, 3, 128, 7) and lse.shape == (2, 3, 128)
+    assert_close(o, ro, F64)
+    assert_close(lse, rl, F64, what="lse")
+
+
+def test_lsh_only_self_cases(isa, rng):
+    """Rows that have no key but themselves: their output is their value, LSE -1e5
+    (the self score).  A single token; causal with chunks of one token (a token
+    sees its predecessor in the sorted order only when that one comes earlier);
+    zero vectors (keys of norm 0 score 0)."""
+    for dtype in (F32, F64):
+        x = randn(rng, (1, 4), dtype)
+        v = randn(rng, (1, 3), dtype)
+        o, lse = fastattn.lsh_attention(x, v, n_buckets=2, chunk_size=1, seed=0, return_lse=True)
+        np.testing.assert_allclose(o, v, rtol=1e-6)
+        np.testing.assert_allclose(lse, [-1e5], rtol=1e-12)
+        qk = randn(rng, (2, 48, 8), dtype)
+        qk[:, 5] = 0
+        val = randn(rng, (2, 48, 6), dtype)
+        kw = dict(n_buckets=4, n_hashes=2, chunk_size=1, causal=True, seed=5, return_lse=True)
+        o, lse = fastattn.lsh_attention(qk, val, **kw)
+        ro, rl = ref.lsh_attention(qk, val, **kw)
+        assert_close(o, ro, dtype)
+        assert_close(lse, rl, dtype, tol=1e-10 if dtype == F64 else 1e-6, what="lse")
+        np.testing.assert_allclose(o[:, 0], val[:, 0], rtol=1e-5)  # position 0 sees only itself
+        assert np.all(lse[:, 0] < -9e4)
+
+
+def test_lsh_nan_input_does_not_crash(isa, rng):
+    # A NaN token hashes somewhere in range and poisons the rows that see it; no crash.
+    qk = randn(rng, (256, 16), F32)
+    val = randn(rng, (256, 8), F32)
+    qk[17, 3] = np.nan
+    o, lse = fastattn.lsh_attention(qk, val, n_buckets=8, chunk_size=32, seed=0, return_lse=True)
+    assert np.isnan(o[17]).all() and np.isnan(lse[17])
+    assert np.isfinite(o).all(axis=1).sum() >= 256 - 64  # only the NaN row's window is poisoned
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_lsh_threads_bit_identical(isa, rng, dtype):
+    qk = randn(rng, (2, 1024, 32), dtype)
+    val = randn(rng, (2, 1024, 24), dtype)
+    for kw in (
+        dict(n_buckets=16, n_hashes=3, chunk_size=32, causal=True),
+        dict(n_buckets=64, n_hashes=2, chunk_size=128),
+        dict(n_buckets=6, n_hashes=1, chunk_size=16),
+    ):
+        outs = [
+            fastattn.lsh_attention(qk, val, seed=11, return_lse=True, num_threads=n, **kw) for n in (1, 2, 3)
+        ]
+        for o, lse in outs[1:]:
+            np.testing.assert_array_equal(o, outs[0][0])
+            np.testing.assert_array_equal(lse, outs[0][1])
+
+
 def test_lsh_bad_input(rng):
     qk = randn(rng, (64, 8), F32)
     val = randn(rng, (64, 4), F32)
@@ -249,6 +338,10 @@ def test_lsh_bad_input(rng):
         f(qk, val, n_buckets=4.0)
     with pytest.raises(ValueError, match="chunk_size"):
         f(qk, val, n_buckets=4, chunk_size=0)
+    with pytest.raises(TypeError, match="num_threads"):
+        f(qk, val, n_buckets=4, num_threads=1.5)
+    with pytest.raises(ValueError, match="num_threads"):
+        f(qk, val, n_buckets=4, num_threads=fastattn._checks.MAX_THREADS + 1)
 
 
 def test_lsh_long_sequence_memory(tmp_path):
