@@ -7,8 +7,11 @@ relative-position property of rotary embeddings)."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -369,6 +372,183 @@ def test_lsh_long_sequence_memory(tmp_path):
     peak = int(r.stdout.split()[-1])
     print(f"LSH L=65536 D=64 2 rounds: peak extra memory {peak / 2**20:.1f} MiB")
     assert peak < 100 * 2**20, f"peak extra memory {peak / 2**20:.1f} MiB"
+
+
+# ------------------------------------------- threads: fork, thread start, rounding
+
+# The additive and LSH drivers (csrc/family.c) share the dot-product driver's team
+# and fork state: a team started by either extension makes a fork() child run every
+# call on its calling thread (libgomp's pool does not survive fork: a child asking for
+# a team waits for threads that do not exist).
+FAMILY_FORK_CHILD = (
+    """
+import os, multiprocessing as mp
+import numpy as np, fastattn
+fastattn.set_isa({isa!r})
+rng = np.random.default_rng(0)
+x = rng.standard_normal((1024, 32)).astype(np.float32)
+v = rng.standard_normal((1024, 24)).astype(np.float32)
+q = rng.standard_normal((128, 32)).astype(np.float32)
+w = rng.standard_normal((32, 32)).astype(np.float32)
+qs = rng.standard_normal((1, 4, 256, 32)).astype(np.float32)
+ks = rng.standard_normal((1, 4, 2048, 32)).astype(np.float32)
+
+def family(_=None):
+    return (fastattn.lsh_attention(x, v, n_buckets=16, n_hashes=2, chunk_size=32, seed=0, num_threads=2),
+            fastattn.additive_attention(q, x[:128], v[:128], w, w, w[0], num_threads=2))
+
+def sdpa(_=None):
+    return (fastattn.scaled_dot_product_attention(qs, ks, ks, num_threads=2),)
+
+def both(_=None):
+    return family() + sdpa()
+
+{first_call}  # the parent's first thread team comes from this call
+want = want_f + want_s
+"""
+    + """
+pid = os.fork()
+if pid == 0:
+    got = both()
+    os._exit(0 if all(np.array_equal(a, b) for a, b in zip(got, want)) else 3)
+_, status = os.waitpid(pid, 0)
+assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+with mp.get_context("fork").Pool(2) as pool:
+    for got in pool.map(both, range(4)):
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))
+assert all(np.array_equal(a, b) for a, b in zip(both(), want))  # the parent keeps its threads
+print("ok")
+"""
+)
+
+
+def _run_child(code: str, timeout: float = 180, env: dict[str, str] | None = None) -> str:
+    """Run code in a fresh interpreter (this checkout's fastattn); a hang, a signal or a
+    non-zero exit fails the test instead of the pytest run."""
+    e = dict(os.environ)
+    e.update(env or {})
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=e,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__))),
+        )
+    except subprocess.TimeoutExpired as t:
+        pytest.fail(f"child timed out after {timeout} s (a hang); output:\n{t.stdout}\n{t.stderr}")
+    assert r.returncode == 0, f"child exited with {r.returncode}:\n{r.stdout}\n{r.stderr[-4000:]}"
+    return r.stdout
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+@pytest.mark.skipif(not fastattn._kernels.openmp_enabled(), reason="no OpenMP")
+@pytest.mark.parametrize("first", ["family", "sdpa"])
+def test_family_fork_after_threaded_use(first):
+    """The parent's first team comes from the family drivers (then the child's
+    dot-product calls must know it) or from the dot-product driver (then the child's
+    LSH and additive calls must): either way the child runs and gets the same results."""
+    first_call = {"family": "want_f, want_s = family(), sdpa()", "sdpa": "want_s = sdpa(); want_f = family()"}
+    code = FAMILY_FORK_CHILD.format(isa=fastattn.get_isa(), first_call=first_call[first])
+    assert "ok" in _run_child(code)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+@pytest.mark.skipif(not fastattn._kernels.openmp_enabled(), reason="no OpenMP")
+def test_family_fork_child_of_a_dot_product_team_runs_lsh():
+    # The parent ran only a dot-product team; the child's first calls are LSH and additive.
+    code = textwrap.dedent(
+        """
+        import os, numpy as np, fastattn
+        rng = np.random.default_rng(0)
+        qs = rng.standard_normal((1, 4, 256, 32)).astype(np.float32)
+        x = rng.standard_normal((1024, 32)).astype(np.float32)
+        fastattn.scaled_dot_product_attention(qs, qs, qs, num_threads=2)
+        pid = os.fork()
+        if pid == 0:
+            o = fastattn.lsh_attention(x, x, n_buckets=16, chunk_size=32, seed=0, num_threads=2)
+            a = fastattn.additive_attention(x[:128], x[:128], x[:128], x[:32, :32].T, x[:32, :32].T,
+                                            x[0], num_threads=2)
+            os._exit(0 if np.isfinite(o).all() and np.isfinite(a).all() else 3)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+        print("ok")
+        """
+    )
+    assert "ok" in _run_child(code)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses RLIMIT_AS")
+@pytest.mark.skipif(not fastattn._kernels.openmp_enabled(), reason="no OpenMP")
+def test_family_thread_start_failure_is_an_error():
+    # With little address space left, thread stacks cannot be mapped: libgomp would
+    # exit(1); the LSH and additive drivers must raise and stay usable.
+    code = textwrap.dedent(
+        """
+        import resource, numpy as np, fastattn
+        rng = np.random.default_rng(0)
+        # (at least 64 tasks each, so that a call asks for a team of 64)
+        x = rng.standard_normal((16384, 16)).astype(np.float32)
+        w = rng.standard_normal((16, 16)).astype(np.float32)
+        lsh = lambda n: fastattn.lsh_attention(x, x, n_buckets=16, chunk_size=32, seed=0, num_threads=n)
+        add = lambda n: fastattn.additive_attention(x[:2048], x[:256], x[:256], w, w, w[0], num_threads=n)
+        ref = lsh(1), add(1)
+        with open("/proc/self/status") as f:
+            vm = [int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:")][0]
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (96 << 20), resource.RLIM_INFINITY))
+        for fn in (lsh, add):
+            try:
+                fn(64)
+            except RuntimeError as e:
+                assert "num_threads=64" in str(e), e
+                print("raised")
+            else:
+                print("ran")  # the OS gave us the threads after all: also fine
+        assert np.array_equal(lsh(1), ref[0]) and np.array_equal(add(1), ref[1])
+        print("ok")
+        """
+    )
+    assert "ok" in _run_child(code, env={"OMP_STACKSIZE": "16M"})
+
+
+_FE = {"downward": 0x400, "upward": 0x800, "towardzero": 0xC00}  # x86 <fenv.h>
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 fenv values")
+def test_family_bit_identical_under_rounding_modes(isa, rng):
+    """Every thread of the family drivers computes in round-to-nearest (the caller's
+    mode is set for the call and restored): the results do not depend on the caller's
+    rounding mode or on the thread count.  (The LSH case is C from end to end: float64
+    inputs and rotations given, so no NumPy arithmetic runs in the caller's mode.)"""
+    from fastattn import _family
+
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    qk = randn(rng, (1024, 32), F64)
+    val = randn(rng, (1024, 16), F64)
+    qk32, val32 = qk.astype(F32), val.astype(F32)
+    rot = rng.standard_normal((2, 32, 8))
+    lse = np.empty((1, 1024))
+
+    def run(nt: int) -> list[np.ndarray]:
+        res = []
+        for x, v in ((qk, val), (qk32, val32)):
+            out = np.zeros((1, 1024, v.shape[1]), x.dtype)
+            lse.fill(0)
+            _family.lsh(x[None], v[None], rot.astype(x.dtype), out, lse, 16, 2, 32, True, 0.2, isa, nt)
+            res += [out.copy(), lse.copy()]
+        return res
+
+    want = run(1)
+    for mode in _FE.values():
+        assert libm.fesetround(mode) == 0
+        try:
+            got = [run(nt) for nt in (1, 2, 3)]
+        finally:
+            libm.fesetround(0)
+        for per_nt in got:
+            for a, b in zip(per_nt, want):
+                np.testing.assert_array_equal(a, b)
 
 
 # ---------------------------------------------------------------- positions
