@@ -252,7 +252,7 @@ int fa_lsh(const fa_lsh_params *p, int isa)
 {
     if (p->B <= 0 || p->L <= 0) return FA_OK;
     if (p->D < 1 || p->Dv < 1 || p->chunk < 1 || p->L % p->chunk || p->n_hashes < 1 || p->n_buckets < 2 ||
-        p->n_buckets % 2 || p->L > INT32_MAX)
+        p->n_buckets % 2 || p->L > INT32_MAX || p->n_buckets > INT32_MAX)
         return FA_EINVAL;
     lsh_ctx c;
     memset(&c, 0, sizeof c);

@@ -47,7 +47,7 @@ int fa_additive(const fa_additive_params *p, int isa);
  * o (B, L, Dv) and lse (B, L) float64 are written (the rounds' LSEs combine
  * in float64: a token that saw only itself sits near -1e5, where a float32
  * LSE would lose the rounds' weights).  L is a multiple of chunk and below
- * 2^31; n_buckets is even.  Returns enum fa_status. */
+ * 2^31; n_buckets is even and below 2^31.  Returns enum fa_status. */
 typedef struct fa_lsh_params {
     int dtype;
     int64_t B, L, D, Dv, n_hashes, n_buckets, chunk;

@@ -29,7 +29,7 @@ from ._config import get_isa, get_num_threads
 __all__ = ["lsh_attention", "lsh_rotations"]
 
 SELF_SCORE = -1e5  # Reformer's score of a token for itself (csrc/lsh_impl.h: LSH_SELF)
-_MAX_LEN = 2**31 - 1  # positions are int32 in the kernels
+_MAX_LEN = 2**31 - 1  # positions and buckets are int32 in the kernels
 
 
 def lsh_rotations(seed: int | None, n_hashes: int, head_dim: int, n_buckets: int) -> np.ndarray:
@@ -89,6 +89,8 @@ def lsh_attention(
     nb = int_value(n_buckets, "n_buckets", 2)
     if nb % 2:
         raise ValueError(f"n_buckets must be even (buckets are argmax over [xR, -xR]), got {nb}")
+    if nb > _MAX_LEN:
+        raise ValueError(f"n_buckets must be below 2**31, got {nb}")
     nh = int_value(n_hashes, "n_hashes", 1)
     ch = int_value(chunk_size, "chunk_size", 1)
     if L % ch:

@@ -343,6 +343,8 @@ def test_lsh_bad_input(rng):
         f(qk, val, n_buckets=4, chunk_size=0)
     with pytest.raises(TypeError, match="num_threads"):
         f(qk, val, n_buckets=4, num_threads=1.5)
+    with pytest.raises(ValueError, match="n_buckets must be below"):
+        f(qk, val, n_buckets=2**31)
     with pytest.raises(ValueError, match="num_threads"):
         f(qk, val, n_buckets=4, num_threads=fastattn._checks.MAX_THREADS + 1)
 
