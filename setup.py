@@ -69,12 +69,22 @@ if IS_X86:
 
 # The attention family beyond dot-product (fastattn._family): the same
 # one-ISA-per-unit rule, linked into its own extension.
-FAMILY_UNITS = [("csrc/additive_scalar.c", []), ("csrc/additive_f64.c", [])]
+FAMILY_UNITS = [
+    ("csrc/additive_scalar.c", []),
+    ("csrc/additive_f64.c", []),
+    ("csrc/lsh_scalar.c", []),
+    ("csrc/lsh_f64.c", []),
+]
 if IS_X86:
     FAMILY_UNITS += [
         ("csrc/additive_avx2.c", ["-mavx2", "-mfma", "-mf16c"]),
         (
             "csrc/additive_avx512.c",
+            ["-mavx2", "-mfma", "-mf16c"] if EMULATE_AVX512 else ["-mavx512f", "-mavx2", "-mfma", "-mf16c"],
+        ),
+        ("csrc/lsh_avx2.c", ["-mavx2", "-mfma", "-mf16c"]),
+        (
+            "csrc/lsh_avx512.c",
             ["-mavx2", "-mfma", "-mf16c"] if EMULATE_AVX512 else ["-mavx512f", "-mavx2", "-mfma", "-mf16c"],
         ),
     ]
