@@ -58,12 +58,12 @@ def test_head_dims(isa, rng, D, Dv):
     check_bwd(*qkv(rng, 1, 2, 2, 50, 70, D, Dv), rng=rng, is_causal=True)
 
 
-# D and Dv multiples of 16 (whole vectors on every path): the kernel reads Q and
-# dO rows in place (strided in bshd) instead of zero-padded copies, and without
-# a mask, ALiBi or softcap P and dS come from the fused score pass.
+# Without a mask, ALiBi or softcap, P and dS come from the fused score pass
+# (fb_sdp): several query and key tiles, GQA, strided rows (bshd), D and Dv
+# whole vectors on every path, the causal diagonal and a window's edges.
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_whole_vector_dims_in_place(isa, rng, layout, causal):
+def test_fused_score_pass(isa, rng, layout, causal):
     B, Hq, Hk, L, S, D, Dv = 2, 4, 2, 200, 150, 32, 48
     if layout == "bshd":
         q, k, v = randn(rng, (B, L, Hq, D)), randn(rng, (B, S, Hk, D)), randn(rng, (B, S, Hk, Dv))
@@ -160,7 +160,7 @@ def test_fully_masked_rows_zero_gradient(rng):
     assert np.all(got[0][0, 0, :6] == 0)
 
 
-@pytest.mark.parametrize("Dv,causal", [(24, True), (64, False)])  # padded copies; rows in place
+@pytest.mark.parametrize("Dv,causal", [(24, True), (64, False)])
 def test_threads_bit_identical(rng, Dv, causal):
     q, k, v = qkv(rng, 1, 4, 2, 300, 333, 32, Dv)
     go = randn(rng, (1, 4, 300, Dv))
