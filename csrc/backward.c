@@ -189,21 +189,28 @@ int fa_attention_backward(const fa_bwd_params *bp)
         for (int64_t r = 0; r < nrow; r++) {
             const int64_t b = r / (p->Hq * p->L), h = (r / p->L) % p->Hq, i = r % p->L;
             const int64_t qo = b * bp->dq_sb + h * bp->dq_sh + i * bp->dq_sl;
+            /* Per element: 0 + split 0 + split 1 + ..., then times the scale;
+             * splits outer and D in a local (the stores could alias p under
+             * -fno-strict-aliasing) so that the loops over c vectorise. */
+            const int64_t D = p->D;
+            const double scd = p->scale;
             if (f64) {
-                double *dst = (double *)bp->dq + qo;
-                for (int64_t c = 0; c < p->D; c++) {
-                    double acc = 0.0;
-                    for (int64_t s = 0; s < nsplit; s++) acc += ((const double *)part)[s * part_elems + r * Dp + c];
-                    dst[c] = acc * p->scale;
+                double *restrict dst = (double *)bp->dq + qo;
+                for (int64_t c = 0; c < D; c++) dst[c] = 0.0;
+                for (int64_t s = 0; s < nsplit; s++) {
+                    const double *restrict ps = (const double *)part + s * part_elems + r * Dp;
+                    for (int64_t c = 0; c < D; c++) dst[c] += ps[c];
                 }
+                for (int64_t c = 0; c < D; c++) dst[c] *= scd;
             } else {
-                float *dst = (float *)bp->dq + qo;
+                float *restrict dst = (float *)bp->dq + qo;
                 const float sc = (float)p->scale;
-                for (int64_t c = 0; c < p->D; c++) {
-                    float acc = 0.0f;
-                    for (int64_t s = 0; s < nsplit; s++) acc += ((const float *)part)[s * part_elems + r * Dp + c];
-                    dst[c] = acc * sc;
+                for (int64_t c = 0; c < D; c++) dst[c] = 0.0f;
+                for (int64_t s = 0; s < nsplit; s++) {
+                    const float *restrict ps = (const float *)part + s * part_elems + r * Dp;
+                    for (int64_t c = 0; c < D; c++) dst[c] += ps[c];
                 }
+                for (int64_t c = 0; c < D; c++) dst[c] *= sc;
             }
         }
         fa_fpenv_exit(&env);

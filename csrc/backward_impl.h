@@ -68,7 +68,6 @@ typedef struct FB_NAME(fb_ws) {
     REAL *S;   /* BQ x BK   scores, then P                                    */
     REAL *dP;  /* BQ x BK   dP, then dS                                       */
     REAL *Dr;  /* BQ x BK   softcap derivative                                */
-    REAL *l2, *di; /* BQ    LSE * log2e and D_i of the tile's rows            */
 } FB_NAME(fb_ws);
 
 static size_t FB_NAME(fb_scratch_bytes)(const fa_params *p)
@@ -78,7 +77,7 @@ static size_t FB_NAME(fb_scratch_bytes)(const fa_params *p)
     const int64_t KB = FB_NKT * FB_BK;
     return FB_NAME(fb_al)(Dp * KB * e) + FB_NAME(fb_al)(Dvp * KB * e) + 2 * FB_NAME(fb_al)(KB * Dp * e) +
            FB_NAME(fb_al)(KB * Dvp * e) + FB_NAME(fb_al)(FB_BQ * Dp * e) + FB_NAME(fb_al)(FB_BQ * Dvp * e) +
-           3 * FB_NAME(fb_al)(FB_BQ * FB_BK * e) + 2 * FB_NAME(fb_al)(FB_BQ * e) + FB_ALIGN;
+           3 * FB_NAME(fb_al)(FB_BQ * FB_BK * e) + FB_ALIGN;
 }
 
 static void FB_NAME(fb_carve)(const fa_params *p, void *scratch, FB_NAME(fb_ws) *w)
@@ -97,8 +96,6 @@ static void FB_NAME(fb_carve)(const fa_params *p, void *scratch, FB_NAME(fb_ws) 
     FB_TAKE(w->S, FB_BQ * FB_BK);
     FB_TAKE(w->dP, FB_BQ * FB_BK);
     FB_TAKE(w->Dr, FB_BQ * FB_BK);
-    FB_TAKE(w->l2, FB_BQ);
-    FB_TAKE(w->di, FB_BQ);
 #undef FB_TAKE
 }
 
@@ -121,6 +118,62 @@ FA_INLINE void FB_NAME(fb_ukr)(const int mr, const int nv, int64_t K, const REAL
     }
     for (int i = 0; i < mr; i++)
         for (int v = 0; v < nv; v++) vf_store(C + i * ldc + v * VW, acc[i][v]);
+}
+
+/* P[i][0:nv*VW] = exp2(S c1 - l2[i]) for i < mr, S the raw scores stored in P,
+ * one fused multiply-add into the exponent (c1 = scale log2e).  Not inlined:
+ * inlined, the compiler keeps the exp2 constants in registers across the
+ * products around it and spills their accumulators instead (AVX-512: 24 of
+ * the 32 zmm hold accumulators). */
+static __attribute__((noinline)) void FB_NAME(fb_exp_block)(int mr, int nv, vf c1v, const REAL *l2, REAL *P,
+                                                            int64_t ldc)
+{
+    for (int i = 0; i < mr; i++) {
+        const vf nl2 = vf_set1(-l2[i]);
+        for (int v = 0; v < nv; v++)
+            vf_store(P + i * ldc + v * VW, vf_exp2_neg(vf_fma(vf_load(P + i * ldc + v * VW), c1v, nl2)));
+    }
+}
+
+/* The fused first half of a tile, for one block of mr rows x nv vectors of
+ * keys when the scores need no elementwise transform (no mask, ALiBi or
+ * softcap): S = Q.K^T is accumulated in registers and leaves as
+ * P = exp2(S c1 - LSE log2e) (fb_exp_block), then dP = dO.V^T leaves as
+ * dS = P (dP - D), P read back from the rows just stored (still in L1).  This
+ * replaces two plain products and a separate pass over the S and dP tiles. */
+FA_INLINE void FB_NAME(fb_ukr_sdp)(const int mr, const int nv, int64_t D, int64_t Dv, const REAL *Q, int64_t qs,
+                                   const REAL *Kt, const REAL *dO, int64_t os, const REAL *Vt, int64_t ldb,
+                                   const REAL *l2, const REAL *di, vf c1v, REAL *P, REAL *dS, int64_t ldc)
+{
+    vf acc[FB_MR][FB_NV];
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < nv; v++) acc[i][v] = vf_zero();
+    for (int64_t k = 0; k < D; k++) {
+        vf bv[FB_NV];
+        for (int v = 0; v < nv; v++) bv[v] = vf_load(Kt + k * ldb + v * VW);
+        for (int i = 0; i < mr; i++) {
+            vf a = vf_set1(Q[i * qs + k]);
+            for (int v = 0; v < nv; v++) acc[i][v] = vf_fma(a, bv[v], acc[i][v]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < nv; v++) vf_store(P + i * ldc + v * VW, acc[i][v]);
+    FB_NAME(fb_exp_block)(mr, nv, c1v, l2, P, ldc);
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < nv; v++) acc[i][v] = vf_zero();
+    for (int64_t k = 0; k < Dv; k++) {
+        vf bv[FB_NV];
+        for (int v = 0; v < nv; v++) bv[v] = vf_load(Vt + k * ldb + v * VW);
+        for (int i = 0; i < mr; i++) {
+            vf a = vf_set1(dO[i * os + k]);
+            for (int v = 0; v < nv; v++) acc[i][v] = vf_fma(a, bv[v], acc[i][v]);
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        const vf dv_ = vf_set1(di[i]);
+        for (int v = 0; v < nv; v++)
+            vf_store(dS + i * ldc + v * VW, vf_mul(vf_load(P + i * ldc + v * VW), vf_sub(acc[i][v], dv_)));
+    }
 }
 
 #define FB_MR_CASES(n, CALL) \
@@ -155,6 +208,49 @@ static void FB_NAME(fb_gemm)(int64_t M, int64_t N, int64_t K, const REAL *A, int
         }
 }
 
+/* P and dS of a query tile (nq rows) against one key tile (FB_BK keys) by
+ * fb_ukr_sdp: row blocks outer, so that the S block a dS block reads back was
+ * stored a moment before. */
+static void FB_NAME(fb_sdp)(int64_t nq, int64_t D, int64_t Dv, const REAL *Q, int64_t qs, const REAL *Kt,
+                            const REAL *dO, int64_t os, const REAL *Vt, const REAL *l2, const REAL *di, REAL c1,
+                            REAL *P, REAL *dS)
+{
+    const vf c1v = vf_set1(c1);
+    for (int64_t r0 = 0; r0 < nq; r0 += FB_MR) {
+        const int64_t mr = nq - r0 < FB_MR ? nq - r0 : FB_MR;
+        int64_t c0 = 0;
+        for (; c0 + FB_NV * VW <= FB_BK; c0 += FB_NV * VW) {
+#define FB_CALL(n) FB_NAME(fb_ukr_sdp)(n, FB_NV, D, Dv, Q + r0 * qs, qs, Kt + c0, dO + r0 * os, os, Vt + c0, FB_BK, \
+                                       l2 + r0, di + r0, c1v, P + r0 * FB_BK + c0, dS + r0 * FB_BK + c0, FB_BK)
+            FB_MR_CASES(mr, FB_CALL)
+#undef FB_CALL
+        }
+        for (; c0 < FB_BK; c0 += VW) {
+#define FB_CALL(n) FB_NAME(fb_ukr_sdp)(n, 1, D, Dv, Q + r0 * qs, qs, Kt + c0, dO + r0 * os, os, Vt + c0, FB_BK, \
+                                       l2 + r0, di + r0, c1v, P + r0 * FB_BK + c0, dS + r0 * FB_BK + c0, FB_BK)
+            FB_MR_CASES(mr, FB_CALL)
+#undef FB_CALL
+        }
+    }
+}
+
+/* Clears P and dS outside each row's visible keys [lo, hi) within a key tile
+ * at jt of nk keys (and past nk): the causal diagonal, a window edge, the
+ * last tile's tail.  The values there came from zero-padded or unseen keys. */
+static void FB_NAME(fb_edge)(const fa_params *p, int64_t i0, int64_t nq, int64_t delta, int64_t Sb, int64_t jt,
+                             int64_t nk, REAL *S, REAL *dP)
+{
+    for (int64_t r = 0; r < nq; r++) {
+        REAL *s = S + r * FB_BK, *dp = dP + r * FB_BK;
+        int64_t lo, hi;
+        fa_row_range(p, i0 + r + delta, Sb, &lo, &hi);
+        const int64_t a0 = fa_min64(fa_max64(lo - jt, 0), nk);
+        const int64_t a1 = fa_max64(fa_min64(hi - jt, nk), a0);
+        for (int64_t jj = 0; jj < a0; jj++) s[jj] = dp[jj] = 0;
+        for (int64_t jj = a1; jj < FB_BK; jj++) s[jj] = dp[jj] = 0;
+    }
+}
+
 static void FB_NAME(fb_run)(const fa_bwd_params *bp, const fa_bwd_task *t, void *scratch)
 {
     const fa_params *p = &bp->f;
@@ -166,7 +262,7 @@ static void FB_NAME(fb_run)(const fa_bwd_params *bp, const fa_bwd_task *t, void 
     const int64_t delta = bi.Sb - bi.Lb;
     const int use_log2 = p->softcap == 0.0;
     const int elem_always = p->mask_kind != FA_MASK_NONE || p->alibi || !use_log2;
-    const REAL c1 = (REAL)(elem_always ? 1.0 : p->scale * FB_LOG2E);
+    const REAL c1 = (REAL)(p->scale * FB_LOG2E); /* the fused path's S -> log2-domain logit */
     const REAL *K = (const REAL *)p->k + b * p->k_sb + hk * p->k_sh;
     const REAL *V = (const REAL *)p->v + b * p->v_sb + hk * p->v_sh;
     REAL *dk = (REAL *)bp->dk + b * bp->dk_sb + hk * bp->dk_sh;
@@ -213,6 +309,10 @@ static void FB_NAME(fb_run)(const fa_bwd_params *bp, const fa_bwd_task *t, void 
                 fa_row_range(p, i0 + nq - 1 + delta, bi.Sb, &lo1, &hi1);
                 if (hi1 <= jb || lo0 >= jb + nkb) continue; /* no row sees a key of the block */
 
+                /* Zero-padded copies of the tile's Q and dO rows, shared by the
+                 * block's key tiles: compact rows for the four products that read
+                 * them (reading the rows in place instead, when D and Dv are whole
+                 * vectors, measured 2-3% slower on B1 H8 L2048 D64). */
                 for (int64_t r = 0; r < nq; r++) {
                     const REAL *qs = Q + (i0 + r) * p->q_sl, *os = dO + (i0 + r) * bp->do_sl;
                     REAL *qd = w.Q + r * Dp, *od = w.dO + r * Dvp;
@@ -220,9 +320,10 @@ static void FB_NAME(fb_run)(const fa_bwd_params *bp, const fa_bwd_task *t, void 
                     for (int64_t d = D; d < Dp; d++) qd[d] = 0;
                     for (int64_t d = 0; d < Dv; d++) od[d] = os[d];
                     for (int64_t d = Dv; d < Dvp; d++) od[d] = 0;
-                    w.l2[r] = lse2_all[rowbase + i0 + r];
-                    w.di[r] = delta_all[rowbase + i0 + r];
                 }
+                const REAL *qt = w.Q, *ot = w.dO;
+                const int64_t qst = Dp, ost = Dvp;
+                const REAL *l2t = lse2_all + rowbase + i0, *dit = delta_all + rowbase + i0;
                 for (int64_t u = 0; u < ntile; u++) {
                     const int64_t jt = jb + u * FB_BK, nk = fa_min64(FB_BK, jend - jt);
                     if (hi1 <= jt || lo0 >= jt + nk) continue; /* the forward's masked-tile skipping */
@@ -230,77 +331,75 @@ static void FB_NAME(fb_run)(const fa_bwd_params *bp, const fa_bwd_task *t, void 
                     const REAL *Kt = w.Kt + u * Dp * FB_BK, *Vt = w.Vt + u * Dvp * FB_BK;
                     const REAL *Kr = w.Kr + u * FB_BK * Dp;
 
-                    /* ---- S = Q.K^T and dP = dO.V^T ---- */
-                    FB_NAME(fb_gemm)(nq, FB_BK, D, w.Q, Dp, 1, Kt, FB_BK, w.S, FB_BK, 0);
-                    FB_NAME(fb_gemm)(nq, FB_BK, Dv, w.dO, Dvp, 1, Vt, FB_BK, w.dP, FB_BK, 0);
+                    if (!elem_always) {
+                        /* ---- P and dS in one pass (fb_sdp) ---- */
+                        FB_NAME(fb_sdp)(nq, D, Dv, qt, qst, Kt, ot, ost, Vt, l2t, dit, c1, w.S, w.dP);
+                        if (!full) FB_NAME(fb_edge)(p, i0, nq, delta, bi.Sb, jt, nk, w.S, w.dP);
+                    } else {
+                        /* ---- S = Q.K^T and dP = dO.V^T ---- */
+                        FB_NAME(fb_gemm)(nq, FB_BK, D, qt, qst, 1, Kt, FB_BK, w.S, FB_BK, 0);
+                        FB_NAME(fb_gemm)(nq, FB_BK, Dv, ot, ost, 1, Vt, FB_BK, w.dP, FB_BK, 0);
 
-                    /* ---- the forward's transforms, only where the tile needs them:
-                     * S becomes the log2-domain logit (-inf where not seen) ---- */
-                    for (int64_t r = 0; r < nq && elem_always; r++) {
-                        REAL *s = w.S + r * FB_BK;
-                        const int64_t i = i0 + r, ip = i + delta;
-                        int64_t lo, hi;
-                        fa_row_range(p, ip, bi.Sb, &lo, &hi);
-                        const char *mrow = p->mask ? (const char *)p->mask +
-                            (b * p->m_sb + h * p->m_sh + i * p->m_sl) * (int64_t)mesz : NULL;
-                        const double slope = p->alibi ? p->alibi[b * p->alibi_sb + h * p->alibi_sh] * FB_LOG2E : 0.0;
-                        REAL *dr = w.Dr + r * FB_BK;
-                        for (int64_t jj = 0; jj < FB_BK; jj++) {
-                            const int64_t j = jt + jj;
-                            if (jj >= nk || j < lo || j >= hi) { s[jj] = -INFINITY; dr[jj] = 0; continue; }
-                            double x = (double)s[jj] * p->scale, der = 1.0;
-                            if (!use_log2) {
-                                /* as the forward: the identity for tiny x/c (see kernel_impl.h) */
-                                double y = x / p->softcap;
-                                if (fabs(y) >= 1e-6) {
-                                    double th = tanh(y);
-                                    x = p->softcap * th;
-                                    der = 1.0 - th * th;
+                        /* ---- the forward's transforms, only where the tile needs them:
+                         * S becomes the log2-domain logit (-inf where not seen) ---- */
+                        for (int64_t r = 0; r < nq; r++) {
+                            REAL *s = w.S + r * FB_BK;
+                            const int64_t i = i0 + r, ip = i + delta;
+                            int64_t lo, hi;
+                            fa_row_range(p, ip, bi.Sb, &lo, &hi);
+                            const char *mrow = p->mask ? (const char *)p->mask +
+                                (b * p->m_sb + h * p->m_sh + i * p->m_sl) * (int64_t)mesz : NULL;
+                            const double slope = p->alibi ? p->alibi[b * p->alibi_sb + h * p->alibi_sh] * FB_LOG2E : 0.0;
+                            REAL *dr = w.Dr + r * FB_BK;
+                            for (int64_t jj = 0; jj < FB_BK; jj++) {
+                                const int64_t j = jt + jj;
+                                if (jj >= nk || j < lo || j >= hi) { s[jj] = -INFINITY; dr[jj] = 0; continue; }
+                                double x = (double)s[jj] * p->scale, der = 1.0;
+                                if (!use_log2) {
+                                    /* as the forward: the identity for tiny x/c (see kernel_impl.h) */
+                                    double y = x / p->softcap;
+                                    if (fabs(y) >= 1e-6) {
+                                        double th = tanh(y);
+                                        x = p->softcap * th;
+                                        der = 1.0 - th * th;
+                                    }
+                                }
+                                x *= FB_LOG2E;
+                                if (p->alibi) x -= slope * (double)(ip > j ? ip - j : j - ip);
+                                if (mrow) {
+                                    int64_t mo = j * p->m_ss;
+                                    if (p->mask_kind == FA_MASK_BOOL) { if (!((const uint8_t *)mrow)[mo]) x = -INFINITY; }
+                                    else if (p->mask_kind == FA_MASK_F32) x += ((const float *)mrow)[mo] * FB_LOG2E;
+                                    else x += ((const double *)mrow)[mo] * FB_LOG2E;
+                                }
+                                s[jj] = (REAL)x;
+                                dr[jj] = (REAL)der;
+                            }
+                        }
+                        /* ---- P = exp2(S - LSE log2e), dS = P (dP - D) [x softcap'] (S was
+                         * transformed above, so c1 = 1 here) ---- */
+                        for (int64_t r = 0; r < nq; r++) {
+                            REAL *s = w.S + r * FB_BK, *dp = w.dP + r * FB_BK;
+                            const vf l2v = vf_set1(l2t[r]), dv_ = vf_set1(dit[r]);
+                            if (use_log2) {
+                                for (int64_t jj = 0; jj < FB_BK; jj += VW) {
+                                    vf pv = vf_exp2_neg(vf_sub(vf_load(s + jj), l2v));
+                                    vf_store(s + jj, pv);
+                                    vf_store(dp + jj, vf_mul(pv, vf_sub(vf_load(dp + jj), dv_)));
+                                }
+                            } else {
+                                const REAL *dr = w.Dr + r * FB_BK;
+                                for (int64_t jj = 0; jj < FB_BK; jj += VW) {
+                                    vf pv = vf_exp2_neg(vf_sub(vf_load(s + jj), l2v));
+                                    vf_store(s + jj, pv);
+                                    vf_store(dp + jj, vf_mul(vf_mul(pv, vf_sub(vf_load(dp + jj), dv_)), vf_load(dr + jj)));
                                 }
                             }
-                            x *= FB_LOG2E;
-                            if (p->alibi) x -= slope * (double)(ip > j ? ip - j : j - ip);
-                            if (mrow) {
-                                int64_t mo = j * p->m_ss;
-                                if (p->mask_kind == FA_MASK_BOOL) { if (!((const uint8_t *)mrow)[mo]) x = -INFINITY; }
-                                else if (p->mask_kind == FA_MASK_F32) x += ((const float *)mrow)[mo] * FB_LOG2E;
-                                else x += ((const double *)mrow)[mo] * FB_LOG2E;
-                            }
-                            s[jj] = (REAL)x;
-                            dr[jj] = (REAL)der;
                         }
-                    }
-                    /* ---- P = exp2(S c1 - LSE log2e), dS = P (dP - D) [x softcap'] ---- */
-                    const vf c1v = vf_set1(c1);
-                    for (int64_t r = 0; r < nq; r++) {
-                        REAL *s = w.S + r * FB_BK, *dp = w.dP + r * FB_BK;
-                        const vf l2v = vf_set1(w.l2[r]), dv_ = vf_set1(w.di[r]);
-                        if (use_log2) {
-                            for (int64_t jj = 0; jj < FB_BK; jj += VW) {
-                                vf pv = vf_exp2_neg(vf_sub(vf_mul(vf_load(s + jj), c1v), l2v));
-                                vf_store(s + jj, pv);
-                                vf_store(dp + jj, vf_mul(pv, vf_sub(vf_load(dp + jj), dv_)));
-                            }
-                        } else {
-                            const REAL *dr = w.Dr + r * FB_BK;
-                            for (int64_t jj = 0; jj < FB_BK; jj += VW) {
-                                vf pv = vf_exp2_neg(vf_sub(vf_load(s + jj), l2v));
-                                vf_store(s + jj, pv);
-                                vf_store(dp + jj, vf_mul(vf_mul(pv, vf_sub(vf_load(dp + jj), dv_)), vf_load(dr + jj)));
-                            }
-                        }
-                        if (elem_always || full) continue;
-                        /* only the causal diagonal / window edge / tile tail to clear */
-                        int64_t lo, hi;
-                        fa_row_range(p, i0 + r + delta, bi.Sb, &lo, &hi);
-                        const int64_t a0 = fa_min64(fa_max64(lo - jt, 0), nk);
-                        const int64_t a1 = fa_max64(fa_min64(hi - jt, nk), a0);
-                        for (int64_t jj = 0; jj < a0; jj++) s[jj] = dp[jj] = 0;
-                        for (int64_t jj = a1; jj < FB_BK; jj++) s[jj] = dp[jj] = 0;
                     }
                     /* ---- dV += P^T.dO, dK += dS^T.Q, dQ += dS.K ---- */
-                    FB_NAME(fb_gemm)(nk, Dvp, nq, w.S, 1, FB_BK, w.dO, Dvp, w.dV + u * FB_BK * Dvp, Dvp, 1);
-                    FB_NAME(fb_gemm)(nk, Dp, nq, w.dP, 1, FB_BK, w.Q, Dp, w.dK + u * FB_BK * Dp, Dp, 1);
+                    FB_NAME(fb_gemm)(nk, Dvp, nq, w.S, 1, FB_BK, ot, ost, w.dV + u * FB_BK * Dvp, Dvp, 1);
+                    FB_NAME(fb_gemm)(nk, Dp, nq, w.dP, 1, FB_BK, qt, qst, w.dK + u * FB_BK * Dp, Dp, 1);
                     FB_NAME(fb_gemm)(nq, Dp, nk, w.dP, FB_BK, 1, Kr, Dp, dq + i0 * Dp, Dp, 1);
                 }
             }

@@ -58,6 +58,21 @@ def test_head_dims(isa, rng, D, Dv):
     check_bwd(*qkv(rng, 1, 2, 2, 50, 70, D, Dv), rng=rng, is_causal=True)
 
 
+# Without a mask, ALiBi or softcap, P and dS come from the fused score pass
+# (fb_sdp): several query and key tiles, GQA, strided rows (bshd), D and Dv
+# whole vectors on every path, the causal diagonal and a window's edges.
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_score_pass(isa, rng, layout, causal):
+    B, Hq, Hk, L, S, D, Dv = 2, 4, 2, 200, 150, 32, 48
+    if layout == "bshd":
+        q, k, v = randn(rng, (B, L, Hq, D)), randn(rng, (B, S, Hk, D)), randn(rng, (B, S, Hk, Dv))
+    else:
+        q, k, v = qkv(rng, B, Hq, Hk, L, S, D, Dv)
+    check_bwd(q, k, v, rng=rng, is_causal=causal, enable_gqa=True, layout=layout)
+    check_bwd(q, k, v, rng=rng, is_causal=causal, enable_gqa=True, layout=layout, window=(40, 3))
+
+
 def test_gqa_masks_layout(isa, rng):
     q, k, v = randn(rng, (2, 30, 4, 33)), randn(rng, (2, 131, 2, 33)), randn(rng, (2, 131, 2, 20))
     m = rng.random((4, 30, 131)) > 0.3
@@ -145,10 +160,11 @@ def test_fully_masked_rows_zero_gradient(rng):
     assert np.all(got[0][0, 0, :6] == 0)
 
 
-def test_threads_bit_identical(rng):
-    q, k, v = qkv(rng, 1, 4, 2, 300, 333, 32, 24)
-    go = randn(rng, (1, 4, 300, 24))
-    kw = {"is_causal": True, "enable_gqa": True}
+@pytest.mark.parametrize("Dv,causal", [(24, True), (64, False)])
+def test_threads_bit_identical(rng, Dv, causal):
+    q, k, v = qkv(rng, 1, 4, 2, 300, 333, 32, Dv)
+    go = randn(rng, (1, 4, 300, Dv))
+    kw = {"is_causal": causal, "enable_gqa": True}
     o, lse = fastattn.scaled_dot_product_attention(q, k, v, return_lse=True, **kw)
     base = bwd(go, q, k, v, o, lse, num_threads=1, **kw)
     for nt in (2, 3):
