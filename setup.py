@@ -46,25 +46,32 @@ if EMULATE_AMX:
 if NATIVE:
     BASE_FLAGS.append("-march=native")
 
-# One instruction set per compile unit: (source, extra flags).
-ISA_UNITS = [("csrc/kernel_scalar.c", []), ("csrc/kernel_f64.c", [])]
+# One instruction set per compile unit: (source, extra flags).  Units are named
+# <family>_<dtype>_<isa>.c: the dtype the kernel computes in (f32, f64, bf16
+# for the AMX tiles) and the instruction set the unit is compiled for (scalar
+# = portable C, avx2, avx512, amx); kernel_* is the dot-product kernel
+# (kernel_impl.h), additive_* the additive family (additive_impl.h).  The
+# kernel's symbols carry the same _<dtype>_<isa> suffix (fa_kernel_f32_avx512),
+# and tools/test_wheel.sh requires every function that uses ymm/zmm registers
+# to have avx2, avx512 or amx in its name.
+ISA_UNITS = [("csrc/kernel_f32_scalar.c", []), ("csrc/kernel_f64_scalar.c", [])]
 if IS_X86:
     ISA_UNITS += [
-        ("csrc/kernel_avx2.c", ["-mavx2", "-mfma", "-mf16c"]),
+        ("csrc/kernel_f32_avx2.c", ["-mavx2", "-mfma", "-mf16c"]),
         (
-            "csrc/kernel_avx512.c",
+            "csrc/kernel_f32_avx512.c",
             ["-mavx2", "-mfma", "-mf16c"] if EMULATE_AVX512 else ["-mavx512f", "-mavx2", "-mfma", "-mf16c"],
         ),
     ]
 
 # The attention family beyond dot-product (fastattn._family): the same
 # one-ISA-per-unit rule, linked into its own extension.
-FAMILY_UNITS = [("csrc/additive_scalar.c", []), ("csrc/additive_f64.c", [])]
+FAMILY_UNITS = [("csrc/additive_f32_scalar.c", []), ("csrc/additive_f64_scalar.c", [])]
 if IS_X86:
     FAMILY_UNITS += [
-        ("csrc/additive_avx2.c", ["-mavx2", "-mfma", "-mf16c"]),
+        ("csrc/additive_f32_avx2.c", ["-mavx2", "-mfma", "-mf16c"]),
         (
-            "csrc/additive_avx512.c",
+            "csrc/additive_f32_avx512.c",
             ["-mavx2", "-mfma", "-mf16c"] if EMULATE_AVX512 else ["-mavx512f", "-mavx2", "-mfma", "-mf16c"],
         ),
     ]
@@ -116,7 +123,7 @@ def _compiler_builds(flags, src):
         return r.returncode == 0
 
 
-# The AMX bfloat16 unit (csrc/kernel_amx.c): real tiles where the compiler knows them,
+# The AMX bfloat16 unit (csrc/kernel_bf16_amx.c): real tiles where the compiler knows them,
 # emulated ones in the test-only build.
 AMX = IS_X86 and (
     EMULATE_AMX
@@ -128,7 +135,7 @@ AMX = IS_X86 and (
 )
 if AMX:
     BASE_FLAGS.append("-DFA_HAVE_AMX")
-    ISA_UNITS.append(("csrc/kernel_amx.c", ["-mavx2", "-mfma", "-mf16c"] if EMULATE_AMX else AMX_FLAGS))
+    ISA_UNITS.append(("csrc/kernel_bf16_amx.c", ["-mavx2", "-mfma", "-mf16c"] if EMULATE_AMX else AMX_FLAGS))
 
 
 def _write_build_config():

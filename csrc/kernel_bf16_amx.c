@@ -1,4 +1,4 @@
-/* kernel_amx.c: bfloat16 prefill on the AMX tile unit (built with -mamx-tile
+/* kernel_bf16_amx.c: bfloat16 prefill on the AMX tile unit (built with -mamx-tile
  * -mamx-bf16 -mavx512f -mavx512bw -mavx512bf16; or, for tests, emulated:
  * FA_EMULATE_AMX + FA_EMULATE_AVX512 on AVX2, see amx_emu.h).
  *
