@@ -39,6 +39,10 @@ for f in setup.py pyproject.toml fastattn/_kernels.pyx csrc/fastattn.h csrc/kern
          csrc/attention.c csrc/dispatch.c tests/conftest.py LICENSE; do
     grep -qx "$f" "$work/sdist.txt" || { echo "sdist lacks $f"; exit 1; }
 done
+# Generated at build time (into the build directory), never shipped as source.
+for f in fastattn/_kernels.c fastattn/_family.c fastattn/_build_config.py; do
+    if grep -qx "$f" "$work/sdist.txt"; then echo "sdist has the generated $f"; exit 1; fi
+done
 echo "sdist has csrc/, the .pyx, setup files and tests ($(wc -l <"$work/sdist.txt") entries)"
 
 step "wheel contents and build flags"
