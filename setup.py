@@ -1,7 +1,11 @@
 """Build fastattn: one Cython extension linking per-ISA kernel objects.
 
-Build options (environment variables, read here only and recorded in
-fastattn/_build_config.py so that ``fastattn.show_config()`` reports them):
+Build options (environment variables, read here only and recorded in the
+generated module fastattn/_build_config.py so that ``fastattn.show_config()``
+reports them).  The build writes that module, like the Cython C code and the
+objects, into the build directory only (build_lib, whence the wheel takes it);
+an in-place build (``build_ext --inplace``, an editable install) copies it next
+to the extension modules in the package, as it does them:
 
 - ``FASTATTN_NATIVE=1``: add ``-march=native`` (local builds only; wheels never).
 - ``FASTATTN_CUDA=1``: also build the optional ``fastattn._cuda`` extension.
@@ -16,7 +20,7 @@ fastattn/_build_config.py so that ``fastattn.show_config()`` reports them):
 - The AMX unit is built when the compiler accepts ``-mamx-tile -mamx-bf16``
   (GCC >= 11, Clang >= 12); otherwise the ``amx`` path is simply absent.
 - ``FASTATTN_EMULATE_AVX512BF16=1`` (tests only): build the AVX512-BF16 kernel
-  (csrc/kernel_avx512bf16.c) with VDPBF16PS emulated in C (csrc/vdpbf16.h) and
+  (csrc/kernel_bf16_avx512bf16.c) with VDPBF16PS emulated in C (csrc/vdpbf16.h) and
   its AVX-512 part from AVX2 pairs (implies ``FASTATTN_EMULATE_AVX512``), so that
   the ``avx512bf16`` path runs on any AVX2 CPU (``tools/emulate_avx512bf16.sh``).
 - The AVX512-BF16 unit is built when the compiler accepts ``-mavx512bf16``
@@ -56,13 +60,20 @@ if EMULATE_AVX512BF16:
 if NATIVE:
     BASE_FLAGS.append("-march=native")
 
-# One instruction set per compile unit: (source, extra flags).
-ISA_UNITS = [("csrc/kernel_scalar.c", []), ("csrc/kernel_f64.c", [])]
+# One instruction set per compile unit: (source, extra flags).  Units are named
+# <family>_<dtype>_<isa>.c: the dtype the kernel computes in (f32, f64, bf16
+# for the AMX tiles) and the instruction set the unit is compiled for (scalar
+# = portable C, avx2, avx512, amx); kernel_* is the dot-product kernel
+# (kernel_impl.h), additive_* the additive family (additive_impl.h).  The
+# kernel's symbols carry the same _<dtype>_<isa> suffix (fa_kernel_f32_avx512),
+# and tools/test_wheel.sh requires every function that uses ymm/zmm registers
+# to have avx2, avx512 or amx in its name.
+ISA_UNITS = [("csrc/kernel_f32_scalar.c", []), ("csrc/kernel_f64_scalar.c", [])]
 if IS_X86:
     ISA_UNITS += [
-        ("csrc/kernel_avx2.c", ["-mavx2", "-mfma", "-mf16c"]),
+        ("csrc/kernel_f32_avx2.c", ["-mavx2", "-mfma", "-mf16c"]),
         (
-            "csrc/kernel_avx512.c",
+            "csrc/kernel_f32_avx512.c",
             ["-mavx2", "-mfma", "-mf16c"] if EMULATE_AVX512 else ["-mavx512f", "-mavx2", "-mfma", "-mf16c"],
         ),
     ]
@@ -70,21 +81,21 @@ if IS_X86:
 # The attention family beyond dot-product (fastattn._family): the same
 # one-ISA-per-unit rule, linked into its own extension.
 FAMILY_UNITS = [
-    ("csrc/additive_scalar.c", []),
-    ("csrc/additive_f64.c", []),
-    ("csrc/lsh_scalar.c", []),
-    ("csrc/lsh_f64.c", []),
+    ("csrc/additive_f32_scalar.c", []),
+    ("csrc/additive_f64_scalar.c", []),
+    ("csrc/lsh_f32_scalar.c", []),
+    ("csrc/lsh_f64_scalar.c", []),
 ]
 if IS_X86:
     FAMILY_UNITS += [
-        ("csrc/additive_avx2.c", ["-mavx2", "-mfma", "-mf16c"]),
+        ("csrc/additive_f32_avx2.c", ["-mavx2", "-mfma", "-mf16c"]),
         (
-            "csrc/additive_avx512.c",
+            "csrc/additive_f32_avx512.c",
             ["-mavx2", "-mfma", "-mf16c"] if EMULATE_AVX512 else ["-mavx512f", "-mavx2", "-mfma", "-mf16c"],
         ),
-        ("csrc/lsh_avx2.c", ["-mavx2", "-mfma", "-mf16c"]),
+        ("csrc/lsh_f32_avx2.c", ["-mavx2", "-mfma", "-mf16c"]),
         (
-            "csrc/lsh_avx512.c",
+            "csrc/lsh_f32_avx512.c",
             ["-mavx2", "-mfma", "-mf16c"] if EMULATE_AVX512 else ["-mavx512f", "-mavx2", "-mfma", "-mf16c"],
         ),
     ]
@@ -136,7 +147,7 @@ def _compiler_builds(flags, src):
         return r.returncode == 0
 
 
-# The AMX bfloat16 unit (csrc/kernel_amx.c): real tiles where the compiler knows them,
+# The AMX bfloat16 unit (csrc/kernel_bf16_amx.c): real tiles where the compiler knows them,
 # emulated ones in the test-only build.
 AMX = IS_X86 and (
     EMULATE_AMX
@@ -148,10 +159,10 @@ AMX = IS_X86 and (
 )
 if AMX:
     BASE_FLAGS.append("-DFA_HAVE_AMX")
-    ISA_UNITS.append(("csrc/kernel_amx.c", ["-mavx2", "-mfma", "-mf16c"] if EMULATE_AMX else AMX_FLAGS))
+    ISA_UNITS.append(("csrc/kernel_bf16_amx.c", ["-mavx2", "-mfma", "-mf16c"] if EMULATE_AMX else AMX_FLAGS))
 
 
-# The AVX512-BF16 unit (csrc/kernel_avx512bf16.c: the AMX kernel's source on
+# The AVX512-BF16 unit (csrc/kernel_bf16_avx512bf16.c: the AMX kernel's source on
 # VDPBF16PS): where the compiler knows the instruction; in any emulated AVX-512
 # build it is compiled for AVX2 with VDPBF16PS in C (vdpbf16.h).
 AVX512BF16_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512bf16", "-mavx2", "-mfma", "-mf16c"]
@@ -166,28 +177,74 @@ AVX512BF16 = IS_X86 and (
 if AVX512BF16:
     BASE_FLAGS.append("-DFA_HAVE_AVX512BF16")
     ISA_UNITS.append(
-        ("csrc/kernel_avx512bf16.c", ["-mavx2", "-mfma", "-mf16c"] if EMULATE_AVX512 else AVX512BF16_FLAGS)
+        (
+            "csrc/kernel_bf16_avx512bf16.c",
+            ["-mavx2", "-mfma", "-mf16c"] if EMULATE_AVX512 else AVX512BF16_FLAGS,
+        )
     )
 
 
-def _write_build_config():
+def _build_config_text():
+    """The text of fastattn/_build_config.py: the options this build used."""
     cc = os.environ.get("CC", "cc")
     try:
         ver = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     except (OSError, IndexError):
         ver = cc
-    with open(os.path.join(HERE, "fastattn", "_build_config.py"), "w") as f:
-        f.write("# Generated by setup.py; do not edit.\n")
-        f.write(f"COMPILER = {ver!r}\nOPENMP = {OPENMP!r}\nNATIVE = {NATIVE!r}\nCUDA_REQUESTED = {CUDA!r}\n")
-        f.write(f"EMULATE_AVX512 = {EMULATE_AVX512!r}\nEMULATE_AMX = {EMULATE_AMX!r}\nAMX_BUILT = {AMX!r}\n")
-        f.write(f"EMULATE_AVX512BF16 = {EMULATE_AVX512BF16!r}\nAVX512BF16_BUILT = {AVX512BF16!r}\n")
-        f.write(f"CFLAGS = {' '.join(BASE_FLAGS)!r}\n")
+    return (
+        "# Generated by setup.py at build time; do not edit.\n"
+        f"COMPILER = {ver!r}\nOPENMP = {OPENMP!r}\nNATIVE = {NATIVE!r}\nCUDA_REQUESTED = {CUDA!r}\n"
+        f"EMULATE_AVX512 = {EMULATE_AVX512!r}\nEMULATE_AMX = {EMULATE_AMX!r}\nAMX_BUILT = {AMX!r}\n"
+        f"EMULATE_AVX512BF16 = {EMULATE_AVX512BF16!r}\nAVX512BF16_BUILT = {AVX512BF16!r}\n"
+        f"CFLAGS = {' '.join(BASE_FLAGS)!r}\n"
+    )
+
+
+BUILD_CONFIG = ("fastattn", "_build_config.py")
 
 
 class BuildExt(build_ext):
-    """Compiles each ISA unit with its own flags and links the objects in."""
+    """Compiles each ISA unit with its own flags and links the objects in;
+    cythonizes into build_temp and writes the build config into build_lib, so
+    that nothing generated lands in the source tree except what an in-place
+    build copies there (the extension modules and the build config)."""
+
+    def _config_paths(self):
+        regular = os.path.join(self.build_lib, *BUILD_CONFIG)
+        package_dir = self.get_finalized_command("build_py").get_package_dir(BUILD_CONFIG[0])
+        return regular, os.path.join(package_dir, BUILD_CONFIG[1])
+
+    def run(self):
+        super().run()  # builds into build_lib; copies the extensions into the package when inplace
+        regular, inplace = self._config_paths()
+        os.makedirs(os.path.dirname(regular), exist_ok=True)
+        with open(regular, "w") as f:
+            f.write(_build_config_text())
+        if self.inplace:
+            self.copy_file(regular, inplace, level=self.verbose)
+
+    def get_outputs(self):
+        regular, inplace = self._config_paths()
+        return [*super().get_outputs(), inplace if self.inplace else regular]
+
+    def get_output_mapping(self):
+        mapping = super().get_output_mapping()
+        if self.inplace:
+            regular, inplace = self._config_paths()
+            mapping[regular] = inplace
+        return mapping
 
     def build_extension(self, ext):
+        if any(src.endswith(".pyx") for src in ext.sources):
+            # The generated C goes to build_temp (not next to the .pyx); cythonize
+            # regenerates it only when the .pyx (or a .pxd it uses) changed.
+            ext.sources = cythonize(
+                [ext],
+                build_dir=self.build_temp,
+                compiler_directives={"language_level": 3},
+                force=self.force,
+                quiet=True,
+            )[0].sources
         if ext.name in EXT_UNITS:
             objects = []
             for src, flags in EXT_UNITS[ext.name]:
@@ -202,7 +259,6 @@ class BuildExt(build_ext):
         super().build_extension(ext)
 
 
-_write_build_config()
 omp = ["-fopenmp"] if OPENMP else []
 extensions = [
     Extension(
@@ -225,7 +281,7 @@ extensions = [
     ),
 ]
 
-ext_modules = cythonize(extensions, compiler_directives={"language_level": 3})
+ext_modules = extensions
 
 cmdclass = {"build_ext": BuildExt}
 if CUDA:

@@ -1,4 +1,4 @@
-/* amx_emu.h: the tile layer of kernel_amx.c.  FA_TILE_* name the five AMX
+/* amx_emu.h: the tile layer of kernel_bf16_amx.c.  FA_TILE_* name the five AMX
  * instructions the kernel uses (ldtilecfg, tileloadd, tilestored, tilezero,
  * tdpbf16ps, plus tilerelease).  Normally they are the compiler's intrinsics;
  * with FA_EMULATE_AMX (a TEST-ONLY build, setup.py FASTATTN_EMULATE_AMX=1,

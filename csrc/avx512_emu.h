@@ -1,6 +1,6 @@
 /* avx512_emu.h: TEST-ONLY stand-ins for the AVX-512F intrinsics that simd.h
  * uses, built from pairs of AVX2 registers.  With FASTATTN_EMULATE_AVX512=1
- * (setup.py) kernel_avx512.c is compiled with AVX2 flags and this header, so
+ * (setup.py) kernel_f32_avx512.c is compiled with AVX2 flags and this header, so
  * the width-16 instantiation of kernel_impl.h (tails, padding, decode blocks)
  * runs and is tested on machines without AVX-512.  Lane semantics match the
  * real instructions (IEEE ops, NaN rules of max/min, rounding); horizontal

@@ -3,6 +3,7 @@
 #if defined(__linux__) && !defined(_GNU_SOURCE)
 #define _GNU_SOURCE 1 /* syscall() under -std=c11 */
 #endif
+#include <stdatomic.h>
 #include "kernel.h"
 
 #if defined(FA_HAVE_X86)
@@ -13,7 +14,7 @@
 #endif
 #if !defined(_WIN32)
 #include <pthread.h>
-#define FA_CPU_ONCE 1
+#define FA_AMX_ONCE 1
 #endif
 
 static unsigned long long fa_xgetbv0(void)
@@ -23,12 +24,20 @@ static unsigned long long fa_xgetbv0(void)
     return ((unsigned long long)hi << 32) | lo;
 }
 
-typedef struct { int avx2, avx512, f16c, avx512bf16, amx, avx512bw; } fa_cpu;
+/* The feature bits of fa_detect; FA_CPU_KNOWN marks a detected value, so
+ * that 0 means "not detected yet". */
+#define FA_CPU_AVX2 (1u << 0)
+#define FA_CPU_AVX512 (1u << 1)
+#define FA_CPU_F16C (1u << 2)
+#define FA_CPU_AVX512BF16 (1u << 3)
+#define FA_CPU_AMX (1u << 4)
+#define FA_CPU_AVX512BW (1u << 5)
+#define FA_CPU_KNOWN (1u << 31)
 
 /* Linux keeps the AMX tile data (8 KiB of state) off until a process asks:
  * arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), once per process (it
  * covers every thread).  Refused (old kernel, seccomp) or another OS: no AMX. */
-static int fa_amx_permission(void)
+static int fa_amx_request(void)
 {
 #if defined(__linux__) && defined(SYS_arch_prctl)
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
@@ -37,50 +46,61 @@ static int fa_amx_permission(void)
 #endif
 }
 
-static fa_cpu fa_detect(void)
+/* The request is made once per process (pthread_once publishes its answer to
+ * every thread); without pthreads (Windows) there is nothing to request. */
+#if defined(FA_AMX_ONCE)
+static int fa_amx_granted;
+static pthread_once_t fa_amx_once = PTHREAD_ONCE_INIT;
+static void fa_amx_init(void) { fa_amx_granted = fa_amx_request(); }
+static int fa_amx_permission(void)
 {
-    fa_cpu r = {0, 0, 0, 0, 0};
+    pthread_once(&fa_amx_once, fa_amx_init);
+    return fa_amx_granted;
+}
+#else
+static int fa_amx_permission(void) { return fa_amx_request(); }
+#endif
+
+static unsigned fa_detect(void)
+{
+    unsigned r = 0;
     unsigned a, b, c, d;
     if (!__get_cpuid(1, &a, &b, &c, &d)) return r;
     int osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, fma = (c >> 12) & 1, f16c = (c >> 29) & 1;
     if (!osxsave || !avx) return r;
     unsigned long long xcr0 = fa_xgetbv0();
     if ((xcr0 & 0x6) != 0x6) return r; /* XMM and YMM state */
-    r.f16c = f16c;
+    if (f16c) r |= FA_CPU_F16C;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return r;
     int avx2 = (b >> 5) & 1, avx512f = (b >> 16) & 1;
-    r.avx2 = avx2 && fma && f16c;
-    r.avx512 = r.avx2 && avx512f && (xcr0 & 0xe6) == 0xe6; /* + opmask, ZMM state */
+    if (avx2 && fma && f16c) r |= FA_CPU_AVX2;
+    if ((r & FA_CPU_AVX2) && avx512f && (xcr0 & 0xe6) == 0xe6) r |= FA_CPU_AVX512; /* + opmask, ZMM state */
     const int avx512bw = (b >> 30) & 1;
     /* AMX-BF16 (EDX bit 22) and AMX-TILE (bit 24), with XTILECFG and XTILEDATA
      * (XCR0 bits 17 and 18) enabled by the OS; the kernel's softmax needs
      * AVX-512 BW and BF16 too (every AMX CPU has them). */
     const int amx_cpu = ((d >> 22) & 1) && ((d >> 24) & 1) && ((xcr0 >> 17) & 3) == 3;
-    if (r.avx512 && __get_cpuid_count(7, 1, &a, &b, &c, &d)) r.avx512bf16 = (a >> 5) & 1;
-    r.amx = amx_cpu && r.avx512 && avx512bw && r.avx512bf16 && fa_amx_permission();
-    r.avx512bw = r.avx512 && avx512bw;
+    if ((r & FA_CPU_AVX512) && __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1)) r |= FA_CPU_AVX512BF16;
+    if (amx_cpu && (r & FA_CPU_AVX512) && avx512bw && (r & FA_CPU_AVX512BF16) && fa_amx_permission())
+        r |= FA_CPU_AMX;
+    if ((r & FA_CPU_AVX512) && avx512bw) r |= FA_CPU_AVX512BW;
     return r;
 }
 
-static fa_cpu fa_cpu_value;
-#if defined(FA_CPU_ONCE)
-static pthread_once_t fa_cpu_once = PTHREAD_ONCE_INIT;
-static void fa_cpu_init(void) { fa_cpu_value = fa_detect(); }
-#endif
+/* Detected once per process and cached in one atomic word, so that a reader
+ * sees either 0 (then detects itself) or the whole value, never a partial
+ * write.  Racing first callers compute the same bits and store the same
+ * value (cpuid does not change, and the AMX request is made once). */
+static atomic_uint fa_cpu_bits;
 
-/* Detected once per process, published safely to every thread. */
-static fa_cpu fa_cpu_cached(void)
+static unsigned fa_cpu(void)
 {
-#if defined(FA_CPU_ONCE)
-    pthread_once(&fa_cpu_once, fa_cpu_init);
-#else
-    static int done = 0;
-    if (!__atomic_load_n(&done, __ATOMIC_ACQUIRE)) {
-        fa_cpu_value = fa_detect(); /* idempotent: a race writes the same value */
-        __atomic_store_n(&done, 1, __ATOMIC_RELEASE);
+    unsigned v = atomic_load_explicit(&fa_cpu_bits, memory_order_acquire);
+    if (!v) {
+        v = fa_detect() | FA_CPU_KNOWN;
+        atomic_store_explicit(&fa_cpu_bits, v, memory_order_release);
     }
-#endif
-    return fa_cpu_value;
+    return v;
 }
 #endif
 
@@ -88,24 +108,25 @@ int fa_cpu_has(int isa)
 {
     if (isa == FA_ISA_SCALAR) return 1;
 #if defined(FA_HAVE_X86)
-    fa_cpu c = fa_cpu_cached();
-    if (isa == FA_ISA_AVX2) return c.avx2;
+    const unsigned c = fa_cpu();
+    const int avx2 = (c & FA_CPU_AVX2) != 0;
+    if (isa == FA_ISA_AVX2) return avx2;
 #if defined(FA_EMULATE_AVX512)
-    if (isa == FA_ISA_AVX512) return c.avx2; /* test-only build: emulated on AVX2 */
+    if (isa == FA_ISA_AVX512) return avx2; /* test-only build: emulated on AVX2 */
 #else
-    if (isa == FA_ISA_AVX512) return c.avx512;
+    if (isa == FA_ISA_AVX512) return (c & FA_CPU_AVX512) != 0;
 #endif
 #if defined(FA_HAVE_AVX512BF16) && defined(FA_EMULATE_AVX512BF16)
-    if (isa == FA_ISA_AVX512BF16) return c.avx2; /* test-only build: VDPBF16PS emulated in C */
+    if (isa == FA_ISA_AVX512BF16) return avx2; /* test-only build: VDPBF16PS emulated in C */
 #elif defined(FA_HAVE_AVX512BF16)
     /* the kernel's softmax and packing use AVX-512 BW next to BF16 (every
      * AVX512-BF16 CPU has it) */
-    if (isa == FA_ISA_AVX512BF16) return c.avx512bf16 && c.avx512bw;
+    if (isa == FA_ISA_AVX512BF16) return (c & FA_CPU_AVX512BF16) && (c & FA_CPU_AVX512BW);
 #endif
 #if defined(FA_HAVE_AMX) && defined(FA_EMULATE_AMX)
-    if (isa == FA_ISA_AMX) return c.avx2; /* test-only build: tiles emulated in C */
+    if (isa == FA_ISA_AMX) return avx2; /* test-only build: tiles emulated in C */
 #elif defined(FA_HAVE_AMX)
-    if (isa == FA_ISA_AMX) return c.amx;
+    if (isa == FA_ISA_AMX) return (c & FA_CPU_AMX) != 0;
 #endif
 #endif
     return 0;
@@ -114,7 +135,7 @@ int fa_cpu_has(int isa)
 int fa_cpu_has_amx(void)
 {
 #if defined(FA_HAVE_X86)
-    return fa_cpu_cached().amx;
+    return (fa_cpu() & FA_CPU_AMX) != 0;
 #else
     return 0;
 #endif
@@ -123,7 +144,7 @@ int fa_cpu_has_amx(void)
 int fa_cpu_has_f16c(void)
 {
 #if defined(FA_HAVE_X86)
-    return fa_cpu_cached().f16c;
+    return (fa_cpu() & FA_CPU_F16C) != 0;
 #else
     return 0;
 #endif
@@ -132,7 +153,7 @@ int fa_cpu_has_f16c(void)
 int fa_cpu_has_avx512bf16(void)
 {
 #if defined(FA_HAVE_X86)
-    return fa_cpu_cached().avx512bf16;
+    return (fa_cpu() & FA_CPU_AVX512BF16) != 0;
 #else
     return 0;
 #endif
@@ -146,30 +167,30 @@ int fa_isa_best(void)
     return FA_ISA_SCALAR;
 }
 
-static int fa_isa_current = -1;
+/* The ISA that calls use: -1 until the first fa_isa_get or fa_isa_set.  An
+ * atomic int, since set_isa may run while other threads start calls; a call
+ * reads it once (fa_select_kernel, or the backward driver), so it runs
+ * whole on one ISA. */
+static atomic_int fa_isa_current = -1;
 
 int fa_isa_get(void)
 {
-    if (fa_isa_current < 0) fa_isa_current = fa_isa_best();
-    return fa_isa_current;
+    int isa = atomic_load_explicit(&fa_isa_current, memory_order_relaxed);
+    if (isa < 0) {
+        /* First use: the best ISA, unless an fa_isa_set got in first (then
+         * the exchange fails and leaves its choice in isa). */
+        int expected = -1, best = fa_isa_best();
+        isa = atomic_compare_exchange_strong_explicit(&fa_isa_current, &expected, best, memory_order_relaxed,
+                                                      memory_order_relaxed) ? best : expected;
+    }
+    return isa;
 }
 
 int fa_isa_set(int isa)
 {
     if (isa < FA_ISA_SCALAR || isa > FA_ISA_AVX512BF16 || !fa_cpu_has(isa)) return -1;
-    fa_isa_current = isa;
+    atomic_store_explicit(&fa_isa_current, isa, memory_order_relaxed);
     return 0;
-}
-
-const char *fa_isa_name(int isa)
-{
-    switch (isa) {
-    case FA_ISA_AMX: return "amx";
-    case FA_ISA_AVX512BF16: return "avx512bf16";
-    case FA_ISA_AVX512: return "avx512";
-    case FA_ISA_AVX2: return "avx2";
-    default: return "scalar";
-    }
 }
 
 const fa_kernel *fa_select_kernel(const fa_params *p)

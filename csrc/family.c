@@ -1,7 +1,7 @@
 /* family.c: drivers of the attention family beyond dot-product (family.h):
  * additive attention (tasks over query-row blocks, kernels in
  * additive_<isa>.c), LSH attention (hash, sort and chunk phases, kernels in
- * lsh_<isa>.c) and rotary embeddings applied while copying, all run on
+ * lsh_<dtype>_<isa>.c) and rotary embeddings applied while copying, all run on
  * OpenMP threads.  Tasks depend on the shapes only, never on the thread
  * count, so results are bit-identical for every number of threads.
  *

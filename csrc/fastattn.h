@@ -79,7 +79,6 @@ int fa_cpu_has(int isa);             /* 1 when the CPU and OS support isa */
 int fa_isa_best(void);
 int fa_isa_get(void);
 int fa_isa_set(int isa);             /* 0 ok, -1 when the CPU lacks it */
-const char *fa_isa_name(int isa);
 int fa_cpu_has_f16c(void);
 int fa_cpu_has_avx512bf16(void);
 int fa_cpu_has_amx(void);            /* AMX-BF16 usable: CPU, OS state and tile permission */

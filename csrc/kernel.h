@@ -30,12 +30,12 @@ void fa_exp2_avx2(const float *x, float *y, int64_t n);
 void fa_exp2_avx512(const float *x, float *y, int64_t n);
 #if defined(FA_HAVE_AMX)
 /* bfloat16 q, k, v with at least FA_AMX_MIN_ROWS stacked rows (GQA heads x
- * query positions) per key/value head run on the AMX tiles (kernel_amx.c). */
+ * query positions) per key/value head run on the AMX tiles (kernel_bf16_amx.c). */
 #define FA_AMX_MIN_ROWS 32
 extern const fa_kernel fa_kernel_bf16_amx;
 #endif
 #if defined(FA_HAVE_AVX512BF16)
-/* The same calls on VDPBF16PS where the ISA is avx512bf16 (kernel_avx512bf16.c). */
+/* The same calls on VDPBF16PS where the ISA is avx512bf16 (kernel_bf16_avx512bf16.c). */
 #ifndef FA_AMX_MIN_ROWS
 #define FA_AMX_MIN_ROWS 32
 #endif

@@ -1,9 +1,19 @@
 /* kernel_impl.h: the fused attention kernel, written once in the vector
- * vocabulary of simd.h and instantiated per ISA by kernel_<isa>.c, which
- * define FA_SUFFIX and the tile constants MR, NV, NVO, BN, BMR, RD.
+ * vocabulary of simd.h and instantiated per dtype and ISA by the units
+ * kernel_<dtype>_<isa>.c, which define REAL (or a FA_TARGET_*), FA_SUFFIX and
+ * the blocking constants:
+ *   FA_BLK_MR   rows per Q.K^T / P.V register block (prefill)
+ *   FA_BLK_NV   vectors of keys per Q.K^T register block (FA_BLK_NR keys)
+ *   FA_BLK_NVO  vectors of Dv per P.V register block
+ *   FA_BLK_BN   keys per tile
+ *   FA_BLK_BMR  stacked query rows per task (FA_BLK_BMR_SHORT: for short
+ *               sequences, optional; attention.c chooses)
+ *   FA_BLK_RD   at most this many stacked rows take the decode path
+ * and FA_ISA_SUFFIX where the unit provides this ISA's exp2 test hook.
+ * (FA_TILE_* are the AMX tile instructions, amx_emu.h.)
  *
  * One task = a block of stacked query rows (GQA heads x query positions) of
- * one (batch, kv head).  For each tile of BN keys it computes the score tile
+ * one (batch, kv head).  For each tile of FA_BLK_BN keys it computes the score tile
  * S = Qs.K^T (Q pre-scaled by scale*log2(e), so exp2 replaces exp), applies the
  * masks only where a tile needs them, updates the running max m and sum l of
  * each row (rescaling the accumulator only when m grows) and accumulates P.V.
@@ -17,14 +27,14 @@
 #define FA_CAT_(a, b) a##b
 #define FA_CAT(a, b) FA_CAT_(a, b)
 #define FA_NAME(x) FA_CAT(x, FA_SUFFIX)
-#define NR (NV * VW) /* keys per packed K panel */
+#define FA_BLK_NR (FA_BLK_NV * VW) /* keys per packed K panel */
 #define FA_PF_KEYS 16 /* decode: prefetch distance in keys */
 /* Keys per tile for a single query row whose K and V are read in place (the
  * usual decode step): one long tile streams K, then V, then the next K, each
  * pass reading its rows in address order, the output row held in registers
  * (interleaved A/B on Zen 3, B1 H32 S8192 D128 float32: +10% on 2 threads,
  * +15% on 1, against 64-key tiles with V read in column blocks).  The S
- * scratch (BMR x BN) holds it as one row.  Tried for 2-4 stacked GQA rows with
+ * scratch (FA_BLK_BMR x FA_BLK_BN) holds it as one row.  Tried for 2-4 stacked GQA rows with
  * P.V one key at a time and O in L1: +3% float32, 15-30% slower float16; with
  * P.V one row at a time over the tile (V from DRAM once, then from L2): -0..-5%;
  * 16-256-key tiles: no better.  So those keep 64-key tiles. */
@@ -52,11 +62,11 @@ typedef struct fa_stream {
 static inline int64_t fa_rup(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 typedef struct fa_ws {
-    REAL *Qs;   /* BMR x Dp   pre-scaled queries                        */
-    REAL *K;    /* BN x Dp    packed K panels (or converted K rows)      */
-    REAL *V;    /* BN x Dvp   converted V rows (when not read in place)  */
-    REAL *S;    /* BMR x BN   scores, then probabilities                 */
-    REAL *O;    /* BMR x Dvp  unnormalised output accumulator            */
+    REAL *Qs;   /* FA_BLK_BMR x Dp   pre-scaled queries                        */
+    REAL *K;    /* FA_BLK_BN x Dp    packed K panels (or converted K rows)      */
+    REAL *V;    /* FA_BLK_BN x Dvp   converted V rows (when not read in place)  */
+    REAL *S;    /* FA_BLK_BMR x FA_BLK_BN   scores, then probabilities                 */
+    REAL *O;    /* FA_BLK_BMR x Dvp  unnormalised output accumulator            */
     REAL *m, *l, *tmp;
 } fa_ws;
 
@@ -64,8 +74,8 @@ typedef struct fa_ws {
 static inline size_t fa_al(size_t n) { return (n + FA_ALIGN - 1) / FA_ALIGN * FA_ALIGN; }
 
 /* Rows of scratch per task.  The driver gives a task max(1, rows / G)
- * query positions of all G = Hq / Hk heads of its kv head, with rows <= BMR,
- * so a task stacks at most max(BMR, G) rows: a GQA group larger than the row
+ * query positions of all G = Hq / Hk heads of its kv head, with rows <= FA_BLK_BMR,
+ * so a task stacks at most max(FA_BLK_BMR, G) rows: a GQA group larger than the row
  * block (multi-query attention with many heads) stacks all G heads of one
  * position.  Sizing the scratch for that keeps K and V read once per task
  * (rather than once per slice of the group), and the tasks still depend on the
@@ -73,14 +83,14 @@ static inline size_t fa_al(size_t n) { return (n + FA_ALIGN - 1) / FA_ALIGN * FA
 static inline int64_t FA_NAME(cap_rows)(const fa_params *p)
 {
     const int64_t G = p->Hk > 0 ? p->Hq / p->Hk : 1;
-    return G > BMR ? G : BMR;
+    return G > FA_BLK_BMR ? G : FA_BLK_BMR;
 }
 
 static size_t FA_NAME(scratch_bytes)(const fa_params *p)
 {
     int64_t Dp = fa_rup(p->D, VW), Dvp = fa_rup(p->Dv, VW), W = Dp > Dvp ? Dp : Dvp;
     const size_t e = sizeof(REAL), R = (size_t)FA_NAME(cap_rows)(p);
-    return fa_al(R * Dp * e) + fa_al(BN * Dp * e) + fa_al(BN * Dvp * e) + fa_al(R * BN * e) +
+    return fa_al(R * Dp * e) + fa_al(FA_BLK_BN * Dp * e) + fa_al(FA_BLK_BN * Dvp * e) + fa_al(R * FA_BLK_BN * e) +
            fa_al(R * Dvp * e) + 2 * fa_al(R * e) + fa_al(W * e) + FA_ALIGN;
 }
 
@@ -90,43 +100,43 @@ static void FA_NAME(carve)(const fa_params *p, void *scratch, fa_ws *w)
     const size_t e = sizeof(REAL), R = (size_t)FA_NAME(cap_rows)(p);
     char *c = (char *)(((uintptr_t)scratch + FA_ALIGN - 1) / FA_ALIGN * FA_ALIGN);
     w->Qs = (REAL *)c; c += fa_al(R * Dp * e);
-    w->K = (REAL *)c; c += fa_al(BN * Dp * e);
-    w->V = (REAL *)c; c += fa_al(BN * Dvp * e);
-    w->S = (REAL *)c; c += fa_al(R * BN * e);
+    w->K = (REAL *)c; c += fa_al(FA_BLK_BN * Dp * e);
+    w->V = (REAL *)c; c += fa_al(FA_BLK_BN * Dvp * e);
+    w->S = (REAL *)c; c += fa_al(R * FA_BLK_BN * e);
     w->O = (REAL *)c; c += fa_al(R * Dvp * e);
     w->m = (REAL *)c; c += fa_al(R * e);
     w->l = (REAL *)c; c += fa_al(R * e);
     w->tmp = (REAL *)c;
 }
 
-/* S[i][0:NR] = sum_d Q[i][d] * Kp[d][0:NR] for mr rows (register blocked). */
+/* S[i][0:FA_BLK_NR] = sum_d Q[i][d] * Kp[d][0:FA_BLK_NR] for mr rows (register blocked). */
 FA_INLINE void FA_NAME(qk_ukernel)(int mr, const REAL *Q, int64_t ldq, const REAL *Kp,
                                    int64_t D, REAL *S, int64_t lds)
 {
-    vf acc[MR][NV];
+    vf acc[FA_BLK_MR][FA_BLK_NV];
     for (int i = 0; i < mr; i++)
-        for (int v = 0; v < NV; v++) acc[i][v] = vf_zero();
+        for (int v = 0; v < FA_BLK_NV; v++) acc[i][v] = vf_zero();
     for (int64_t d = 0; d < D; d++) {
-        vf kv[NV];
-        for (int v = 0; v < NV; v++) kv[v] = vf_load(Kp + d * NR + v * VW);
+        vf kv[FA_BLK_NV];
+        for (int v = 0; v < FA_BLK_NV; v++) kv[v] = vf_load(Kp + d * FA_BLK_NR + v * VW);
         for (int i = 0; i < mr; i++) {
             vf a = vf_set1(Q[i * ldq + d]);
-            for (int v = 0; v < NV; v++) acc[i][v] = vf_fma(a, kv[v], acc[i][v]);
+            for (int v = 0; v < FA_BLK_NV; v++) acc[i][v] = vf_fma(a, kv[v], acc[i][v]);
         }
     }
     for (int i = 0; i < mr; i++)
-        for (int v = 0; v < NV; v++) vf_store(S + i * lds + v * VW, acc[i][v]);
+        for (int v = 0; v < FA_BLK_NV; v++) vf_store(S + i * lds + v * VW, acc[i][v]);
 }
 
 /* O[i][0:nv*VW] += sum_j P[i][j] * V[j][0:nv*VW] for mr rows, nj keys. */
 FA_INLINE void FA_NAME(pv_ukernel)(int mr, int nv, const REAL *P, int64_t ldp, int64_t nj,
                                    const REAL *V, int64_t ldv, REAL *O, int64_t ldo)
 {
-    vf acc[MR][NVO];
+    vf acc[FA_BLK_MR][FA_BLK_NVO];
     for (int i = 0; i < mr; i++)
         for (int v = 0; v < nv; v++) acc[i][v] = vf_load(O + i * ldo + v * VW);
     for (int64_t j = 0; j < nj; j++) {
-        vf vv[NVO];
+        vf vv[FA_BLK_NVO];
         for (int v = 0; v < nv; v++) vv[v] = vf_load(V + j * ldv + v * VW);
         for (int i = 0; i < mr; i++) {
             vf a = vf_set1(P[i * ldp + j]);
@@ -185,7 +195,7 @@ FA_INLINE void FA_NAME(qk_rows)(int nr, int kdt, const REAL *Q, int64_t Dp, cons
             if (half) FA_PREFETCH_ROW((const char *)K + t * ldk * kbytes, krow, 3);
             if (vpf) FA_PREFETCH_ROW(vpf + (j + u) * vpf_ld, vpf_row, 2);
         }
-        vf acc0[RD][4], acc1[RD][4];
+        vf acc0[FA_BLK_RD][4], acc1[FA_BLK_RD][4];
         for (int r = 0; r < nr; r++)
             for (int u = 0; u < kb; u++) acc0[r][u] = acc1[r][u] = vf_zero();
         const char *kr = (const char *)K + j * ldk * kbytes;
@@ -201,7 +211,7 @@ FA_INLINE void FA_NAME(qk_rows)(int nr, int kdt, const REAL *Q, int64_t Dp, cons
                 }
             }
         else for (int64_t d = 0; d < Dp2; d += 2 * VW) {
-            vf q0[RD], q1[RD];
+            vf q0[FA_BLK_RD], q1[FA_BLK_RD];
             for (int r = 0; r < nr; r++) {
                 q0[r] = vf_load(Q + r * Dp + d);
                 q1[r] = vf_load(Q + r * Dp + d + VW);
@@ -225,7 +235,7 @@ FA_INLINE void FA_NAME(qk_rows)(int nr, int kdt, const REAL *Q, int64_t Dp, cons
                 S[r * lds + j + u] = vf_hsum(Dp2 ? vf_add(acc0[r][u], acc1[r][u]) : acc0[r][u]);
     }
     for (; j < nj; j++) {
-        vf acc[RD];
+        vf acc[FA_BLK_RD];
         for (int r = 0; r < nr; r++) acc[r] = vf_zero();
         for (int64_t d = 0; d < Dp; d += VW) {
             vf kv = FA_NAME(ld)(K, kdt, j * ldk + d);
@@ -235,16 +245,16 @@ FA_INLINE void FA_NAME(qk_rows)(int nr, int kdt, const REAL *Q, int64_t Dp, cons
     }
 }
 
-/* O[r][c0:c0+nv*VW] += sum_j P[r][j] V[j][c0:...] for nr <= RD rows with the
+/* O[r][c0:c0+nv*VW] += sum_j P[r][j] V[j][c0:...] for nr <= FA_BLK_RD rows with the
  * output block held in registers over all nj keys (V: dtype vdt, stride ldv). */
 FA_INLINE void FA_NAME(pv_rows_blk)(int nr, int nv, int vdt, const REAL *P, int64_t ldp, int64_t nj,
                                     const void *V, int64_t c0, int64_t ldv, REAL *O, int64_t Dvp)
 {
-    vf acc[RD][8];
+    vf acc[FA_BLK_RD][8];
     for (int r = 0; r < nr; r++)
         for (int v = 0; v < nv; v++) acc[r][v] = vf_load(O + r * Dvp + c0 + v * VW);
     for (int64_t j = 0; j < nj; j++) {
-        vf pr[RD];
+        vf pr[FA_BLK_RD];
         for (int r = 0; r < nr; r++) pr[r] = vf_set1(P[r * ldp + j]);
         for (int v = 0; v < nv; v++) {
             vf vv = FA_NAME(ld)(V, vdt, j * ldv + c0 + v * VW);
@@ -300,21 +310,21 @@ FA_INLINE void FA_NAME(pv_rows)(int nr, int vdt, const REAL *P, int64_t ldp, int
     do { if ((dt) == FA_F16) CALL(n, FA_F16); else if ((dt) == FA_BF16) CALL(n, FA_BF16); \
          else CALL(n, self); } while (0)
 
-/* CALL(n) for the decode row counts n = 1..RD (RD is 4 or 8), n a constant. */
+/* CALL(n) for the decode row counts n = 1..FA_BLK_RD (FA_BLK_RD is 4 or 8), n a constant. */
 #define FA_RD_CASES(n, CALL) \
     switch (n) { \
     case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
-    case 5: CALL(5 <= RD ? 5 : RD); break; case 6: CALL(6 <= RD ? 6 : RD); break; \
-    case 7: CALL(7 <= RD ? 7 : RD); break; default: CALL(RD); break; }
+    case 5: CALL(5 <= FA_BLK_RD ? 5 : FA_BLK_RD); break; case 6: CALL(6 <= FA_BLK_RD ? 6 : FA_BLK_RD); break; \
+    case 7: CALL(7 <= FA_BLK_RD ? 7 : FA_BLK_RD); break; default: CALL(FA_BLK_RD); break; }
 
 #define FA_MR_CASES(n, CALL) \
     switch (n) { \
     case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; \
-    case 4: CALL(4); break; case 5: CALL(5 <= MR ? 5 : MR); break; \
-    case 6: CALL(6 <= MR ? 6 : MR); break; case 7: CALL(7 <= MR ? 7 : MR); break; \
-    case 8: CALL(8 <= MR ? 8 : MR); break; case 9: CALL(9 <= MR ? 9 : MR); break; \
-    case 10: CALL(10 <= MR ? 10 : MR); break; case 11: CALL(11 <= MR ? 11 : MR); break; \
-    default: CALL(MR); break; }
+    case 4: CALL(4); break; case 5: CALL(5 <= FA_BLK_MR ? 5 : FA_BLK_MR); break; \
+    case 6: CALL(6 <= FA_BLK_MR ? 6 : FA_BLK_MR); break; case 7: CALL(7 <= FA_BLK_MR ? 7 : FA_BLK_MR); break; \
+    case 8: CALL(8 <= FA_BLK_MR ? 8 : FA_BLK_MR); break; case 9: CALL(9 <= FA_BLK_MR ? 9 : FA_BLK_MR); break; \
+    case 10: CALL(10 <= FA_BLK_MR ? 10 : FA_BLK_MR); break; case 11: CALL(11 <= FA_BLK_MR ? 11 : FA_BLK_MR); break; \
+    default: CALL(FA_BLK_MR); break; }
 
 /* nj rows of n values of dtype dt (row r at src + r * srow bytes) converted
  * to REAL rows of ld values at dst, zero-padded from n to ld. */
@@ -357,7 +367,7 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
     const int64_t ksz = (int64_t)fa_dtype_size(p->k_dtype), vsz = (int64_t)fa_dtype_size(p->v_dtype);
     const char *kbase = (const char *)p->k + (b * p->k_sb + t->hk * p->k_sh + bi.koff * p->k_sl) * ksz;
     const char *vbase = (const char *)p->v + (b * p->v_sb + t->hk * p->v_sh + bi.koff * p->v_sl) * vsz;
-    const int rowdot = R <= RD;
+    const int rowdot = R <= FA_BLK_RD;
     const int self_dt = sizeof(REAL) == 8 ? FA_F64 : FA_F32;
     const int kdirect = p->k_dtype == self_dt && D % VW == 0;
     const int vdirect = p->v_dtype == self_dt && Dv % VW == 0;
@@ -401,9 +411,9 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
      * stream when K and V are 16-bit (float32 rows need none, see qk_rows); TN is
      * also the row stride of S. */
     const int64_t nvo = Dvp / VW;
-    const int row1 = R == 1 && rowdot && kfuse && vfuse && FA_ROW_TN <= BMR * BN &&
+    const int row1 = R == 1 && rowdot && kfuse && vfuse && FA_ROW_TN <= FA_BLK_BMR * FA_BLK_BN &&
                      (nvo == 4 || nvo == 8 || nvo == 12 || nvo == 16);
-    const int64_t TN = row1 ? FA_ROW_TN : BN;
+    const int64_t TN = row1 ? FA_ROW_TN : FA_BLK_BN;
     for (int64_t jt = jlo; jt < jhi; jt += TN) {
         const int64_t nj = fa_min64(TN, jhi - jt), njp = fa_rup(nj, VW);
         /* This tile's first K and V rows (st.k, st.v), for every path below. */
@@ -427,42 +437,42 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
                 ldk = Dp;
                 kdt = self_dt;
             }
-#define FA_CALL_QKR(n, dt) FA_NAME(qk_rows)((n) <= RD ? (n) : RD, dt, w.Qs, Dp, kr, ldk, nj, w.S, TN, \
+#define FA_CALL_QKR(n, dt) FA_NAME(qk_rows)((n) <= FA_BLK_RD ? (n) : FA_BLK_RD, dt, w.Qs, Dp, kr, ldk, nj, w.S, TN, \
                                                     vpf, p->v_sl * vsz, Dv * vsz, row1 ? &st : NULL)
 #define FA_CALL_QKR_DT(n) FA_DT_CASES(kdt, self_dt, FA_CALL_QKR, n)
             FA_RD_CASES(R, FA_CALL_QKR_DT)
 #undef FA_CALL_QKR_DT
 #undef FA_CALL_QKR
         } else {
-            const int64_t np = (nj + NR - 1) / NR;
+            const int64_t np = (nj + FA_BLK_NR - 1) / FA_BLK_NR;
             int64_t c = 0;
 #if defined(FA_HAVE_PACK8)
-            /* Groups of 8 keys of a float32 K: 8 x 8 transposes (NR is a multiple of 8). */
+            /* Groups of 8 keys of a float32 K: 8 x 8 transposes (FA_BLK_NR is a multiple of 8). */
             if (p->k_dtype == FA_F32)
                 for (; c + 8 <= nj; c += 8) {
                     const float *ks = (const float *)(kbase + (jt + c) * p->k_sl * ksz);
-                    REAL *kp = w.K + (c / NR) * D * NR + (c % NR);
+                    REAL *kp = w.K + (c / FA_BLK_NR) * D * FA_BLK_NR + (c % FA_BLK_NR);
                     int64_t d = 0;
-                    for (; d + 8 <= D; d += 8) fa_pack8x8(ks + d, p->k_sl, kp + d * NR, NR);
+                    for (; d + 8 <= D; d += 8) fa_pack8x8(ks + d, p->k_sl, kp + d * FA_BLK_NR, FA_BLK_NR);
                     for (; d < D; d++)
-                        for (int u = 0; u < 8; u++) kp[d * NR + u] = ks[u * p->k_sl + d];
+                        for (int u = 0; u < 8; u++) kp[d * FA_BLK_NR + u] = ks[u * p->k_sl + d];
                 }
 #endif
-            for (; c < np * NR; c++) {
-                REAL *kp = w.K + (c / NR) * D * NR + (c % NR);
+            for (; c < np * FA_BLK_NR; c++) {
+                REAL *kp = w.K + (c / FA_BLK_NR) * D * FA_BLK_NR + (c % FA_BLK_NR);
                 if (c < nj) {
                     const char *ks = kbase + (jt + c) * p->k_sl * ksz;
                     const REAL *kr = (const REAL *)ks;
                     if (p->k_dtype != self_dt) { fa_cvt_row(w.tmp, ks, p->k_dtype, D); kr = w.tmp; }
-                    for (int64_t d = 0; d < D; d++) kp[d * NR] = kr[d];
+                    for (int64_t d = 0; d < D; d++) kp[d * FA_BLK_NR] = kr[d];
                 } else {
-                    for (int64_t d = 0; d < D; d++) kp[d * NR] = 0;
+                    for (int64_t d = 0; d < D; d++) kp[d * FA_BLK_NR] = 0;
                 }
             }
-            for (int64_t r0 = 0; r0 < R; r0 += MR) {
-                int mr = (int)fa_min64(MR, R - r0);
+            for (int64_t r0 = 0; r0 < R; r0 += FA_BLK_MR) {
+                int mr = (int)fa_min64(FA_BLK_MR, R - r0);
                 for (int64_t pp = 0; pp < np; pp++) {
-#define FA_CALL_QK(n) FA_NAME(qk_ukernel)(n, w.Qs + r0 * Dp, Dp, w.K + pp * D * NR, D, w.S + r0 * BN + pp * NR, BN)
+#define FA_CALL_QK(n) FA_NAME(qk_ukernel)(n, w.Qs + r0 * Dp, Dp, w.K + pp * D * FA_BLK_NR, D, w.S + r0 * FA_BLK_BN + pp * FA_BLK_NR, FA_BLK_BN)
                     FA_MR_CASES(mr, FA_CALL_QK)
 #undef FA_CALL_QK
                 }
@@ -566,7 +576,7 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
             continue;
         }
         if (rowdot && vfuse) {
-#define FA_CALL_PVR(n, dt) FA_NAME(pv_rows)((n) <= RD ? (n) : RD, dt, w.S, BN, nj, st.v, ldv, w.O, Dvp)
+#define FA_CALL_PVR(n, dt) FA_NAME(pv_rows)((n) <= FA_BLK_RD ? (n) : FA_BLK_RD, dt, w.S, FA_BLK_BN, nj, st.v, ldv, w.O, Dvp)
 #define FA_CALL_PVR_DT(n) FA_DT_CASES(p->v_dtype, self_dt, FA_CALL_PVR, n)
             FA_RD_CASES(R, FA_CALL_PVR_DT)
 #undef FA_CALL_PVR_DT
@@ -579,24 +589,24 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
                 V = w.V;
                 ldv = Dvp;
             }
-#define FA_CALL_PVC(n) FA_NAME(pv_rows)((n) <= RD ? (n) : RD, self_dt, w.S, BN, nj, V, ldv, w.O, Dvp)
+#define FA_CALL_PVC(n) FA_NAME(pv_rows)((n) <= FA_BLK_RD ? (n) : FA_BLK_RD, self_dt, w.S, FA_BLK_BN, nj, V, ldv, w.O, Dvp)
             FA_RD_CASES(R, FA_CALL_PVC)
 #undef FA_CALL_PVC
             continue;
         }
-        /* P.V reads V in column blocks of PW = NVO*VW values.  Read in place, the
+        /* P.V reads V in column blocks of PW = FA_BLK_NVO*VW values.  Read in place, the
          * rows of a block lie one row stride apart; with few rows per task (GQA
          * decode with large groups) they come from DRAM that way, and with long
          * rows (Dv > 128) a power-of-two stride maps a block to a few L1 sets that
          * evict each other (the D = 256 profile: ~38% of samples on V loads).
          * Then V is first copied row by row into column panels (the panel of
-         * columns [c0, c0 + wd) holds nj rows of wd values at w.V + c0 * BN,
+         * columns [c0, c0 + wd) holds nj rows of wd values at w.V + c0 * FA_BLK_BN,
          * wd = PW, or VW after the full panels), converted on the way.
          * Measured (Zen 3, standalone builds in one process): B1 H16/1 S32768
          * decode +15-20%, H128/8 +10%, D = 256 prefill +9-14% on one thread,
          * D = 160 +4-7%; with many rows and Dv <= 128 it was mixed (-6..+8%), so
          * those keep reading V in place. */
-        const int64_t PW = NVO * VW;
+        const int64_t PW = FA_BLK_NVO * VW;
         const int vpanel = !vdirect || R <= FA_VPANEL_ROWS || Dvp > 128;
         const int64_t Dfull = Dvp / PW * PW;
         if (vpanel)
@@ -607,27 +617,27 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
                     src = w.tmp;
                 }
                 for (int64_t c0 = 0; c0 < Dfull; c0 += PW)
-                    for (int64_t c = 0; c < PW; c += VW) vf_store(w.V + c0 * BN + jj * PW + c, vf_load(src + c0 + c));
-                for (int64_t c0 = Dfull; c0 < Dvp; c0 += VW) vf_store(w.V + c0 * BN + jj * VW, vf_load(src + c0));
+                    for (int64_t c = 0; c < PW; c += VW) vf_store(w.V + c0 * FA_BLK_BN + jj * PW + c, vf_load(src + c0 + c));
+                for (int64_t c0 = Dfull; c0 < Dvp; c0 += VW) vf_store(w.V + c0 * FA_BLK_BN + jj * VW, vf_load(src + c0));
             }
         /* Column blocks outer: a block of V (nj x wd) stays in L1 across the row blocks. */
         int64_t c0 = 0;
         for (; c0 < Dfull; c0 += PW) {
-            const REAL *Vb = vpanel ? w.V + c0 * BN : V + c0;
+            const REAL *Vb = vpanel ? w.V + c0 * FA_BLK_BN : V + c0;
             const int64_t ldb = vpanel ? PW : ldv;
-            for (int64_t r0 = 0; r0 < R; r0 += MR) {
-                int mr = (int)fa_min64(MR, R - r0);
-#define FA_CALL_PV(n) FA_NAME(pv_ukernel)(n, NVO, w.S + r0 * BN, BN, nj, Vb, ldb, w.O + r0 * Dvp + c0, Dvp)
+            for (int64_t r0 = 0; r0 < R; r0 += FA_BLK_MR) {
+                int mr = (int)fa_min64(FA_BLK_MR, R - r0);
+#define FA_CALL_PV(n) FA_NAME(pv_ukernel)(n, FA_BLK_NVO, w.S + r0 * FA_BLK_BN, FA_BLK_BN, nj, Vb, ldb, w.O + r0 * Dvp + c0, Dvp)
                 FA_MR_CASES(mr, FA_CALL_PV)
 #undef FA_CALL_PV
             }
         }
         for (; c0 < Dvp; c0 += VW) {
-            const REAL *Vb = vpanel ? w.V + c0 * BN : V + c0;
+            const REAL *Vb = vpanel ? w.V + c0 * FA_BLK_BN : V + c0;
             const int64_t ldb = vpanel ? VW : ldv;
-            for (int64_t r0 = 0; r0 < R; r0 += MR) {
-                int mr = (int)fa_min64(MR, R - r0);
-#define FA_CALL_PV1(n) FA_NAME(pv_ukernel)(n, 1, w.S + r0 * BN, BN, nj, Vb, ldb, w.O + r0 * Dvp + c0, Dvp)
+            for (int64_t r0 = 0; r0 < R; r0 += FA_BLK_MR) {
+                int mr = (int)fa_min64(FA_BLK_MR, R - r0);
+#define FA_CALL_PV1(n) FA_NAME(pv_ukernel)(n, 1, w.S + r0 * FA_BLK_BN, FA_BLK_BN, nj, Vb, ldb, w.O + r0 * Dvp + c0, Dvp)
                 FA_MR_CASES(mr, FA_CALL_PV1)
 #undef FA_CALL_PV1
             }
@@ -676,11 +686,12 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
     }
 }
 
-#ifndef BMR_SHORT
-#define BMR_SHORT BMR
+#ifndef FA_BLK_BMR_SHORT
+#define FA_BLK_BMR_SHORT FA_BLK_BMR
 #endif
-const fa_kernel FA_NAME(fa_kernel) = { FA_NAME(scratch_bytes), FA_NAME(run), BMR, BMR_SHORT, BN };
+const fa_kernel FA_NAME(fa_kernel) = { FA_NAME(scratch_bytes), FA_NAME(run), FA_BLK_BMR, FA_BLK_BMR_SHORT, FA_BLK_BN };
 
+#if defined(FA_ISA_SUFFIX)
 /* Test hook: the vectorised exp2 of this ISA over n values. */
 void FA_CAT(fa_exp2, FA_ISA_SUFFIX)(const float *x, float *y, int64_t n)
 {
@@ -697,3 +708,4 @@ void FA_CAT(fa_exp2, FA_ISA_SUFFIX)(const float *x, float *y, int64_t n)
     for (int64_t i = 0; i < n; i++) y[i] = (float)vf_exp2((REAL)x[i]);
 #endif
 }
+#endif

@@ -1,5 +1,5 @@
 /* lsh.h: internal contract between the LSH attention driver (family.c) and
- * its per-ISA kernels (lsh_<isa>.c, all generated from lsh_impl.h).
+ * its per-ISA kernels (lsh_<dtype>_<isa>.c, all generated from lsh_impl.h).
  *
  * The driver owns the arrays shared by the phases of one call:
  *   rotp    (n_hashes, D, halfp) rotations in the compute dtype, zero padded

@@ -1,5 +1,5 @@
 /* lsh_impl.h: the LSH attention kernels (lsh.h), written once in the vector
- * vocabulary of simd.h and instantiated per ISA by lsh_<isa>.c, which define
+ * vocabulary of simd.h and instantiated per ISA by lsh_<dtype>_<isa>.c, which define
  * LSH_SUFFIX and the register block LSH_MR (rows) x LSH_NV (vectors).
  *
  * hash: the projection x.R of a block of rows runs as a register-blocked

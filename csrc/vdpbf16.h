@@ -1,5 +1,5 @@
-/* vdpbf16.h: the tile layer of kernel_amx.c on AVX512-BF16 vectors, for CPUs
- * with VDPBF16PS and no AMX (Zen 4/5, Cooper Lake): kernel_avx512bf16.c
+/* vdpbf16.h: the tile layer of kernel_bf16_amx.c on AVX512-BF16 vectors, for CPUs
+ * with VDPBF16PS and no AMX (Zen 4/5, Cooper Lake): kernel_bf16_avx512bf16.c
  * compiles the AMX kernel's source with FA_TILES_VDPBF16, and the FA_TILE_*
  * operations it issues (always full 16 x 64-byte tiles, accumulators in tiles
  * 0-3, operands in tiles 4-7: AMX_DP_2X2) run here:

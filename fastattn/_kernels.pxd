@@ -76,7 +76,6 @@ cdef extern from "fastattn.h":
     int fa_isa_best()
     int fa_isa_get()
     int fa_isa_set(int isa)
-    const char *fa_isa_name(int isa)
     int fa_cpu_has_f16c()
     int fa_cpu_has_avx512bf16()
     int fa_cpu_has_amx()

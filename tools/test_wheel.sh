@@ -34,9 +34,14 @@ echo "sdist: $(basename "$sdist") ($(du -k "$sdist" | cut -f1) KiB), wheel: $(ba
 step "sdist contents"
 tar -tzf "$sdist" | sed 's|^[^/]*/||' | sort >"$work/sdist.txt"
 for f in setup.py pyproject.toml fastattn/_kernels.pyx csrc/fastattn.h csrc/kernel_impl.h csrc/simd.h \
-         csrc/kernel_scalar.c csrc/kernel_avx2.c csrc/kernel_avx512.c csrc/kernel_f64.c \
+         csrc/kernel_f32_scalar.c csrc/kernel_f32_avx2.c csrc/kernel_f32_avx512.c csrc/kernel_f64_scalar.c \
+         csrc/additive_f32_scalar.c csrc/additive_f32_avx2.c csrc/additive_f32_avx512.c csrc/additive_f64_scalar.c \
          csrc/attention.c csrc/dispatch.c tests/conftest.py LICENSE; do
     grep -qx "$f" "$work/sdist.txt" || { echo "sdist lacks $f"; exit 1; }
+done
+# Generated at build time (into the build directory), never shipped as source.
+for f in fastattn/_kernels.c fastattn/_family.c fastattn/_build_config.py; do
+    if grep -qx "$f" "$work/sdist.txt"; then echo "sdist has the generated $f"; exit 1; fi
 done
 echo "sdist has csrc/, the .pyx, setup files and tests ($(wc -l <"$work/sdist.txt") entries)"
 
@@ -59,7 +64,7 @@ cfg = z.read("fastattn/_build_config.py").decode()
 assert "-march=native" not in cfg and "NATIVE = False" in cfg, cfg
 assert "fast-math" not in cfg, cfg
 # Every function that touches ymm/zmm registers must belong to an AVX kernel
-# (or the AMX unit, kernel_amx.c, whose amx_* functions run only where cpuid
+# (or the AMX unit, kernel_bf16_amx.c, whose amx_* functions run only where cpuid
 # and the OS grant AMX): the rest of the library runs on any x86-64 CPU.
 dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", f"{dest}/{so[0]}"],
                      capture_output=True, text=True, check=True).stdout

@@ -1,9 +1,9 @@
 """The AMX bfloat16 path (``isa="amx"``): bfloat16 query, key and value with at
 least 32 stacked rows per key/value head run on the tile kernel
-(csrc/kernel_amx.c), real tiles where the CPU has AMX-BF16, emulated ones in
+(csrc/kernel_bf16_amx.c), real tiles where the CPU has AMX-BF16, emulated ones in
 the test-only build (tools/emulate_amx.sh).  The same tests run on the
 ``avx512bf16`` path (the same kernel source with its tile operations on
-VDPBF16PS, csrc/kernel_avx512bf16.c; real where the CPU has AVX512-BF16,
+VDPBF16PS, csrc/kernel_bf16_avx512bf16.c; real where the CPU has AVX512-BF16,
 emulated in tools/emulate_avx512bf16.sh).  Skipped where neither path exists.
 
 Precision contract (flash-attention's): the error against the float64

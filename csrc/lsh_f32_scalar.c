@@ -1,4 +1,4 @@
-/* lsh_scalar.c: portable float32 LSH attention kernels (CPUs without AVX2). */
+/* lsh_f32_scalar.c: portable float32 LSH attention kernels (CPUs without AVX2). */
 #define REAL float
 #define LSH_MR 4
 #define LSH_NV 4

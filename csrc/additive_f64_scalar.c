@@ -1,4 +1,4 @@
-/* additive_f64.c: the float64 additive-attention kernel (portable C, libm tanh). */
+/* additive_f64_scalar.c: the float64 additive-attention kernel (portable C, libm tanh). */
 #define REAL double
 #define AD_MR 4
 #define AD_NV 4

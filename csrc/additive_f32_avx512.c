@@ -1,4 +1,4 @@
-/* additive_avx512.c: float32 additive-attention kernel for AVX-512F (built
+/* additive_f32_avx512.c: float32 additive-attention kernel for AVX-512F (built
  * with -mavx512f -mavx2 -mfma -mf16c).  The emulated-AVX-512 test build
  * (FA_EMULATE_AVX512, AVX2 flags) compiles the AVX2 instantiation here:
  * the emulation header covers the dot-product kernel's intrinsics only. */

@@ -1,4 +1,4 @@
-/* lsh_f64.c: the float64 LSH attention kernels (portable C, every ISA). */
+/* lsh_f64_scalar.c: the float64 LSH attention kernels (portable C, every ISA). */
 #define REAL double
 #define LSH_MR 4
 #define LSH_NV 4

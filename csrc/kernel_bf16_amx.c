@@ -1,4 +1,4 @@
-/* kernel_amx.c: bfloat16 prefill on the AMX tile unit (built with -mamx-tile
+/* kernel_bf16_amx.c: bfloat16 prefill on the AMX tile unit (built with -mamx-tile
  * -mamx-bf16 -mavx512f -mavx512bw -mavx512bf16; or, for tests, emulated:
  * FA_EMULATE_AMX + FA_EMULATE_AVX512 on AVX2, see amx_emu.h).
  *
@@ -38,7 +38,7 @@
 #include "mask.h"
 #include "kernel.h"
 /* The tile layer: the AMX unit (or its scalar emulation, amx_emu.h), or, for
- * kernel_avx512bf16.c, which compiles this file with FA_TILES_VDPBF16, the
+ * kernel_bf16_avx512bf16.c, which compiles this file with FA_TILES_VDPBF16, the
  * same tile operations on AVX512-BF16 vectors (vdpbf16.h). */
 #if defined(FA_TILES_VDPBF16)
 #include "vdpbf16.h"
