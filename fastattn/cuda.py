@@ -19,8 +19,8 @@ inputs or when none is named), and returns without synchronising (as CUDA
 libraries do); other operands' streams are synchronised before the launch.
 
 The arguments are checked by fastattn._args, as for the CPU; the call becomes
-an ``_args.Plan`` of device views (:class:`_View`), split into kernel calls by
-``_args.kernel_plans`` (the leading-dimension merge shared with the CPU), and
+a ``_plan.Plan`` of device views (:class:`_View`), split into kernel calls by
+``_plan.kernel_plans`` (the leading-dimension merge shared with the CPU), and
 each call is handed to ``fastattn._cuda`` as a record of ``fa_params`` fields
 (csrc/fastattn.h; csrc/cuda/module.c reads it by field name).
 """
@@ -35,9 +35,9 @@ from typing import Any, Protocol, cast
 import numpy as np
 import numpy.typing as npt
 
-from . import _args, _kernels
-from ._args import Plan
+from . import _args, _kernels, _plan
 from ._checks import F16, F32, F64, as_array, bfloat16_dtype, flag_value, scale_value
+from ._plan import Plan
 
 Array = npt.NDArray[Any]
 
@@ -218,7 +218,7 @@ class DeviceArray:
 
 class _View:
     """(pointer, shape, element strides, dtype) of device memory; owner keeps it
-    alive.  It provides what ``_args.DeviceView`` asks of a plan array."""
+    alive.  It provides what ``_plan.DeviceView`` asks of a plan array."""
 
     __slots__ = ("ptr", "shape", "strides", "dtype", "owner", "stream")
 
@@ -542,7 +542,7 @@ def scaled_dot_product_attention(
     if attn_mask is not None:
         if dev and _is_device(attn_mask):
             mv = _from_cai(attn_mask, "attn_mask")
-            if mv.dtype not in _args.MASK_KINDS:
+            if mv.dtype not in _plan.MASK_KINDS:
                 raise TypeError(
                     f"attn_mask on the GPU must be bool, float32 or float64, got dtype {mv.dtype}"
                 )
@@ -632,7 +632,7 @@ def scaled_dot_product_attention(
         o=bhsd(o),
         lse=lse,
         mask=None if mask is None else (mask if lead else mask.prepend()),
-        mask_kind=_kernels.FA_MASK_NONE if mask is None else _args.MASK_KINDS[mask.dtype],
+        mask_kind=_kernels.FA_MASK_NONE if mask is None else _plan.MASK_KINDS[mask.dtype],
         scale=sc,
         causal=causal,
         window_left=wl,
@@ -646,7 +646,7 @@ def scaled_dot_product_attention(
         precision=_kernels.FA_PRECISION_HIGHEST,  # the kernels compute float32 scores with fp32 FMA
     )
     if math.prod(lead) > 0 and Hq > 0 and L > 0:
-        for p in _args.kernel_plans(plan):
+        for p in _plan.kernel_plans(plan):
             cu.attention(_record(p), stream)
     # Keep the uploaded temporaries alive until the kernel is done with them.
     if not dev:

@@ -1063,8 +1063,8 @@ def varlen_attention(
         raise ValueError("head dims of q, k and v must be >= 1")
     if Hq != Hk:
         _args.check_heads(Hq, Hk, enable_gqa, "q", "k/v")
-    cq = _args._cu_seqlens(cu_seqlens_q, "cu_seqlens_q", Tq)
-    ck = _args._cu_seqlens(cu_seqlens_k, "cu_seqlens_k", Tk)
+    cq = _args.cu_seqlens_value(cu_seqlens_q, "cu_seqlens_q", Tq)
+    ck = _args.cu_seqlens_value(cu_seqlens_k, "cu_seqlens_k", Tk)
     if cq.shape != ck.shape:
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must have the same length, got {cq.shape[0]} and {ck.shape[0]}"

@@ -44,10 +44,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _torch_bridge, positions
-from ._args import is_real_float as _is_real_float
-from ._args import query_dtype_ok as _query_dtype_ok
-from ._args import row_view as _rows
 from ._args import sdpa_call, varlen_call
+from ._cache_args import is_real_float as _is_real_float
+from ._cache_args import query_dtype_ok as _query_dtype_ok
+from ._cache_args import row_view as _rows
 from ._checks import as_array, int_value, is_storage_dtype
 
 __all__ = [
