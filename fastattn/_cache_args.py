@@ -167,7 +167,7 @@ def to_cache_dtype(
         from . import positions
 
         rotate: Any = positions.rotate  # (Any: typed or not, positions is another module's)
-        contiguous: Any = positions._last_contiguous
+        contiguous: Any = positions.last_contiguous
         src = a if is_storage_dtype(a.dtype) else a.astype(rot.cos.dtype)
         c = np.empty(a.shape, dtype=dt)
         with np.errstate(over="ignore", invalid="ignore"):

@@ -24,7 +24,7 @@ from ._flash_args import window_size_value as _window_size
 from ._flash_args import wrap as _wrap
 
 # The rotary helper of fastattn.positions (Any: that module is typed by its owner).
-_CacheRotary: Any = positions._CacheRotary
+_CacheRotary: Any = positions.CacheRotary
 
 
 def _per_batch_ints(x: Any, name: str, B: int) -> np.ndarray:

@@ -42,7 +42,7 @@ __all__ = ["KVCache", "attention_with_kvcache"]
 _Window = tuple[int, int] | Sequence[int] | None
 _Index = int | slice | npt.ArrayLike | None
 # The rotary helper of fastattn.positions (Any: that module is typed by its owner).
-_CacheRotary: Any = positions._CacheRotary
+_CacheRotary: Any = positions.CacheRotary
 
 
 class KVCache:
