@@ -176,3 +176,68 @@ def test_a_subpackage_is_one_node(tmp_path):
     graph = import_graph(str(tmp_path))
     assert graph == {"a": {"sub"}, "b": set(), "c": {"a"}, "sub": {"b", "c"}}
     assert find_cycle(graph) == ["a", "sub", "c", "a"]
+
+
+def _package_files(pkg_dir: str = PKG_DIR) -> list[str]:
+    return [path for paths in _modules(pkg_dir).values() for path in paths] + [
+        os.path.join(pkg_dir, "__init__.py")
+    ]
+
+
+def test_no_module_is_over_600_lines():
+    # Issue #19: a module that outgrows this is split along its seams.
+    sizes = {}
+    for path in _package_files():
+        with open(path, encoding="utf-8") as f:
+            sizes[os.path.relpath(path, PKG_DIR)] = sum(1 for _ in f)
+    assert "dask/__init__.py" in sizes and "bench/__init__.py" in sizes  # subpackages are read
+    big = {p: n for p, n in sizes.items() if n > 600}
+    assert not big, f"modules over 600 lines: {big}"
+
+
+def _private_uses(tree: ast.AST) -> list[str]:
+    """``from .mod import _name`` and ``mod._name`` where mod is a package module:
+    one module reaching into another's private helpers."""
+    modules: set[str] = set()  # local names bound to package modules
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or node.module == PKG):
+            if node.module is None or node.module == PKG:  # from . import mod [as m]
+                modules.update(a.asname or a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            modules.update(a.asname for a in node.names if a.asname and a.name.startswith(PKG + "."))
+    found = []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and (node.level or node.module.startswith(PKG + "."))
+        ):
+            found += [f"from {node.module} import {a.name}" for a in node.names if _is_private(a.name)]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.value.id in modules and _is_private(node.attr):
+                found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_module_imports_another_modules_private_helpers():
+    # Issue #19: what another module uses is public there (a private module, _args,
+    # may have public names); a private alias of a public name is fine.
+    found = {}
+    for path in _package_files():
+        with open(path, encoding="utf-8") as f:
+            uses = _private_uses(ast.parse(f.read(), path))
+        if uses:
+            found[os.path.relpath(path, PKG_DIR)] = uses
+    assert not found, found
+
+
+def test_the_private_use_finder():
+    tree = ast.parse(
+        "from . import positions, _args as a\nfrom ._args import x as _x, _y\n"
+        "import fastattn.kvcache as kv\nz = positions._Rot, a._p, a.ok, kv._c, other._d\n"
+    )
+    assert sorted(_private_uses(tree)) == ["a._p", "from _args import _y", "kv._c", "positions._Rot"]
