@@ -10,6 +10,8 @@ median of each; the machine may be shared)::
   1024, A = D = 128 (target >= 3x);
 - lsh: ``fastattn.lsh_attention`` at L = 65536, D = 64, 2 rounds, chunk 64
   against fastattn's own full attention over the same tokens (target >= 20x);
+  ``--cpu`` adds both at 1 thread in CPU time of the calling thread (robust to
+  a loaded machine);
 - rotary: a decode step of ``attention_with_kvcache`` (B1 H32/8 S8192 D128,
   float16 cache) with fused rotary against the same step without (target:
   within 10%).
@@ -122,7 +124,7 @@ def bench_additive(threads, rounds):
     return line
 
 
-def bench_lsh(threads, rounds, L=65536, D=64):
+def bench_lsh(threads, rounds, L=65536, D=64, cpu=False):
     rng = np.random.default_rng(0)
     qk = rng.standard_normal((1, L, D), dtype=np.float32)
     val = rng.standard_normal((1, L, D), dtype=np.float32)
@@ -138,6 +140,14 @@ def bench_lsh(threads, rounds, L=65536, D=64):
             qk[:, None], kn[:, None], val[:, None], num_threads=threads
         )
 
+    def lsh1():
+        return fastattn.lsh_attention(
+            qk, val, n_buckets=256, n_hashes=2, chunk_size=64, seed=0, num_threads=1
+        )
+
+    def full1():
+        return fastattn.scaled_dot_product_attention(qk[:, None], kn[:, None], val[:, None], num_threads=1)
+
     # Full attention takes tens of seconds per call: no warm-up for it, and it runs in the
     # first max(1, rounds // 2) rounds only; LSH runs in every round (after one warm-up call).
     lsh()
@@ -147,10 +157,26 @@ def bench_lsh(threads, rounds, L=65536, D=64):
         if r < max(1, rounds // 2):
             t_full.append(_time(full))
     res = {"lsh": statistics.median(t_lsh), "full": statistics.median(t_full)}
-    return (
+    line = (
         f"lsh L={L} D={D} 2 rounds chunk 64 ({threads} threads): lsh {res['lsh'] * 1e3:.1f} ms, "
         f"full attention {res['full'] * 1e3:.0f} ms, speedup {res['full'] / res['lsh']:.0f}x"
     )
+    if cpu:
+        # One thread: every part runs on the calling thread, so its CPU time is the whole
+        # cost, whatever else loads the machine.
+        c_lsh = []
+        for _ in range(max(1, rounds)):
+            t = time.thread_time()
+            lsh1()
+            c_lsh.append(time.thread_time() - t)
+        t = time.thread_time()
+        full1()
+        c_full = time.thread_time() - t
+        line += (
+            f"\nlsh, 1 thread, CPU time of the calling thread: lsh {statistics.median(c_lsh) * 1e3:.1f} ms, "
+            f"full attention {c_full * 1e3:.0f} ms, ratio {c_full / statistics.median(c_lsh):.0f}x"
+        )
+    return line
 
 
 def bench_rotary(threads, rounds):
@@ -178,10 +204,16 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=THREADS)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--only", default="additive,lsh,rotary")
+    ap.add_argument(
+        "--cpu", action="store_true", help="lsh: also 1 thread, CPU time of the calling thread (both sides)"
+    )
     args = ap.parse_args(argv)
     print(f"fastattn {fastattn.__version__}, ISA {fastattn.get_isa()}, {os.cpu_count()} CPUs")
     for name in args.only.split(","):
-        fn = {"additive": bench_additive, "lsh": bench_lsh, "rotary": bench_rotary}[name]
+        if name == "lsh":
+            print(bench_lsh(args.threads, args.rounds, cpu=args.cpu), flush=True)
+            continue
+        fn = {"additive": bench_additive, "rotary": bench_rotary}[name]
         print(fn(args.threads, args.rounds), flush=True)
 
 

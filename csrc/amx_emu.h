@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#ifndef FA_TILECFG_DEFINED
+#define FA_TILECFG_DEFINED
 /* The 64-byte operand of ldtilecfg (palette 1). */
 typedef struct fa_tilecfg {
     uint8_t palette, start_row;
@@ -25,6 +27,7 @@ typedef struct fa_tilecfg {
     uint16_t colsb[16];
     uint8_t rows[16];
 } fa_tilecfg;
+#endif
 
 #if defined(FA_EMULATE_AMX)
 #include "convert.h"
@@ -102,7 +105,7 @@ static inline void fa_emu_tdpbf16ps(int c, int a, int b)
 #define FA_TILE_RELEASE() _tile_release()
 #define FA_TILE_ZERO(t) _tile_zero(t)
 #define FA_TILE_LOAD(t, base, stride) do { FA_TILE_BARRIER(); _tile_loadd(t, base, stride); FA_TILE_BARRIER(); } while (0)
-#define FA_TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
+#define FA_TILE_STORE(t, base, stride) do { _tile_stored(t, base, stride); FA_TILE_BARRIER(); } while (0)
 #define FA_TILE_DPBF16(c, a, b) _tile_dpbf16ps(c, a, b)
 #endif
 

@@ -31,6 +31,7 @@ static const fa_bwd_kernel *fa_select_bwd_kernel(const fa_params *p)
 #if defined(FA_HAVE_X86)
     switch (fa_isa_get()) {
     case FA_ISA_AMX: /* AVX-512 plus tiles for the bf16 forward only */
+    case FA_ISA_AVX512BF16: /* AVX-512 plus VDPBF16PS for the bf16 forward only */
     case FA_ISA_AVX512: return &fa_bwd_kernel_f32_avx512;
     case FA_ISA_AVX2: return &fa_bwd_kernel_f32_avx2;
     default: break;

@@ -23,7 +23,7 @@ static unsigned long long fa_xgetbv0(void)
     return ((unsigned long long)hi << 32) | lo;
 }
 
-typedef struct { int avx2, avx512, f16c, avx512bf16, amx; } fa_cpu;
+typedef struct { int avx2, avx512, f16c, avx512bf16, amx, avx512bw; } fa_cpu;
 
 /* Linux keeps the AMX tile data (8 KiB of state) off until a process asks:
  * arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), once per process (it
@@ -58,6 +58,7 @@ static fa_cpu fa_detect(void)
     const int amx_cpu = ((d >> 22) & 1) && ((d >> 24) & 1) && ((xcr0 >> 17) & 3) == 3;
     if (r.avx512 && __get_cpuid_count(7, 1, &a, &b, &c, &d)) r.avx512bf16 = (a >> 5) & 1;
     r.amx = amx_cpu && r.avx512 && avx512bw && r.avx512bf16 && fa_amx_permission();
+    r.avx512bw = r.avx512 && avx512bw;
     return r;
 }
 
@@ -93,6 +94,13 @@ int fa_cpu_has(int isa)
     if (isa == FA_ISA_AVX512) return c.avx2; /* test-only build: emulated on AVX2 */
 #else
     if (isa == FA_ISA_AVX512) return c.avx512;
+#endif
+#if defined(FA_HAVE_AVX512BF16) && defined(FA_EMULATE_AVX512BF16)
+    if (isa == FA_ISA_AVX512BF16) return c.avx2; /* test-only build: VDPBF16PS emulated in C */
+#elif defined(FA_HAVE_AVX512BF16)
+    /* the kernel's softmax and packing use AVX-512 BW next to BF16 (every
+     * AVX512-BF16 CPU has it) */
+    if (isa == FA_ISA_AVX512BF16) return c.avx512bf16 && c.avx512bw;
 #endif
 #if defined(FA_HAVE_AMX) && defined(FA_EMULATE_AMX)
     if (isa == FA_ISA_AMX) return c.avx2; /* test-only build: tiles emulated in C */
@@ -148,7 +156,7 @@ int fa_isa_get(void)
 
 int fa_isa_set(int isa)
 {
-    if (isa < FA_ISA_SCALAR || isa > FA_ISA_AMX || !fa_cpu_has(isa)) return -1;
+    if (isa < FA_ISA_SCALAR || isa > FA_ISA_AVX512BF16 || !fa_cpu_has(isa)) return -1;
     fa_isa_current = isa;
     return 0;
 }
@@ -157,6 +165,7 @@ const char *fa_isa_name(int isa)
 {
     switch (isa) {
     case FA_ISA_AMX: return "amx";
+    case FA_ISA_AVX512BF16: return "avx512bf16";
     case FA_ISA_AVX512: return "avx512";
     case FA_ISA_AVX2: return "avx2";
     default: return "scalar";
@@ -177,6 +186,17 @@ const fa_kernel *fa_select_kernel(const fa_params *p)
             return &fa_kernel_bf16_amx;
 #endif
         return &fa_kernel_f32_avx512;
+    case FA_ISA_AVX512BF16:
+#if defined(FA_HAVE_AVX512BF16)
+        /* bf16 inputs, and float32 ones at "medium" (rounded to bf16); "high"
+         * (bf16x3, three products) would not beat the float32 kernel here. */
+        if (((p->q_dtype == FA_BF16 && p->k_dtype == FA_BF16 && p->v_dtype == FA_BF16) ||
+             (p->q_dtype == FA_F32 && p->k_dtype == FA_F32 && p->v_dtype == FA_F32 &&
+              p->precision == FA_PRECISION_MEDIUM)) &&
+            p->L * (p->Hq / p->Hk) >= FA_AMX_MIN_ROWS)
+            return &fa_kernel_bf16_avx512bf16;
+#endif
+        return &fa_kernel_f32_avx512;
     case FA_ISA_AVX512: return &fa_kernel_f32_avx512;
     case FA_ISA_AVX2: return &fa_kernel_f32_avx2;
     default: break;
@@ -189,7 +209,7 @@ int fa_exp2_isa(int isa, const float *x, float *y, int64_t n)
 {
     if (!fa_cpu_has(isa)) return -1;
 #if defined(FA_HAVE_X86)
-    if (isa == FA_ISA_AVX512 || isa == FA_ISA_AMX) { fa_exp2_avx512(x, y, n); return 0; }
+    if (isa == FA_ISA_AVX512 || isa == FA_ISA_AMX || isa == FA_ISA_AVX512BF16) { fa_exp2_avx512(x, y, n); return 0; }
     if (isa == FA_ISA_AVX2) { fa_exp2_avx2(x, y, n); return 0; }
 #endif
     fa_exp2_scalar(x, y, n);

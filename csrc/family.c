@@ -1,13 +1,26 @@
 /* family.c: drivers of the attention family beyond dot-product (family.h):
- * additive attention (tasks over query-row blocks, run on OpenMP threads,
- * kernels in additive_<isa>.c) and rotary embeddings applied while copying.
- * Tasks depend on the shapes only, never on the thread count, so results
- * are bit-identical for every number of threads. */
+ * additive attention (tasks over query-row blocks, kernels in
+ * additive_<isa>.c), LSH attention (hash, sort and chunk phases, kernels in
+ * lsh_<isa>.c) and rotary embeddings applied while copying, all run on
+ * OpenMP threads.  Tasks depend on the shapes only, never on the thread
+ * count, so results are bit-identical for every number of threads.
+ *
+ * Threads follow the rules of the dot-product driver (attention.c), through
+ * its own functions (fa_family_bind): the team size is bounded (1024), a
+ * fork() child of a process that ran a team runs on its calling thread
+ * (libgomp's pool does not survive fork), a team the OS refuses is an error
+ * (FA_ETHREADS) instead of libgomp's exit(), and every thread computes in
+ * round-to-nearest with FTZ/DAZ and restores its own mode.  The state behind
+ * those rules (has a team run, was this process forked) must be the one of
+ * the whole process, whichever extension started the team, so the
+ * functions are attention.c's, bound at run time, not copies. */
+#include <fenv.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include "family.h"
 #include "convert.h"
+#include "lsh.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -15,6 +28,61 @@
 #define FA_FAMILY_X86 1
 #include <xmmintrin.h>
 #endif
+
+/* ------------------------------------------------------- threads, fp env */
+
+#define FAM_MAX_THREADS 1024 /* as attention.c's FA_MAX_THREADS */
+
+typedef struct fam_fpenv { unsigned int csr; int round; } fam_fpenv; /* attention.c's fa_fpenv */
+typedef int (*fam_team_fn)(int);
+typedef void (*fam_enter_fn)(fam_fpenv *);
+typedef void (*fam_exit_fn)(const fam_fpenv *);
+
+/* Until bound (or where binding failed): the bound alone, and the same
+ * floating-point mode set locally. */
+static int fam_team_local(int nt) { return nt < 1 ? 1 : nt > FAM_MAX_THREADS ? FAM_MAX_THREADS : nt; }
+static void fam_enter_local(fam_fpenv *e)
+{
+#if defined(FA_FAMILY_X86)
+    e->csr = _mm_getcsr();
+    _mm_setcsr((e->csr & ~0x6000u) | 0x8040u); /* RC = nearest, FTZ, DAZ */
+    e->round = 0;
+#else
+    e->csr = 0;
+    e->round = fegetround();
+    if (e->round != FE_TONEAREST) fesetround(FE_TONEAREST);
+#endif
+}
+static void fam_exit_local(const fam_fpenv *e)
+{
+#if defined(FA_FAMILY_X86)
+    _mm_setcsr(e->csr);
+#else
+    if (e->round != FE_TONEAREST) fesetround(e->round);
+#endif
+}
+
+static fam_team_fn fam_team = fam_team_local;
+static fam_enter_fn fam_enter = fam_enter_local;
+static fam_exit_fn fam_exit = fam_exit_local;
+
+void fa_family_bind(void *team_size, void *fpenv_enter, void *fpenv_exit)
+{
+    if (!team_size || !fpenv_enter || !fpenv_exit) return;
+    fam_team = (fam_team_fn)team_size;
+    fam_enter = (fam_enter_fn)fpenv_enter;
+    fam_exit = (fam_exit_fn)fpenv_exit;
+}
+
+/* The team for a call asking for nt threads (1 when work is below serial);
+ * 0 when the OS will not start it. */
+static int fam_threads(int nt, int64_t ntask, double work, double serial)
+{
+    nt = nt < 1 ? 1 : nt > FAM_MAX_THREADS ? FAM_MAX_THREADS : nt;
+    if (nt > ntask) nt = ntask < 1 ? 1 : (int)ntask;
+    if (work < serial) nt = 1;
+    return nt > 1 ? fam_team(nt) : 1;
+}
 
 #define AD_BM 32 /* query rows per task: must match additive_impl.h */
 /* Calls with less work than this (tanh evaluations) stay on the calling thread. */
@@ -34,6 +102,31 @@ size_t fa_additive_scratch_avx512(const fa_additive_params *p);
 void fa_additive_task_avx512(const fa_additive_params *p, int64_t b, int64_t i0, int64_t ni, void *ws);
 #endif
 
+/* One thread's share of the additive tasks (all of them outside a team). */
+static void ad_run(const fa_additive_params *p, ad_task_fn task, int64_t nrb, int64_t ntask, size_t ws_bytes,
+                   int *failed)
+{
+    fam_fpenv env;
+    fam_enter(&env); /* nearest, FTZ/DAZ inside the kernel only (its exp2 relies on it) */
+    void *ws = malloc(ws_bytes);
+    if (!ws) {
+#ifdef _OPENMP
+#pragma omp atomic write
+#endif
+        *failed = 1;
+    }
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+    for (int64_t t = 0; t < ntask; t++) {
+        if (!ws) continue;
+        int64_t b = t / nrb, i0 = (t % nrb) * AD_BM;
+        task(p, b, i0, p->L - i0 < AD_BM ? p->L - i0 : AD_BM, ws);
+    }
+    free(ws);
+    fam_exit(&env);
+}
+
 int fa_additive(const fa_additive_params *p, int isa)
 {
     ad_scratch_fn scratch = fa_additive_scratch_f32_scalar;
@@ -43,7 +136,8 @@ int fa_additive(const fa_additive_params *p, int isa)
         task = fa_additive_task_f64;
     }
 #if defined(FA_FAMILY_X86)
-    else if (isa == FA_ISA_AVX512 || isa == FA_ISA_AMX) { /* amx: AVX-512 plus tiles for bf16 SDPA only */
+    else if (isa == FA_ISA_AVX512 || isa == FA_ISA_AMX || isa == FA_ISA_AVX512BF16) {
+        /* amx, avx512bf16: AVX-512 plus tiles / VDPBF16PS for bf16 SDPA only */
         scratch = fa_additive_scratch_avx512;
         task = fa_additive_task_avx512;
     } else if (isa == FA_ISA_AVX2) {
@@ -57,39 +151,165 @@ int fa_additive(const fa_additive_params *p, int isa)
     const int64_t ntask = p->B * nrb;
     if (ntask == 0) return FA_OK;
     const size_t ws_bytes = scratch(p);
-    int nt = p->num_threads < 1 ? 1 : p->num_threads;
-    if (nt > ntask) nt = (int)ntask;
-    if ((double)p->B * (double)p->L * (double)p->S * (double)p->A < AD_SERIAL_WORK) nt = 1;
+    const int nt = fam_threads(p->num_threads, ntask, (double)p->B * (double)p->L * (double)p->S * (double)p->A,
+                               AD_SERIAL_WORK);
+    if (nt == 0) return FA_ETHREADS;
     int failed = 0;
+    if (nt == 1) {
+        ad_run(p, task, nrb, ntask, ws_bytes, &failed);
+    } else {
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nt)
 #endif
-    {
-#if defined(FA_FAMILY_X86)
-        unsigned int csr = _mm_getcsr();
-        _mm_setcsr(csr | 0x8040); /* FTZ/DAZ inside the kernel only (its exp2 relies on it) */
-#endif
-        void *ws = malloc(ws_bytes);
-        if (!ws) {
+        ad_run(p, task, nrb, ntask, ws_bytes, &failed);
+    }
+    return failed ? FA_ENOMEM : FA_OK;
+}
+
+/* --------------------------------------------------------------------- LSH */
+
+/* Query rows per chunk task (at least one chunk): enough work per task for
+ * the dynamic schedule, from the shapes only. */
+#define LSH_TASK_ROWS 256
+/* Calls with less work than this (multiply-adds) run on the calling thread. */
+#define LSH_SERIAL_MACS (1 << 19)
+
+typedef struct lsh_ctx {
+    const fa_lsh_params *p;
+    const fa_lsh_kernel *k;
+    fa_lsh_work w;
+    size_t ws_bytes;
+    int64_t nhash_task, cpt, ngroup;
+    int failed;
+} lsh_ctx;
+
+/* The tokens of one round of batch b sorted by (bucket, position): a counting
+ * sort over the buckets that visits positions in increasing order, which is
+ * the stable sort.  count: n_buckets + 1 entries of scratch. */
+static void lsh_sort(const fa_lsh_params *p, const fa_lsh_work *w, int64_t r, int64_t b, int64_t *count)
+{
+    const int64_t L = p->L, nb = p->n_buckets;
+    const int32_t *bk = w->bucket + (r * p->B + b) * L;
+    int32_t *ord = w->order + (r * p->B + b) * L;
+    memset(count, 0, (size_t)(nb + 1) * sizeof(int64_t));
+    for (int64_t i = 0; i < L; i++) count[bk[i] + 1]++;
+    for (int64_t j = 0; j < nb; j++) count[j + 1] += count[j];
+    for (int64_t i = 0; i < L; i++) ord[count[bk[i]]++] = (int32_t)i;
+}
+
+/* One thread's share of every phase (all of it outside a team).  The phases
+ * are work-sharing loops whose implicit barriers order them; a thread
+ * without scratch makes every thread skip the call (checked after a barrier,
+ * so that all threads meet the same loops). */
+static void lsh_run(lsh_ctx *c)
+{
+    const fa_lsh_params *p = c->p;
+    const int64_t L = p->L, ch = p->chunk, nrb = (L + FA_LSH_HASH_ROWS - 1) / FA_LSH_HASH_ROWS;
+    fam_fpenv env;
+    fam_enter(&env); /* nearest, FTZ/DAZ inside the kernels only (their exp2 relies on it) */
+    void *ws = malloc(c->ws_bytes);
+    if (!ws) {
 #ifdef _OPENMP
 #pragma omp atomic write
 #endif
-            failed = 1;
+        c->failed = 1;
+    }
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+    int failed;
+#ifdef _OPENMP
+#pragma omp atomic read
+#endif
+    failed = c->failed;
+    if (!failed) {
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (int64_t t = 0; t < c->nhash_task; t++) {
+            const int64_t b = t / nrb, i0 = (t % nrb) * FA_LSH_HASH_ROWS;
+            c->k->hash(p, &c->w, b, i0, L - i0 < FA_LSH_HASH_ROWS ? L - i0 : FA_LSH_HASH_ROWS, ws);
         }
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
-        for (int64_t t = 0; t < ntask; t++) {
-            if (!ws) continue;
-            int64_t b = t / nrb, i0 = (t % nrb) * AD_BM;
-            task(p, b, i0, p->L - i0 < AD_BM ? p->L - i0 : AD_BM, ws);
-        }
-        free(ws);
-#if defined(FA_FAMILY_X86)
-        _mm_setcsr(csr);
+        for (int64_t t = 0; t < p->n_hashes * p->B; t++) lsh_sort(p, &c->w, t / p->B, t % p->B, (int64_t *)ws);
+        for (int64_t r = 0; r < p->n_hashes; r++) { /* rounds in order: each merges into the last */
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
 #endif
+            for (int64_t t = 0; t < p->B * c->ngroup; t++) {
+                const int64_t b = t / c->ngroup, c0 = (t % c->ngroup) * c->cpt;
+                const int64_t c1 = c0 + c->cpt < L / ch ? c0 + c->cpt : L / ch;
+                c->k->chunks(p, &c->w, r, b, c0, c1, ws);
+            }
+        }
     }
-    return failed ? FA_ENOMEM : FA_OK;
+    free(ws);
+    fam_exit(&env);
+}
+
+int fa_lsh(const fa_lsh_params *p, int isa)
+{
+    if (p->B <= 0 || p->L <= 0) return FA_OK;
+    if (p->D < 1 || p->Dv < 1 || p->chunk < 1 || p->L % p->chunk || p->n_hashes < 1 || p->n_buckets < 2 ||
+        p->n_buckets % 2 || p->L > INT32_MAX || p->n_buckets > INT32_MAX)
+        return FA_EINVAL;
+    lsh_ctx c;
+    memset(&c, 0, sizeof c);
+    c.p = p;
+    c.k = &fa_lsh_kernel_f32_scalar;
+    if (p->dtype == FA_F64) c.k = &fa_lsh_kernel_f64;
+#if defined(FA_FAMILY_X86)
+    else if (isa == FA_ISA_AVX512 || isa == FA_ISA_AMX || isa == FA_ISA_AVX512BF16) c.k = &fa_lsh_kernel_avx512;
+    else if (isa == FA_ISA_AVX2) c.k = &fa_lsh_kernel_avx2;
+#else
+    (void)isa;
+#endif
+    const int64_t B = p->B, L = p->L, D = p->D, nh = p->n_hashes, half = p->n_buckets / 2;
+    const size_t esz = p->dtype == FA_F64 ? 8 : 4;
+    const int64_t halfp = (half + FA_LSH_HALF_ALIGN - 1) / FA_LSH_HALF_ALIGN * FA_LSH_HALF_ALIGN;
+    char *rotp = (char *)calloc((size_t)(nh * D * halfp), esz);
+    void *kscale = malloc((size_t)(B * L) * esz);
+    int32_t *bucket = (int32_t *)malloc((size_t)(nh * B * L) * sizeof(int32_t));
+    int32_t *order = (int32_t *)malloc((size_t)(nh * B * L) * sizeof(int32_t));
+    int rc = FA_OK;
+    if (!rotp || !kscale || !bucket || !order) { rc = FA_ENOMEM; goto done; }
+    for (int64_t rd = 0; rd < nh * D; rd++) /* rows of the rotations, zero padded to halfp */
+        memcpy(rotp + (size_t)(rd * halfp) * esz, (const char *)p->rot + (size_t)(rd * half) * esz,
+               (size_t)half * esz);
+    c.w.rotp = rotp;
+    c.w.halfp = halfp;
+    c.w.kscale = kscale;
+    c.w.bucket = bucket;
+    c.w.order = order;
+    c.ws_bytes = c.k->scratch_bytes(p, &c.w);
+    if (c.ws_bytes < (size_t)(p->n_buckets + 1) * sizeof(int64_t)) c.ws_bytes = (size_t)(p->n_buckets + 1) * sizeof(int64_t);
+    c.nhash_task = B * ((L + FA_LSH_HASH_ROWS - 1) / FA_LSH_HASH_ROWS);
+    c.cpt = LSH_TASK_ROWS / p->chunk > 1 ? LSH_TASK_ROWS / p->chunk : 1;
+    c.ngroup = (L / p->chunk + c.cpt - 1) / c.cpt;
+    {
+        const int64_t nk = L / p->chunk == 1 ? p->chunk : 2 * p->chunk;
+        const double macs = (double)B * (double)nh * (double)L * ((double)nk * (double)(D + p->Dv) + (double)D * half);
+        int64_t ntask = c.nhash_task > B * c.ngroup ? c.nhash_task : B * c.ngroup;
+        const int nt = fam_threads(p->num_threads, ntask, macs, LSH_SERIAL_MACS);
+        if (nt == 0) { rc = FA_ETHREADS; goto done; }
+        if (nt == 1) {
+            lsh_run(&c);
+        } else {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+#endif
+            lsh_run(&c);
+        }
+    }
+    if (c.failed) rc = FA_ENOMEM;
+done:
+    free(rotp);
+    free(kscale);
+    free(bucket);
+    free(order);
+    return rc;
 }
 
 /* ------------------------------------------------------------------ rotary */
@@ -151,47 +371,59 @@ static void rot_store(void *dst, int ddt, const void *src, int cd, int64_t n)
 ROT_ROW(float)
 ROT_ROW(double)
 
+/* One thread's share of the rotary rows (all of them outside a team). */
+static void rot_run(const fa_rotary_params *p, int64_t nrow, int *failed)
+{
+    const size_t ssz = fa_dtype_size(p->src_dtype), dsz = fa_dtype_size(p->dst_dtype);
+    const size_t csz = p->cdtype == FA_F64 ? 8 : 4;
+    const int64_t half = p->rdim / 2;
+    fam_fpenv env;
+    fam_enter(&env); /* the rotation rounds to nearest on every thread */
+    void *tmp = malloc((size_t)(p->D > 0 ? p->D : 1) * csz);
+    if (!tmp) {
+#ifdef _OPENMP
+#pragma omp atomic write
+#endif
+        *failed = 1;
+    }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (int64_t r = 0; r < nrow; r++) {
+        if (!tmp) continue;
+        const int64_t t = r % p->T, h = (r / p->T) % p->H, b = r / (p->T * p->H);
+        const char *src = (const char *)p->src + (size_t)(b * p->s_sb + h * p->s_sh + t * p->s_st) * ssz;
+        const int64_t pos = p->pos[b * p->p_sb + t * p->p_st];
+        const int64_t dt = p->dst_at_pos ? pos : t;
+        char *dst = (char *)p->dst + (size_t)(b * p->d_sb + h * p->d_sh + dt * p->d_st) * dsz;
+        rot_load(tmp, p->cdtype, src, p->src_dtype, p->D);
+        if (p->cdtype == FA_F64)
+            rot_row_double((double *)tmp, (const double *)p->cos + pos * half,
+                           (const double *)p->sin + pos * half, half, p->interleaved);
+        else
+            rot_row_float((float *)tmp, (const float *)p->cos + pos * half, (const float *)p->sin + pos * half,
+                          half, p->interleaved);
+        rot_store(dst, p->dst_dtype, tmp, p->cdtype, p->D);
+    }
+    free(tmp);
+    fam_exit(&env);
+}
+
 int fa_rotary(const fa_rotary_params *p)
 {
     const int64_t nrow = p->B * p->H * p->T;
     if (nrow == 0) return FA_OK;
-    const size_t ssz = fa_dtype_size(p->src_dtype), dsz = fa_dtype_size(p->dst_dtype);
-    const size_t csz = p->cdtype == FA_F64 ? 8 : 4;
-    const int64_t half = p->rdim / 2;
-    int nt = p->num_threads < 1 ? 1 : p->num_threads;
-    if ((double)nrow * (double)p->D < (1 << 18)) nt = 1; /* a decode step: not worth a team */
+    /* a decode step (less than 2^18 values) is not worth a team */
+    const int nt = fam_threads(p->num_threads, nrow, (double)nrow * (double)p->D, (double)(1 << 18));
+    if (nt == 0) return FA_ETHREADS;
     int failed = 0;
+    if (nt == 1) {
+        rot_run(p, nrow, &failed);
+    } else {
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nt)
 #endif
-    {
-        void *tmp = malloc((size_t)(p->D > 0 ? p->D : 1) * csz);
-        if (!tmp) {
-#ifdef _OPENMP
-#pragma omp atomic write
-#endif
-            failed = 1;
-        }
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-        for (int64_t r = 0; r < nrow; r++) {
-            if (!tmp) continue;
-            const int64_t t = r % p->T, h = (r / p->T) % p->H, b = r / (p->T * p->H);
-            const char *src = (const char *)p->src + (size_t)(b * p->s_sb + h * p->s_sh + t * p->s_st) * ssz;
-            const int64_t pos = p->pos[b * p->p_sb + t * p->p_st];
-            const int64_t dt = p->dst_at_pos ? pos : t;
-            char *dst = (char *)p->dst + (size_t)(b * p->d_sb + h * p->d_sh + dt * p->d_st) * dsz;
-            rot_load(tmp, p->cdtype, src, p->src_dtype, p->D);
-            if (p->cdtype == FA_F64)
-                rot_row_double((double *)tmp, (const double *)p->cos + pos * half,
-                               (const double *)p->sin + pos * half, half, p->interleaved);
-            else
-                rot_row_float((float *)tmp, (const float *)p->cos + pos * half, (const float *)p->sin + pos * half,
-                              half, p->interleaved);
-            rot_store(dst, p->dst_dtype, tmp, p->cdtype, p->D);
-        }
-        free(tmp);
+        rot_run(p, nrow, &failed);
     }
     return failed ? FA_ENOMEM : FA_OK;
 }

@@ -1,6 +1,7 @@
 /* family.h: the contract between fastattn/_family.pyx and the kernels of the
- * attention family beyond dot-product (csrc/family.c, additive_*.c):
- * additive (Bahdanau) attention and rotary position embeddings.
+ * attention family beyond dot-product (csrc/family.c, additive_*.c, lsh_*.c):
+ * additive (Bahdanau) attention, Reformer's LSH attention and rotary
+ * position embeddings.
  *
  * Strides are in ELEMENTS; the last dimension of every array is contiguous.
  * The ISA is passed in by the caller (fastattn.get_isa()), so that
@@ -39,6 +40,35 @@ typedef struct fa_additive_params {
 } fa_additive_params;
 
 int fa_additive(const fa_additive_params *p, int isa);
+
+/* Reformer LSH attention with shared queries and keys (fastattn/lsh.py has
+ * the rules).  x (B, L, D) and v (B, L, Dv) in the compute dtype (FA_F32 /
+ * FA_F64), rot (n_hashes, D, n_buckets / 2) C-contiguous in the same dtype;
+ * o (B, L, Dv) and lse (B, L) float64 are written (the rounds' LSEs combine
+ * in float64: a token that saw only itself sits near -1e5, where a float32
+ * LSE would lose the rounds' weights).  L is a multiple of chunk and below
+ * 2^31; n_buckets is even and below 2^31.  Returns enum fa_status. */
+typedef struct fa_lsh_params {
+    int dtype;
+    int64_t B, L, D, Dv, n_hashes, n_buckets, chunk;
+    int causal;
+    double scale;
+    const void *x;  int64_t x_sb, x_sl;
+    const void *v;  int64_t v_sb, v_sl;
+    const void *rot;
+    void *o;        int64_t o_sb, o_sl;
+    double *lse;    int64_t lse_sb;
+    int num_threads;
+} fa_lsh_params;
+
+int fa_lsh(const fa_lsh_params *p, int isa);
+
+/* The thread and floating-point-environment functions of the dot-product
+ * driver (attention.c: fa_team_size, fa_fpenv_enter, fa_fpenv_exit, whose
+ * fork and team state must be the process's one), bound once by the binding
+ * before any call.  Unbound, the drivers bound the team size and set the
+ * floating-point mode themselves. */
+void fa_family_bind(void *team_size, void *fpenv_enter, void *fpenv_exit);
 
 /* Rotary position embedding applied while copying rows:
  *   dst[b,h,t,:] = rotate(src[b,h,t,:], pos[b,t])

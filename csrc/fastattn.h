@@ -20,8 +20,10 @@ extern "C" {
 
 enum fa_dtype { FA_F32 = 0, FA_F64 = 1, FA_F16 = 2, FA_BF16 = 3 };
 enum fa_mask_kind { FA_MASK_NONE = 0, FA_MASK_BOOL = 1, FA_MASK_F32 = 2, FA_MASK_F64 = 3 };
-/* FA_ISA_AMX: AVX-512 for every call, plus the AMX tile kernel for bfloat16 prefill. */
-enum fa_isa { FA_ISA_SCALAR = 0, FA_ISA_AVX2 = 1, FA_ISA_AVX512 = 2, FA_ISA_AMX = 3 };
+/* FA_ISA_AMX: AVX-512 for every call, plus the AMX tile kernel for bfloat16 prefill.
+ * FA_ISA_AVX512BF16: AVX-512 for every call, plus the same kernel on VDPBF16PS
+ * products (CPUs with AVX512-BF16 and no AMX). */
+enum fa_isa { FA_ISA_SCALAR = 0, FA_ISA_AVX2 = 1, FA_ISA_AVX512 = 2, FA_ISA_AMX = 3, FA_ISA_AVX512BF16 = 4 };
 /* torch's float32 matmul precision levels (fa_params.precision). */
 enum fa_precision { FA_PRECISION_HIGHEST = 0, FA_PRECISION_HIGH = 1, FA_PRECISION_MEDIUM = 2 };
 /* FA_ETHREADS: the OS refused to start the threads of a team (num_threads). */
@@ -64,7 +66,8 @@ typedef struct fa_params {
 
     int num_threads;         /* >= 1; at most 1024 are used */
     /* enum fa_precision, float32 q, k, v only: "high" (bf16x3) and "medium" (bf16)
-     * run on the AMX kernel where the ISA is amx; elsewhere float32 ("highest"). */
+     * run on the AMX kernel where the ISA is amx, "medium" on VDPBF16PS where it is
+     * avx512bf16; elsewhere float32 ("highest"). */
     int precision;
 } fa_params;
 

@@ -14,10 +14,18 @@
  *     tile, for all the task's rows;
  *   - per group of 32 rows (two row tiles): S = Q.K^T by TDPBF16PS (2 x 2 C
  *     tiles of 16 x 16 fp32), stored fp32; scale, masks and the online softmax
- *     in fp32 (AVX-512, the exp2 of simd.h); P rounded to bf16 (as
- *     flash-attention does); O += P.V by TDPBF16PS with O's fp32 rows loaded
- *     into and stored from the C tiles (rescaled in memory only when a row's
- *     max grows).
+ *     in fp32 (AVX-512; exp2 by amx_exp2_neg; in the common unmasked case one
+ *     pass per row over registers with the scale folded into the exp's FMA,
+ *     amx_softmax_full); P rounded to bf16 (as flash-attention does);
+ *     O += P.V by TDPBF16PS with O's fp32 rows loaded into and stored from
+ *     the C tiles (rescaled in memory only when a row's max grows);
+ *   - the tile work of the neighbouring groups (the next group's Q.K^T, the
+ *     previous group's P.V) is issued in small steps from inside a group's
+ *     softmax (amx_jobs), so that the tile unit and the vector units overlap.
+ * Where the time goes (one thread, B1 H8 L1024 D64, bench build with
+ * -DFA_AMX_PROF and parts switched off): the softmax and the tile products
+ * about 40 % each, packing and the output about 10 %; they overlap only in
+ * part (tile loads and stores share the load/store ports with the softmax).
  * Precision: products of bf16 are exact in fp32 and accumulate in fp32; the
  * extra error against the fp32 path is the rounding of P to bf16 (the naive
  * bf16 contract of the tests, tests/test_amx.py).
@@ -29,15 +37,36 @@
 #include "simd.h"
 #include "mask.h"
 #include "kernel.h"
+/* The tile layer: the AMX unit (or its scalar emulation, amx_emu.h), or, for
+ * kernel_avx512bf16.c, which compiles this file with FA_TILES_VDPBF16, the
+ * same tile operations on AVX512-BF16 vectors (vdpbf16.h). */
+#if defined(FA_TILES_VDPBF16)
+#include "vdpbf16.h"
+#define AMX_KERNEL fa_kernel_bf16_avx512bf16
+#else
 #include "amx_emu.h"
+#define AMX_KERNEL fa_kernel_bf16_amx
+#endif
 
 #define AMX_BN 128        /* keys per tile (a multiple of 32) */
-#define AMX_BMR 256       /* stacked rows per task for L >= 1024 (attention.c) */
+#define AMX_BMR 512        /* stacked rows per task for L >= 1024 (attention.c) */
 #define AMX_BMR_SHORT 128 /* otherwise */
 #define AMX_RG 32         /* rows per group: two 16-row tiles */
 #define AMX_LOG2E 1.4426950408889634
 #define AMX_LN2 0.6931471805599453
 #define AMX_ALIGN 64
+
+/* Profiling build only (-DFA_AMX_PROF, a bench harness, never setup.py): cycle
+ * counts of the phases, one thread. */
+#if defined(FA_AMX_PROF)
+#include <x86intrin.h>
+double fa_amx_prof[8];
+#define AMX_PT(v) const unsigned long long v = __rdtsc()
+#define AMX_PADD(i, a, b) (fa_amx_prof[i] += (double)((b) - (a)))
+#else
+#define AMX_PT(v) ((void)0)
+#define AMX_PADD(i, a, b) ((void)0)
+#endif
 
 static inline int64_t amx_rup(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 static inline size_t amx_al(size_t n) { return (n + AMX_ALIGN - 1) / AMX_ALIGN * AMX_ALIGN; }
@@ -57,6 +86,7 @@ typedef struct amx_ws {
     float *S;    /* 2 x RG x BN     fp32 scores of two row groups               */
     float *O;    /* rows_cap x Dvq  unnormalised output                         */
     float *m, *l;          /* rows_cap */
+    float *lv;             /* rows_cap x 16: per-lane partial sums of l (full tiles), added at the end */
     int64_t *lo, *hi;      /* rows_cap: visible key range of each row          */
     int64_t *glo, *ghi, *gflo, *gfhi, *act; /* per row group                   */
     /* float32 inputs at precision "high" / "medium" (fa_params.precision): */
@@ -70,7 +100,7 @@ static size_t amx_scratch_bytes(const fa_params *p)
     return amx_al((size_t)(RC * Dq) * 2) + amx_al((size_t)(AMX_BN * Dq) * 2) + amx_al((size_t)(AMX_BN * Dvq) * 2) +
            amx_al((size_t)(2 * AMX_RG * AMX_BN) * 2) + amx_al((size_t)(2 * AMX_RG * AMX_BN) * 4) +
            amx_al((size_t)(RC * Dvq) * 4) + 2 * amx_al((size_t)RC * 4) + 2 * amx_al((size_t)RC * 8) +
-           5 * amx_al((size_t)NG * 8) + amx_al((size_t)(RC * Dq) * 2) + 3 * amx_al((size_t)(AMX_BN * Dq) * 2) +
+           5 * amx_al((size_t)NG * 8) + amx_al((size_t)RC * 64) + amx_al((size_t)(RC * Dq) * 2) + 3 * amx_al((size_t)(AMX_BN * Dq) * 2) +
            3 * amx_al((size_t)(AMX_BN * Dvq) * 2) + amx_al((size_t)(2 * AMX_RG * AMX_BN) * 2) + AMX_ALIGN;
 }
 
@@ -86,6 +116,7 @@ static void amx_carve(const fa_params *p, void *scratch, amx_ws *w)
     w->O = (float *)c; c += amx_al((size_t)(RC * Dvq) * 4);
     w->m = (float *)c; c += amx_al((size_t)RC * 4);
     w->l = (float *)c; c += amx_al((size_t)RC * 4);
+    w->lv = (float *)c; c += amx_al((size_t)RC * 64);
     w->lo = (int64_t *)c; c += amx_al((size_t)RC * 8);
     w->hi = (int64_t *)c; c += amx_al((size_t)RC * 8);
     w->glo = (int64_t *)c; c += amx_al((size_t)NG * 8);
@@ -128,38 +159,64 @@ static inline void amx_store_bf16x2(uint16_t *dst, vf lo, vf hi)
 #endif
 }
 
-/* 2^x for x <= 0 or NaN as simd.h's vf_exp2_neg, with a degree-5 polynomial:
- * truncation < 2e-6 relative, far below the bf16 rounding of P (2^-9). */
+/* 2^x for x <= 0, -inf or NaN (NaN stays NaN; x <= -127 gives 0 under the
+ * kernel's FTZ), for P: 2^n * q(f), n = round(x), f = x - n in [-0.5, 0.5], q
+ * the degree-4 minimax fit of 2^f (relative error 2.7e-6 in float32, below the
+ * degree-5 Taylor series of simd.h's exp2 on the same range and far below the
+ * bf16 rounding of P, 2^-9; the row sums l, and so the LSE, see the same
+ * error).  On AVX-512 the scaling is VSCALEFPS and the rounding VRNDSCALEPS:
+ * 8 vector operations instead of the 11 of the shift-and-multiply form, which
+ * the emulated build keeps (same values: both are exact 2^n times q(f)). */
+#define AMX_EXP2_Q0 0.9999992847442627f
+#define AMX_EXP2_Q1 0.6931217908859253f
+#define AMX_EXP2_Q2 0.240247443318367f
+#define AMX_EXP2_Q3 0.05591783672571182f
+#define AMX_EXP2_Q4 0.009570079855620861f
 static inline vf amx_exp2_neg(vf x)
 {
+    vf xc = vf_max(vf_set1(-127.0f), x); /* max(c, NaN) is NaN: NaN stays */
+#if defined(FA_EMULATE_AVX512)
     const vf magic = vf_set1(12583039.0f); /* 1.5 * 2^23 + 127 */
-    vf xc = vf_max(vf_set1(-127.0f), x);
     vf t = vf_add(xc, magic);
     vf f = vf_sub(xc, vf_sub(t, magic));
-    vf p = vf_set1(FA_EXP2_C5);
-    p = vf_fma(p, f, vf_set1(FA_EXP2_C4));
-    p = vf_fma(p, f, vf_set1(FA_EXP2_C3));
-    p = vf_fma(p, f, vf_set1(FA_EXP2_C2));
-    p = vf_fma(p, f, vf_set1(FA_EXP2_C1));
-    p = vf_fma(p, f, vf_set1(1.0f));
-    return vf_mul(p, vf_shl23(t));
+#else
+    vf n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf f = vf_sub(xc, n);
+#endif
+    vf q = vf_set1(AMX_EXP2_Q4);
+    q = vf_fma(q, f, vf_set1(AMX_EXP2_Q3));
+    q = vf_fma(q, f, vf_set1(AMX_EXP2_Q2));
+    q = vf_fma(q, f, vf_set1(AMX_EXP2_Q1));
+    q = vf_fma(q, f, vf_set1(AMX_EXP2_Q0));
+#if defined(FA_EMULATE_AVX512)
+    return vf_mul(q, vf_shl23(t));
+#else
+    return _mm512_scalef_ps(q, n);
+#endif
 }
 
 #if !defined(FA_EMULATE_AVX512)
 /* dst row w (64 bytes) = 32-bit word w of each of 16 source rows (src + n * ld
  * bf16): a 16 x 16 transpose of words in four stages, each swapping the
  * off-diagonal blocks of size b (8, 4, 2, 1) between rows i and i + b. */
+static const int32_t amx_tr_idx[4][2][16] = {
+    /* stage b = 8, 4, 2, 1: lo[k] = (k & b) ? 16 + k - b : k, hi[k] = (k & b) ? 16 + k : k + b */
+    {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}, {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}},
+    {{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}, {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}},
+    {{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}, {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}},
+    {{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}, {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}},
+};
 static inline void amx_tr16(const uint16_t *src, int64_t ld, uint16_t *dst)
 {
     __m512i r[16];
+#pragma GCC unroll 16
     for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512((const void *)(src + i * ld));
-    for (int b = 8; b >= 1; b >>= 1) {
-        int lo_i[16], hi_i[16];
-        for (int k = 0; k < 16; k++) {
-            lo_i[k] = (k & b) ? 16 + k - b : k;
-            hi_i[k] = (k & b) ? 16 + k : k + b;
-        }
-        const __m512i lo = _mm512_loadu_si512((const void *)lo_i), hi = _mm512_loadu_si512((const void *)hi_i);
+#pragma GCC unroll 4
+    for (int st = 0; st < 4; st++) {
+        const int b = 8 >> st;
+        const __m512i lo = _mm512_loadu_si512((const void *)amx_tr_idx[st][0]);
+        const __m512i hi = _mm512_loadu_si512((const void *)amx_tr_idx[st][1]);
+#pragma GCC unroll 16
         for (int i = 0; i < 16; i++)
             if (!(i & b)) {
                 __m512i x = _mm512_permutex2var_epi32(r[i], lo, r[i + b]);
@@ -168,6 +225,7 @@ static inline void amx_tr16(const uint16_t *src, int64_t ld, uint16_t *dst)
                 r[i + b] = y;
             }
     }
+#pragma GCC unroll 16
     for (int i = 0; i < 16; i++) _mm512_storeu_si512((void *)(dst + i * 32), r[i]);
 }
 #endif
@@ -242,48 +300,72 @@ static void amx_pack_v(uint16_t *Vp, const uint16_t *V, int64_t ldv, int64_t nj,
 #define AMX_DP_2X2() \
     do { FA_TILE_DPBF16(0, 4, 6); FA_TILE_DPBF16(1, 4, 7); FA_TILE_DPBF16(2, 5, 6); FA_TILE_DPBF16(3, 5, 7); } while (0)
 
-/* S[0:32][0:njp] = Q[g0:g0+32] . K^T over the packed key tiles (2 x 2 C tiles). */
-static inline void amx_qk(const uint16_t *Q, int64_t Dq, const uint16_t *Kp, int64_t njp, float *S)
+/* One step of S[0:32][0:njp] = Q[g0:g0+32] . K^T: the 32 keys of key tiles kb,
+ * kb + 1 (2 x 2 C tiles).  With Ql (bf16x3, "high"): S = Qh.Kh^T + Qh.Kl^T +
+ * Ql.Kh^T (the lo.lo product, ~2^-16 relative, is left out as in torch's
+ * "high"). */
+static inline void amx_qk_step(const uint16_t *Q, const uint16_t *Ql, int64_t Dq, const uint16_t *Kp,
+                               const uint16_t *Kpl, int64_t kb, float *S)
 {
     const int64_t ndc = Dq / 32, ldq = Dq * 2, lds = AMX_BN * 4;
-    for (int64_t kb = 0; kb < njp / 16; kb += 2) {
-        FA_TILE_ZERO(0); FA_TILE_ZERO(1); FA_TILE_ZERO(2); FA_TILE_ZERO(3);
-        for (int64_t dc = 0; dc < ndc; dc++) {
-            FA_TILE_LOAD(4, Q + dc * 32, ldq);
-            FA_TILE_LOAD(5, Q + 16 * Dq + dc * 32, ldq);
-            FA_TILE_LOAD(6, Kp + (kb * ndc + dc) * 512, 64);
-            FA_TILE_LOAD(7, Kp + ((kb + 1) * ndc + dc) * 512, 64);
+    FA_TILE_ZERO(0); FA_TILE_ZERO(1); FA_TILE_ZERO(2); FA_TILE_ZERO(3);
+    for (int64_t dc = 0; dc < ndc; dc++) {
+        const int64_t k0 = (kb * ndc + dc) * 512, k1 = ((kb + 1) * ndc + dc) * 512;
+        FA_TILE_LOAD(4, Q + dc * 32, ldq);
+        FA_TILE_LOAD(5, Q + 16 * Dq + dc * 32, ldq);
+        if (Ql) {
+            FA_TILE_LOAD(6, Kpl + k0, 64);
+            FA_TILE_LOAD(7, Kpl + k1, 64);
             AMX_DP_2X2();
         }
-        FA_TILE_STORE(0, S + kb * 16, lds);
-        FA_TILE_STORE(1, S + kb * 16 + 16, lds);
-        FA_TILE_STORE(2, S + 16 * AMX_BN + kb * 16, lds);
-        FA_TILE_STORE(3, S + 16 * AMX_BN + kb * 16 + 16, lds);
+        FA_TILE_LOAD(6, Kp + k0, 64);
+        FA_TILE_LOAD(7, Kp + k1, 64);
+        AMX_DP_2X2();
+        if (Ql) {
+            FA_TILE_LOAD(4, Ql + dc * 32, ldq);
+            FA_TILE_LOAD(5, Ql + 16 * Dq + dc * 32, ldq);
+            AMX_DP_2X2();
+        }
     }
+    FA_TILE_STORE(0, S + kb * 16, lds);
+    FA_TILE_STORE(1, S + kb * 16 + 16, lds);
+    FA_TILE_STORE(2, S + 16 * AMX_BN + kb * 16, lds);
+    FA_TILE_STORE(3, S + 16 * AMX_BN + kb * 16 + 16, lds);
 }
 
-/* O[0:32][0:Dvq] += P[0:32][0:njp] . V over the packed V tiles. */
-static inline void amx_pv(const uint16_t *P, const uint16_t *Vp, int64_t njp, float *O, int64_t Dvq)
+/* One step of O[0:32][0:Dvq] += P[0:32][0:njp] . V: the output columns of
+ * column tiles cb, cb + 1.  With Pl (bf16x3): O += Ph.Vh + Ph.Vl + Pl.Vh. */
+static inline void amx_pv_step(const uint16_t *P, const uint16_t *Pl, const uint16_t *Vp, const uint16_t *Vpl,
+                               int64_t njp, int64_t cb, float *O, int64_t Dvq)
 {
     const int64_t ncb = Dvq / 16, ldo = Dvq * 4, ldp = AMX_BN * 2;
-    for (int64_t cb = 0; cb < ncb; cb += 2) {
-        float *o0 = O + cb * 16, *o1 = O + 16 * Dvq + cb * 16;
-        FA_TILE_LOAD(0, o0, ldo);
-        FA_TILE_LOAD(1, o0 + 16, ldo);
-        FA_TILE_LOAD(2, o1, ldo);
-        FA_TILE_LOAD(3, o1 + 16, ldo);
-        for (int64_t kc = 0; kc < njp / 32; kc++) {
-            FA_TILE_LOAD(4, P + kc * 32, ldp);
-            FA_TILE_LOAD(5, P + 16 * AMX_BN + kc * 32, ldp);
-            FA_TILE_LOAD(6, Vp + (kc * ncb + cb) * 512, 64);
-            FA_TILE_LOAD(7, Vp + (kc * ncb + cb + 1) * 512, 64);
+    float *o0 = O + cb * 16, *o1 = O + 16 * Dvq + cb * 16;
+    FA_TILE_LOAD(0, o0, ldo);
+    FA_TILE_LOAD(1, o0 + 16, ldo);
+    FA_TILE_LOAD(2, o1, ldo);
+    FA_TILE_LOAD(3, o1 + 16, ldo);
+    for (int64_t kc = 0; kc < njp / 32; kc++) {
+        const int64_t v0 = (kc * ncb + cb) * 512, v1 = (kc * ncb + cb + 1) * 512;
+        FA_TILE_LOAD(4, P + kc * 32, ldp);
+        FA_TILE_LOAD(5, P + 16 * AMX_BN + kc * 32, ldp);
+        if (Pl) {
+            FA_TILE_LOAD(6, Vpl + v0, 64);
+            FA_TILE_LOAD(7, Vpl + v1, 64);
             AMX_DP_2X2();
         }
-        FA_TILE_STORE(0, o0, ldo);
-        FA_TILE_STORE(1, o0 + 16, ldo);
-        FA_TILE_STORE(2, o1, ldo);
-        FA_TILE_STORE(3, o1 + 16, ldo);
+        FA_TILE_LOAD(6, Vp + v0, 64);
+        FA_TILE_LOAD(7, Vp + v1, 64);
+        AMX_DP_2X2();
+        if (Pl) {
+            FA_TILE_LOAD(4, Pl + kc * 32, ldp);
+            FA_TILE_LOAD(5, Pl + 16 * AMX_BN + kc * 32, ldp);
+            AMX_DP_2X2();
+        }
     }
+    FA_TILE_STORE(0, o0, ldo);
+    FA_TILE_STORE(1, o0 + 16, ldo);
+    FA_TILE_STORE(2, o1, ldo);
+    FA_TILE_STORE(3, o1 + 16, ldo);
 }
 
 /* n float32 values x split into bf16 hi = bf16(x) and (when lo) lo = bf16(x - hi),
@@ -319,64 +401,94 @@ static void amx_split_row(uint16_t *hi, uint16_t *lo, const float *x, int64_t n,
     }
 }
 
-/* amx_qk for bf16x3: S = Qh.Kh^T + Qh.Kl^T + Ql.Kh^T (the lo.lo product, ~2^-16
- * relative, is left out as in torch's "high"). */
-static inline void amx_qk3(const uint16_t *Q, const uint16_t *Ql, int64_t Dq, const uint16_t *Kp,
-                           const uint16_t *Kpl, int64_t njp, float *S)
+/* The tile work that runs while the vector units do one row group's softmax:
+ * the next group's Q.K^T and the previous group's P.V, issued one step (a
+ * 2 x 2 block of C tiles) at a time from inside the softmax's row loops
+ * (amx_pump), so that the tile unit and the vector units work at the same time
+ * and the out-of-order window never fills with tile stores waiting on their
+ * products.  The buffers never overlap: S and P are double-buffered by group
+ * parity, and the softmax rescales only its own group's O rows.  The steps
+ * and their arithmetic are the same whatever the interleaving, so the result
+ * does not depend on it. */
+typedef struct amx_jobs {
+    const uint16_t *Q, *Ql, *K, *Kl;  /* next group's Q.K^T into S (nqk steps)   */
+    float *S;
+    const uint16_t *P, *Pl, *V, *Vl;  /* previous group's P.V into O (npv steps) */
+    float *O;
+    int64_t Dq, Dvq, njp, nqk, iqk, npv, ipv;
+    int64_t every, tick;              /* a step every `every` pump calls          */
+} amx_jobs;
+
+/* Issue the next pending step; 0 when none is left. */
+static inline int amx_step(amx_jobs *j)
 {
-    const int64_t ndc = Dq / 32, ldq = Dq * 2, lds = AMX_BN * 4;
-    for (int64_t kb = 0; kb < njp / 16; kb += 2) {
-        FA_TILE_ZERO(0); FA_TILE_ZERO(1); FA_TILE_ZERO(2); FA_TILE_ZERO(3);
-        for (int64_t dc = 0; dc < ndc; dc++) {
-            const int64_t k0 = (kb * ndc + dc) * 512, k1 = ((kb + 1) * ndc + dc) * 512;
-            FA_TILE_LOAD(4, Q + dc * 32, ldq);
-            FA_TILE_LOAD(5, Q + 16 * Dq + dc * 32, ldq);
-            FA_TILE_LOAD(6, Kpl + k0, 64);
-            FA_TILE_LOAD(7, Kpl + k1, 64);
-            AMX_DP_2X2();
-            FA_TILE_LOAD(6, Kp + k0, 64);
-            FA_TILE_LOAD(7, Kp + k1, 64);
-            AMX_DP_2X2();
-            FA_TILE_LOAD(4, Ql + dc * 32, ldq);
-            FA_TILE_LOAD(5, Ql + 16 * Dq + dc * 32, ldq);
-            AMX_DP_2X2();
-        }
-        FA_TILE_STORE(0, S + kb * 16, lds);
-        FA_TILE_STORE(1, S + kb * 16 + 16, lds);
-        FA_TILE_STORE(2, S + 16 * AMX_BN + kb * 16, lds);
-        FA_TILE_STORE(3, S + 16 * AMX_BN + kb * 16 + 16, lds);
-    }
+    if (j->iqk < j->nqk) { amx_qk_step(j->Q, j->Ql, j->Dq, j->K, j->Kl, 2 * j->iqk++, j->S); return 1; }
+    if (j->ipv < j->npv) { amx_pv_step(j->P, j->Pl, j->V, j->Vl, j->njp, 2 * j->ipv++, j->O, j->Dvq); return 1; }
+    return 0;
 }
 
-/* amx_pv for bf16x3: O += Ph.Vh + Ph.Vl + Pl.Vh. */
-static inline void amx_pv3(const uint16_t *P, const uint16_t *Pl, const uint16_t *Vp, const uint16_t *Vpl,
-                           int64_t njp, float *O, int64_t Dvq)
+/* Called once per row in each of the softmax's two row loops (64 calls per group). */
+static inline void amx_pump(amx_jobs *j)
 {
-    const int64_t ncb = Dvq / 16, ldo = Dvq * 4, ldp = AMX_BN * 2;
-    for (int64_t cb = 0; cb < ncb; cb += 2) {
-        float *o0 = O + cb * 16, *o1 = O + 16 * Dvq + cb * 16;
-        FA_TILE_LOAD(0, o0, ldo);
-        FA_TILE_LOAD(1, o0 + 16, ldo);
-        FA_TILE_LOAD(2, o1, ldo);
-        FA_TILE_LOAD(3, o1 + 16, ldo);
-        for (int64_t kc = 0; kc < njp / 32; kc++) {
-            const int64_t v0 = (kc * ncb + cb) * 512, v1 = (kc * ncb + cb + 1) * 512;
-            FA_TILE_LOAD(4, P + kc * 32, ldp);
-            FA_TILE_LOAD(5, P + 16 * AMX_BN + kc * 32, ldp);
-            FA_TILE_LOAD(6, Vpl + v0, 64);
-            FA_TILE_LOAD(7, Vpl + v1, 64);
-            AMX_DP_2X2();
-            FA_TILE_LOAD(6, Vp + v0, 64);
-            FA_TILE_LOAD(7, Vp + v1, 64);
-            AMX_DP_2X2();
-            FA_TILE_LOAD(4, Pl + kc * 32, ldp);
-            FA_TILE_LOAD(5, Pl + 16 * AMX_BN + kc * 32, ldp);
-            AMX_DP_2X2();
+    if (++j->tick >= j->every) { j->tick = 0; amx_step(j); }
+}
+
+/* amx_softmax for a full tile (AMX_BN keys, no padding) in the common case
+ * (see amx_softmax): one pass per row with the row's 8 score vectors held in
+ * registers (max, then exp2 of the scaled scores, the sum and P), instead of
+ * reading S twice. */
+static void amx_softmax_full(const amx_ws *w, int64_t g0, int64_t nr, const float *S, uint16_t *P, uint16_t *Pl,
+                             float qscale, int64_t Dvq, amx_jobs *jobs)
+{
+    enum { NV = AMX_BN / 16 };
+    const vf ev = vf_set1(qscale);
+    for (int64_t r = 0; r < AMX_RG; r++) {
+        uint16_t *pr = P + r * AMX_BN, *pl = Pl ? Pl + r * AMX_BN : NULL;
+        amx_pump(jobs);
+        if (r >= nr) {
+            memset(pr, 0, AMX_BN * 2);
+            if (pl) memset(pl, 0, AMX_BN * 2);
+            continue;
         }
-        FA_TILE_STORE(0, o0, ldo);
-        FA_TILE_STORE(1, o0 + 16, ldo);
-        FA_TILE_STORE(2, o1, ldo);
-        FA_TILE_STORE(3, o1 + 16, ldo);
+        const int64_t rr = g0 + r;
+        const float *s = S + r * AMX_BN;
+        vf x[NV];
+        for (int k = 0; k < NV; k++) x[k] = vf_load(s + 16 * k);
+        vf mv = vf_max(vf_max(vf_max(x[0], x[1]), vf_max(x[2], x[3])), vf_max(vf_max(x[4], x[5]), vf_max(x[6], x[7])));
+        const float m1 = vf_hmax(mv) * qscale, mold = w->m[rr];
+        float mnew = m1 > mold ? m1 : mold;
+        if (m1 != m1) mnew = m1; /* NaN poisons the row */
+        if (mnew == -INFINITY) { /* no finite score (infinite inputs): P = 0; NaN poisons l */
+            for (int k = 0; k < AMX_BN; k++) if (s[k] != s[k]) w->l[rr] = NAN;
+            memset(pr, 0, AMX_BN * 2);
+            if (pl) memset(pl, 0, AMX_BN * 2);
+            continue;
+        }
+        if (mnew > mold && mold != -INFINITY) { /* the max grew: rescale this row's O and l */
+            const float alpha = (float)exp2((double)(mold - mnew));
+            float *o = w->O + rr * Dvq;
+            const vf av = vf_set1(alpha);
+            for (int64_t c = 0; c < Dvq; c += 16) vf_store(o + c, vf_mul(av, vf_load(o + c)));
+            w->l[rr] *= alpha;
+            float *lv = w->lv + rr * 16;
+            vf_store(lv, vf_mul(av, vf_load(lv)));
+        }
+        if (mnew > mold || mnew != mnew) w->m[rr] = mnew;
+        const vf mn = vf_set1(-mnew);
+        vf sum0 = vf_zero(), sum1 = vf_zero();
+        for (int k = 0; k < NV; k += 2) {
+            vf e0 = amx_exp2_neg(vf_fma(x[k], ev, mn));
+            vf e1 = amx_exp2_neg(vf_fma(x[k + 1], ev, mn));
+            sum0 = vf_add(sum0, e0);
+            sum1 = vf_add(sum1, e1);
+            amx_store_bf16x2(pr + 16 * k, e0, e1);
+            if (pl) { /* the low parts: e - bf16(e) */
+                vf h0 = vf_load_bf16(pr + 16 * k), h1 = vf_load_bf16(pr + 16 * k + 16);
+                amx_store_bf16x2(pl + 16 * k, vf_sub(e0, h0), vf_sub(e1, h1));
+            }
+        }
+        float *lv = w->lv + rr * 16; /* no horizontal sum per tile: lanes summed once, at the end */
+        vf_store(lv, vf_add(vf_load(lv), vf_add(sum0, sum1)));
     }
 }
 
@@ -385,26 +497,36 @@ static inline void amx_pv3(const uint16_t *P, const uint16_t *Pl, const uint16_t
  * running max m and sum l (from the fp32 values), O rows rescaled when m grows. */
 static void amx_softmax(const fa_params *p, const fa_task *t, const amx_ws *w, int64_t g, int64_t jt, int64_t nj,
                         int64_t njp, float *S, uint16_t *P, uint16_t *Pl, int64_t ni, int64_t delta, int elem_always,
-                        int use_log2, float qscale, int64_t R, int64_t Dvq)
+                        int use_log2, float qscale, int64_t R, int64_t Dvq, amx_jobs *jobs)
 {
     const int64_t G = p->Hq / p->Hk, b = t->b, g0 = g * AMX_RG, nr = fa_min64(AMX_RG, R - g0);
     const int partial = jt < w->gflo[g] || jt + nj > w->gfhi[g];
-    const int64_t nfull = elem_always || partial ? 0 : nj / 16 * 16; /* vectors scaled in the max pass */
+    /* The common case (no masks or transforms, every row of the group sees every
+     * key of the tile, a positive scale): S keeps the raw products, the max
+     * pass only reads them (max(c * s) = c * max(s) for c > 0, rounding being
+     * monotonic) and the exp pass applies the scale in its FMA.  Otherwise the
+     * max pass writes the scaled, masked scores back to S and the exp pass
+     * scales by 1. */
+    const int fast = !(elem_always || partial) && qscale > 0.0f;
+    if (fast && nj == AMX_BN) {
+        jobs->every = fa_max64(1, AMX_RG / (jobs->nqk + jobs->npv + 1)); /* 32 pump calls */
+        amx_softmax_full(w, g0, nr, S, P, Pl, qscale, Dvq, jobs);
+        return;
+    }
+    jobs->every = fa_max64(1, 2 * AMX_RG / (jobs->nqk + jobs->npv + 1)); /* 64 pump calls */
+    const int64_t nfull = fast ? nj / 16 * 16 : 0; /* vectors read in place by the max pass */
+    const float esc = fast ? qscale : 1.0f;
     float mx[AMX_RG], arg[AMX_RG], alpha[AMX_RG];
-    const vf qs = vf_set1(qscale);
     for (int64_t r = 0; r < AMX_RG; r++) {
         float *s = S + r * AMX_BN;
         arg[r] = 0;
+        amx_pump(jobs);
         if (r >= nr) continue;
         const int64_t rr = g0 + r, lo = w->lo[rr], hi = w->hi[rr];
         vf mv = vf_set1(-INFINITY);
-        for (int64_t jj = 0; jj < nfull; jj += 16) {
-            vf x = vf_mul(vf_load(s + jj), qs);
-            vf_store(s + jj, x);
-            mv = vf_max(mv, x);
-        }
-        for (int64_t jj = nfull; jj < njp; jj++) s[jj] = jj < nj ? s[jj] * qscale : -INFINITY;
-        if (elem_always || partial) {
+        for (int64_t jj = 0; jj < nfull; jj += 16) mv = vf_max(mv, vf_load(s + jj));
+        for (int64_t jj = nfull; jj < njp; jj++) s[jj] = jj < nj ? s[jj] * (fast ? 1.0f : qscale) : -INFINITY;
+        if (!fast) {
             const int64_t h = t->hk * G + rr / ni, i = t->i0 + rr % ni, ip = i + delta;
             if (!elem_always) {
                 const int64_t a0 = fa_min64(fa_max64(lo - jt, 0), nj), a1 = fa_max64(fa_min64(hi - jt, nj), a0);
@@ -447,7 +569,7 @@ static void amx_softmax(const fa_params *p, const fa_task *t, const amx_ws *w, i
             }
         }
         for (int64_t jj = nfull; jj < njp; jj += 16) mv = vf_max(mv, vf_load(s + jj));
-        const float m1 = vf_hmax(mv), mold = w->m[rr];
+        const float m1 = fast ? vf_hmax(mv) * qscale : vf_hmax(mv), mold = w->m[rr];
         float mnew = m1 > mold ? m1 : mold;
         if (m1 != m1) mnew = m1; /* NaN poisons the row */
         mx[r] = mnew;
@@ -460,6 +582,7 @@ static void amx_softmax(const fa_params *p, const fa_task *t, const amx_ws *w, i
     for (int64_t r = 0; r < AMX_RG; r++) {
         uint16_t *pr = P + r * AMX_BN;
         uint16_t *pl = Pl ? Pl + r * AMX_BN : NULL;
+        amx_pump(jobs);
         if (r >= nr || mx[r] == -INFINITY) {
             if (pl) memset(pl, 0, (size_t)njp * 2);
         }
@@ -477,13 +600,14 @@ static void amx_softmax(const fa_params *p, const fa_task *t, const amx_ws *w, i
             const vf av = vf_set1(alpha[r]);
             for (int64_t c = 0; c < Dvq; c += 16) vf_store(o + c, vf_mul(av, vf_load(o + c)));
             w->l[rr] *= alpha[r];
+            vf_store(w->lv + rr * 16, vf_mul(av, vf_load(w->lv + rr * 16)));
         }
         if (mnew > w->m[rr]) w->m[rr] = mnew;
-        const vf mn = vf_set1(mnew);
+        const vf mn = vf_set1(-mnew), ev = vf_set1(esc);
         vf sum0 = vf_zero(), sum1 = vf_zero();
         for (int64_t jj = 0; jj < njp; jj += 32) {
-            vf e0 = amx_exp2_neg(vf_sub(vf_load(s + jj), mn));
-            vf e1 = amx_exp2_neg(vf_sub(vf_load(s + jj + 16), mn));
+            vf e0 = amx_exp2_neg(vf_fma(vf_load(s + jj), ev, mn));
+            vf e1 = amx_exp2_neg(vf_fma(vf_load(s + jj + 16), ev, mn));
             sum0 = vf_add(sum0, e0);
             sum1 = vf_add(sum1, e1);
             amx_store_bf16x2(pr + jj, e0, e1);
@@ -494,6 +618,36 @@ static void amx_softmax(const fa_params *p, const fa_task *t, const amx_ws *w, i
         }
         w->l[rr] += vf_hsum(vf_add(sum0, sum1));
     }
+}
+
+/* dst[oo + c] = o[c] * inv (c < Dv) in dtype dt, the product in double as
+ * fa_store_elem's scalar form (which the tail and the emulated build use), so
+ * both give the same values.  inv = 0 writes zeros (o is finite or NaN only
+ * where inv is NaN too). */
+static void amx_write_row(void *dst, int dt, int64_t oo, const float *o, double inv, int64_t Dv)
+{
+    int64_t c = 0;
+    if (inv == 0.0) {
+        for (; c < Dv; c++) fa_store_elem(dst, dt, oo + c, 0.0);
+        return;
+    }
+#if !defined(FA_EMULATE_AVX512)
+    const __m512d iv = _mm512_set1_pd(inv);
+    if (dt == FA_F32) {
+        float *d = (float *)dst + oo;
+        for (; c + 8 <= Dv; c += 8)
+            _mm256_storeu_ps(d + c, _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(o + c)), iv)));
+    } else if (dt == FA_BF16) {
+        uint16_t *d = (uint16_t *)dst + oo;
+        for (; c + 16 <= Dv; c += 16) {
+            __m256 x0 = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(o + c)), iv));
+            __m256 x1 = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(o + c + 8)), iv));
+            amx_store_bf16(d + c, _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(x0)),
+                                                                        _mm256_castps_pd(x1), 1)));
+        }
+    }
+#endif
+    for (; c < Dv; c++) fa_store_elem(dst, dt, oo + c, o[c] * inv);
 }
 
 /* Row r of a task is query head hk*G + r/ni at position i0 + r%ni (kernel.h). */
@@ -523,6 +677,7 @@ static void amx_run(const fa_params *p, const fa_task *t, void *scratch)
         uint16_t *qd = w.Q + r * Dq;
         w.m[r] = -INFINITY;
         w.l[r] = 0;
+        memset(w.lv + r * 16, 0, 64);
         if (r >= R) {
             memset(qd, 0, (size_t)Dq * 2);
             if (x3) memset(w.Ql + r * Dq, 0, (size_t)Dq * 2);
@@ -573,6 +728,7 @@ static void amx_run(const fa_params *p, const fa_task *t, void *scratch)
         for (int64_t g = 0; g < NG; g++)
             if (!(w.ghi[g] <= jt || w.glo[g] >= jt + nj || w.glo[g] >= w.ghi[g])) w.act[na++] = g;
         if (na == 0) continue;
+        AMX_PT(tp0);
         if (f32in) { /* rows to bf16 (hi, lo) first, then packed like bf16 inputs */
             for (int64_t jj = 0; jj < nj; jj++) {
                 amx_split_row(w.Kc + jj * Dq, x3 ? w.Kcl + jj * Dq : NULL,
@@ -590,27 +746,54 @@ static void amx_run(const fa_params *p, const fa_task *t, void *scratch)
             amx_pack_k(w.K, (const uint16_t *)kbase + jt * p->k_sl, p->k_sl, nj, njp, D, Dq);
             amx_pack_v(w.V, (const uint16_t *)vbase + jt * p->v_sl, p->v_sl, nj, njp, Dv, Dvq);
         }
+        AMX_PT(tp1);
+        AMX_PADD(0, tp0, tp1);
         if (!cfg_loaded) { FA_TILE_LOADCONFIG(&cfg); cfg_loaded = 1; }
-        /* Software pipeline over the groups: the next group's Q.K^T is issued
-         * before this group's softmax (double-buffered S and P), so that the
-         * tile unit works while the vector units do the softmax. */
-#define AMX_QK(grp, Sbuf) do { \
-            if (x3) amx_qk3(w.Q + (grp) * AMX_RG * Dq, w.Ql + (grp) * AMX_RG * Dq, Dq, w.K, w.Kl, njp, (Sbuf)); \
-            else amx_qk(w.Q + (grp) * AMX_RG * Dq, Dq, w.K, njp, (Sbuf)); \
+        /* Software pipeline over the active groups a: Q.K^T of group a + 1 and
+         * P.V of group a - 1 are interleaved with the softmax of group a (amx_jobs). */
+        amx_jobs jb;
+        memset(&jb, 0, sizeof(jb));
+        jb.Dq = Dq; jb.Dvq = Dvq; jb.njp = njp;
+        jb.K = w.K; jb.Kl = x3 ? w.Kl : NULL; jb.V = w.V; jb.Vl = x3 ? w.Vl : NULL;
+        /* Round a: the QK of active group aq (-1: none) into S buffer aq & 1, the PV of
+         * active group ap (-1: none) from P buffer ap & 1. */
+#define AMX_JOBS(aq, ap) do { \
+            const int64_t aq_ = (aq), ap_ = (ap); \
+            jb.iqk = jb.ipv = jb.tick = 0; \
+            jb.nqk = aq_ >= 0 ? njp / 32 : 0; \
+            jb.npv = ap_ >= 0 ? Dvq / 32 : 0; \
+            if (aq_ >= 0) { \
+                jb.Q = w.Q + w.act[aq_] * AMX_RG * Dq; \
+                jb.Ql = x3 ? w.Ql + w.act[aq_] * AMX_RG * Dq : NULL; \
+                jb.S = w.S + (aq_ & 1) * AMX_RG * AMX_BN; \
+            } \
+            if (ap_ >= 0) { \
+                jb.P = w.P + (ap_ & 1) * AMX_RG * AMX_BN; \
+                jb.Pl = x3 ? w.Pl + (ap_ & 1) * AMX_RG * AMX_BN : NULL; \
+                jb.O = w.O + w.act[ap_] * AMX_RG * Dvq; \
+            } \
         } while (0)
-        AMX_QK(w.act[0], w.S);
+        AMX_PT(tq0);
+        AMX_JOBS(0, -1);
+        while (amx_step(&jb)) {}
+        AMX_PT(tq1);
+        AMX_PADD(1, tq0, tq1);
         for (int64_t a = 0; a < na; a++) {
-            const int64_t g = w.act[a];
-            float *S = w.S + (a & 1) * AMX_RG * AMX_BN;
-            uint16_t *P = w.P + (a & 1) * AMX_RG * AMX_BN;
+            AMX_JOBS(a + 1 < na ? a + 1 : -1, a - 1);
             uint16_t *Pl = x3 ? w.Pl + (a & 1) * AMX_RG * AMX_BN : NULL;
-            if (a + 1 < na) AMX_QK(w.act[a + 1], w.S + ((a + 1) & 1) * AMX_RG * AMX_BN);
-            amx_softmax(p, t, &w, g, jt, nj, njp, S, P, Pl, ni, delta, elem_always, use_log2, qscale, R, Dvq);
-            if (x3) amx_pv3(P, Pl, w.V, w.Vl, njp, w.O + g * AMX_RG * Dvq, Dvq);
-            else amx_pv(P, w.V, njp, w.O + g * AMX_RG * Dvq, Dvq);
+            AMX_PT(ta1);
+            amx_softmax(p, t, &w, w.act[a], jt, nj, njp, w.S + (a & 1) * AMX_RG * AMX_BN,
+                        w.P + (a & 1) * AMX_RG * AMX_BN, Pl, ni, delta, elem_always, use_log2, qscale, R, Dvq, &jb);
+            AMX_PT(ta2);
+            while (amx_step(&jb)) {}
+            AMX_PT(ta3);
+            AMX_PADD(2, ta1, ta2);
+            AMX_PADD(3, ta2, ta3);
         }
+        AMX_JOBS(-1, na - 1);
+        while (amx_step(&jb)) {}
+#undef AMX_JOBS
     }
-#undef AMX_QK
     if (cfg_loaded) FA_TILE_RELEASE();
 
     /* ---- normalise once and write (rows past L_b: zeros, LSE -inf), as kernel_impl.h ---- */
@@ -622,7 +805,7 @@ static void amx_run(const fa_params *p, const fa_task *t, void *scratch)
         const int valid = ii < ni;
         if (valid) {
             mm = w.m[ra];
-            ll = w.l[ra];
+            ll = w.l[ra] + vf_hsum(vf_load(w.lv + ra * 16));
             f = 1.0;
             if (p->sinks && !t->part_o) { /* split parts: the merge adds the sink once */
                 double sk = p->sinks[h] * AMX_LOG2E, M = mm > sk ? mm : sk;
@@ -643,11 +826,11 @@ static void amx_run(const fa_params *p, const fa_task *t, void *scratch)
             ((float *)t->part_lse)[r] = (float)lse;
         } else {
             const int64_t oo = b * p->o_sb + h * p->o_sh + (bi.qoff + i) * p->o_sl;
-            for (int64_t c = 0; c < Dv; c++) fa_store_elem(p->o, p->o_dtype, oo + c, valid ? o[c] * inv : 0.0);
+            amx_write_row(p->o, p->o_dtype, oo, o, valid ? inv : 0.0, Dv);
             if (p->lse)
                 fa_store_elem(p->lse, FA_F32, b * p->lse_sb + h * p->lse_sh + (bi.qoff + i) * p->lse_sl, lse);
         }
     }
 }
 
-const fa_kernel fa_kernel_bf16_amx = { amx_scratch_bytes, amx_run, AMX_BMR, AMX_BMR_SHORT, AMX_BN };
+const fa_kernel AMX_KERNEL = { amx_scratch_bytes, amx_run, AMX_BMR, AMX_BMR_SHORT, AMX_BN };

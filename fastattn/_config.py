@@ -101,9 +101,10 @@ def set_float32_matmul_precision(precision: str) -> None:
     Q, K, V and P split into two bfloat16 parts with three bf16 products (bf16x3,
     ~16 mantissa bits), accumulated in float32.  ``"medium"``: Q, K, V and P rounded
     to bfloat16.  The lower levels are permissions, as in torch: they take effect
-    on the ``amx`` path (float32 query, key and value, >= 32 rows per key/value head)
-    and elsewhere compute as ``"highest"``.  float64 and float16 inputs ignore the
-    level (float16 is never rounded to bfloat16).  Per call: ``precision=``.
+    on the ``amx`` path (float32 query, key and value, >= 32 rows per key/value head),
+    ``"medium"`` also on the ``avx512bf16`` path, and elsewhere compute as ``"highest"``.
+    float64 and float16 inputs ignore the level (float16 is never rounded to bfloat16).
+    Per call: ``precision=``.
     """
     global _f32_precision
     precision_code(precision)  # TypeError / ValueError on bad values; None is not a level
@@ -118,16 +119,19 @@ def get_float32_matmul_precision() -> str:
 
 
 def get_isa() -> str:
-    """The instruction-set path kernels run on: 'amx', 'avx512', 'avx2' or 'scalar'.
+    """The instruction-set path kernels run on: 'amx', 'avx512bf16', 'avx512', 'avx2' or 'scalar'.
 
     'amx' is the AVX-512 path plus the AMX tile kernel for bfloat16 query, key
     and value with at least 32 stacked rows (query positions x GQA group) per
-    key/value head; it is the default where the CPU and OS allow AMX."""
+    key/value head; it is the default where the CPU and OS allow AMX.
+    'avx512bf16' is the AVX-512 path plus the same kernel with VDPBF16PS
+    products (bfloat16 inputs, and float32 ones at precision "medium"), for
+    CPUs with AVX512-BF16 and no AMX."""
     return _kernels.isa_get()
 
 
 def set_isa(isa: str) -> None:
-    """Force an ISA path ('amx', 'avx512', 'avx2', 'scalar'); ValueError if the CPU lacks it."""
+    """Force an ISA path ('amx', 'avx512bf16', 'avx512', 'avx2', 'scalar'); ValueError if the CPU lacks it."""
     if isa not in _kernels.ISA_NAMES:
         raise ValueError(f"isa must be one of {', '.join(_kernels.ISA_NAMES)}, got {isa!r}")
     if not _kernels.isa_set(isa):
@@ -181,6 +185,10 @@ def config() -> dict[str, Any]:
         ),
         "amx_built (compiler has AMX)": getattr(_build_config, "AMX_BUILT", False),
         "amx_emulated (FASTATTN_EMULATE_AMX, tests only)": getattr(_build_config, "EMULATE_AMX", False),
+        "avx512bf16_built (compiler has AVX512-BF16)": getattr(_build_config, "AVX512BF16_BUILT", False),
+        "avx512bf16_emulated (FASTATTN_EMULATE_AVX512BF16, tests only)": getattr(
+            _build_config, "EMULATE_AVX512BF16", False
+        ),
         "openmp": _kernels.openmp_enabled(),
         "cpu_features": _kernels.cpu_features(),
         "isa": get_isa(),

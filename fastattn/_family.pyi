@@ -1,7 +1,8 @@
 """Type stubs for the compiled module ``fastattn._family`` (fastattn/_family.pyx).
 
-A thin binding to the additive-attention and rotary kernels (csrc/family.h): the
-public API is in :mod:`fastattn.additive` and :mod:`fastattn.positions`; these
+A thin binding to the additive-attention, LSH-attention and rotary kernels
+(csrc/family.h): the public API is in :mod:`fastattn.additive`, :mod:`fastattn.lsh`
+and :mod:`fastattn.positions`; these
 functions trust their arguments (the callers have validated them).
 """
 
@@ -20,6 +21,20 @@ def additive(
     wts: np.ndarray | None,
     mask: np.ndarray | None,
     mask_kind: int,
+    isa: str,
+    num_threads: int,
+) -> None: ...
+def lsh(
+    x: np.ndarray,
+    v: np.ndarray,
+    rot: np.ndarray,
+    out: np.ndarray,
+    lse: np.ndarray,
+    n_buckets: int,
+    n_hashes: int,
+    chunk: int,
+    causal: bool,
+    scale: float,
     isa: str,
     num_threads: int,
 ) -> None: ...

@@ -1,9 +1,9 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 # cython: freethreading_compatible=True
 """Thin binding to the kernels of the attention family beyond dot-product
-(csrc/family.h): additive attention and rotary embeddings.  Arguments arrive
-checked and shaped by fastattn.additive / fastattn.positions; strides are
-passed to C in elements.
+(csrc/family.h): additive attention, LSH attention and rotary embeddings.
+Arguments arrive checked and shaped by fastattn.additive / fastattn.lsh /
+fastattn.positions; strides are passed to C in elements.
 """
 from libc.stdint cimport int64_t
 cimport numpy as cnp
@@ -47,14 +47,61 @@ cdef extern from "family.h":
         const void *sin
         int num_threads
 
+    ctypedef struct fa_lsh_params:
+        int dtype
+        int64_t B, L, D, Dv, n_hashes, n_buckets, chunk
+        int causal
+        double scale
+        const void *x
+        int64_t x_sb, x_sl
+        const void *v
+        int64_t v_sb, v_sl
+        const void *rot
+        void *o
+        int64_t o_sb, o_sl
+        double *lse
+        int64_t lse_sb
+        int num_threads
+
     int fa_additive(const fa_additive_params *p, int isa) nogil
+    int fa_lsh(const fa_lsh_params *p, int isa) nogil
     int fa_rotary(const fa_rotary_params *p) nogil
+    void fa_family_bind(void *team_size, void *fpenv_enter, void *fpenv_exit)
 
 # The element type codes of fastattn._kernels (bfloat16 added on first use, so that
 # importing fastattn does not import ml_dtypes).
 from fastattn._kernels import DTYPE_CODES
 
-ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "amx": 3}  # amx: the AVX-512 kernels here
+import fastattn._kernels as _kernels_mod
+
+cdef bint _bound = False
+
+
+cdef _bind():
+    """Hand the C drivers the thread and floating-point functions of fastattn._kernels
+    (csrc/attention.c), so that both extensions share one fork and team state: a team
+    started by either makes a fork() child run single-threaded in both.  Loaded by
+    address through ctypes (the extensions do not link each other); where that fails
+    the drivers keep their local rules (bounded teams, the same floating-point mode)."""
+    global _bound
+    if _bound:
+        return
+    _bound = True
+    cdef size_t a = 0, b = 0, c = 0
+    try:
+        import ctypes
+
+        lib = ctypes.CDLL(_kernels_mod.__file__)
+        a = <size_t>ctypes.cast(lib.fa_team_size, ctypes.c_void_p).value
+        b = <size_t>ctypes.cast(lib.fa_fpenv_enter, ctypes.c_void_p).value
+        c = <size_t>ctypes.cast(lib.fa_fpenv_exit, ctypes.c_void_p).value
+    except (OSError, AttributeError, TypeError):
+        return
+    fa_family_bind(<void *>a, <void *>b, <void *>c)
+
+# enum fa_isa as fastattn._kernels reads it from csrc/fastattn.h; amx and avx512bf16
+# run the AVX-512 kernels here (their extra kernels are for bf16 SDPA only).
+ISA_CODES = {name: code for code, name in enumerate(_kernels_mod.ISA_NAMES)}
 
 
 cdef inline const void *_ptr(object a):
@@ -65,9 +112,13 @@ cdef inline int64_t _st(cnp.ndarray a, int d):
     return cnp.PyArray_STRIDE(a, d) // cnp.PyArray_ITEMSIZE(a)
 
 
-cdef _check(int rc):
+cdef _check(int rc, int num_threads):
     if rc == 1:
         raise MemoryError("fastattn: could not allocate kernel scratch memory")
+    if rc == 3:
+        raise RuntimeError(
+            f"fastattn: the operating system refused to start the threads of a team "
+            f"(num_threads={num_threads}); pass a smaller num_threads")
     if rc != 0:
         raise RuntimeError(f"fastattn: kernel failed with status {rc}")
 
@@ -108,9 +159,10 @@ def additive(cnp.ndarray pq, cnp.ndarray pk, cnp.ndarray w, cnp.ndarray v, cnp.n
         p.m_sl = _st(<cnp.ndarray>mask, 1)
         p.m_ss = _st(<cnp.ndarray>mask, 2)
     p.num_threads = num_threads
+    _bind()
     with nogil:
         rc = fa_additive(&p, code)
-    _check(rc)
+    _check(rc, num_threads)
 
 
 def rotary(cnp.ndarray src, cnp.ndarray dst, cnp.ndarray pos, cnp.ndarray cos, cnp.ndarray sin,
@@ -139,6 +191,41 @@ def rotary(cnp.ndarray src, cnp.ndarray dst, cnp.ndarray pos, cnp.ndarray cos, c
     p.cos = _ptr(cos)
     p.sin = _ptr(sin)
     p.num_threads = num_threads
+    _bind()
     with nogil:
         rc = fa_rotary(&p)
-    _check(rc)
+    _check(rc, num_threads)
+
+
+def lsh(cnp.ndarray x, cnp.ndarray v, cnp.ndarray rot, cnp.ndarray out, cnp.ndarray lse,
+        int n_buckets, int n_hashes, int chunk, bint causal, double scale, str isa, int num_threads):
+    """x (B, L, D), v (B, L, Dv) views with a contiguous last dim (float32 or float64),
+    rot (n_hashes, D, n_buckets/2) C-contiguous in x's dtype, out (B, L, Dv) and lse
+    (B, L) float64 written.  Trusted (checked by fastattn.lsh)."""
+    cdef fa_lsh_params p
+    cdef int rc
+    cdef int code = ISA_CODES[isa]
+    p.dtype = DTYPE_CODES[x.dtype]
+    p.B = x.shape[0]
+    p.L = x.shape[1]
+    p.D = x.shape[2]
+    p.Dv = v.shape[2]
+    p.n_hashes = n_hashes
+    p.n_buckets = n_buckets
+    p.chunk = chunk
+    p.causal = causal
+    p.scale = scale
+    p.x = _ptr(x)
+    p.x_sb, p.x_sl = _st(x, 0), _st(x, 1)
+    p.v = _ptr(v)
+    p.v_sb, p.v_sl = _st(v, 0), _st(v, 1)
+    p.rot = _ptr(rot)
+    p.o = <void *>_ptr(out)
+    p.o_sb, p.o_sl = _st(out, 0), _st(out, 1)
+    p.lse = <double *>_ptr(lse)
+    p.lse_sb = _st(lse, 0)
+    p.num_threads = num_threads
+    _bind()
+    with nogil:
+        rc = fa_lsh(&p, code)
+    _check(rc, num_threads)

@@ -26,6 +26,7 @@ cdef extern from "fastattn.h":
         FA_ISA_AVX2
         FA_ISA_AVX512
         FA_ISA_AMX
+        FA_ISA_AVX512BF16
 
     cpdef enum fa_precision:
         FA_PRECISION_HIGHEST

@@ -12,7 +12,7 @@ import numpy.typing as npt
 
 from ._plan import Plan
 
-ISA_NAMES: tuple[str, str, str, str]
+ISA_NAMES: tuple[str, ...]
 DTYPE_CODES: dict[np.dtype[Any], int]
 MASK_NONE: int
 MASK_BOOL: int
@@ -37,6 +37,7 @@ class fa_isa(enum.IntEnum):
     FA_ISA_AVX2 = 1
     FA_ISA_AVX512 = 2
     FA_ISA_AMX = 3
+    FA_ISA_AVX512BF16 = 4
 
 class fa_precision(enum.IntEnum):
     FA_PRECISION_HIGHEST = 0
@@ -61,6 +62,7 @@ FA_ISA_SCALAR: int
 FA_ISA_AVX2: int
 FA_ISA_AVX512: int
 FA_ISA_AMX: int
+FA_ISA_AVX512BF16: int
 FA_PRECISION_HIGHEST: int
 FA_PRECISION_HIGH: int
 FA_PRECISION_MEDIUM: int

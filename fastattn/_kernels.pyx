@@ -21,7 +21,8 @@ for _enum in (fa_dtype, fa_mask_kind, fa_isa, fa_precision, fa_status):
     globals().update({_m.name: int(_m) for _m in _enum})
 del _enum
 
-# Indexed by enum fa_isa; "amx" is AVX-512 plus AMX tiles for bfloat16 prefill.
+# Indexed by enum fa_isa; "amx" is AVX-512 plus AMX tiles for bfloat16 prefill,
+# "avx512bf16" AVX-512 plus the same kernel on VDPBF16PS (AVX512-BF16 CPUs without AMX).
 ISA_NAMES = tuple(m.name[len("FA_ISA_"):].lower() for m in sorted(fa_isa, key=int))
 
 

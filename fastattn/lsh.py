@@ -5,10 +5,13 @@ Per hash round, tokens are hashed by a random rotation (``bucket = argmax([x R,
 attends to chunks c and c - 1 (chunk 0 to the last one).  Keys are the qk
 vectors normalised to unit length; a token attends to itself only when it has
 no other key (its self score is -1e5, as in Reformer).  The rounds are
-combined with their log-sum-exp weights.  Cost and memory are O(L * chunk)
-per round, never O(L^2): the chunks are gathered a group at a time and each
-group is one call of the fused kernel (:func:`fastattn.scaled_dot_product_attention`
-with a float mask carrying the self and causal rules).
+combined with their log-sum-exp weights.  Cost is O(L * chunk) per round,
+never O(L^2), and memory O(L) beyond the inputs and the result: the whole
+computation is one call of the C kernels (csrc/lsh_impl.h, driver in
+csrc/family.c): the hash as a register-blocked projection with the argmax
+in C, the stable sort as a counting sort over the buckets, and a fused
+chunk kernel that reads its rows by index, applies the self and causal rules
+in place and merges each round into the result by log-sum-exp.
 """
 
 from __future__ import annotations
@@ -19,29 +22,20 @@ import numbers
 import numpy as np
 import numpy.typing as npt
 
+from . import _family
 from ._checks import F32, F64, as_array, int_value, scale_value, threads_value
-from ._config import get_num_threads
-from .functional import scaled_dot_product_attention
+from ._config import get_isa, get_num_threads
 
 __all__ = ["lsh_attention", "lsh_rotations"]
 
-SELF_SCORE = -1e5  # Reformer's score of a token for itself
-_GROUP_ROWS = 4096  # query rows gathered per kernel call (bounds the scratch, not the result)
+SELF_SCORE = -1e5  # Reformer's score of a token for itself (csrc/lsh_impl.h: LSH_SELF)
+_MAX_LEN = 2**31 - 1  # positions and buckets are int32 in the kernels
 
 
 def lsh_rotations(seed: int | None, n_hashes: int, head_dim: int, n_buckets: int) -> np.ndarray:
     """The random rotations ``(n_hashes, head_dim, n_buckets // 2)`` drawn for ``seed``:
     ``numpy.random.default_rng(seed).standard_normal(...)`` in float64."""
     return np.random.default_rng(seed).standard_normal((n_hashes, head_dim, n_buckets // 2))
-
-
-def _buckets(x, rot):
-    """argmax over [x R, -x R] (the first index on ties, as argmax of the concatenation)."""
-    proj = x @ rot
-    hi, lo = proj.argmax(axis=-1), proj.argmin(axis=-1)
-    up = np.take_along_axis(proj, hi[:, None], axis=-1)[:, 0]
-    dn = -np.take_along_axis(proj, lo[:, None], axis=-1)[:, 0]
-    return np.where(up >= dn, hi, rot.shape[-1] + lo)
 
 
 def lsh_attention(
@@ -95,10 +89,14 @@ def lsh_attention(
     nb = int_value(n_buckets, "n_buckets", 2)
     if nb % 2:
         raise ValueError(f"n_buckets must be even (buckets are argmax over [xR, -xR]), got {nb}")
+    if nb > _MAX_LEN:
+        raise ValueError(f"n_buckets must be below 2**31, got {nb}")
     nh = int_value(n_hashes, "n_hashes", 1)
     ch = int_value(chunk_size, "chunk_size", 1)
     if L % ch:
         raise ValueError(f"the length L = {L} must be a multiple of chunk_size = {ch}")
+    if L > _MAX_LEN:
+        raise ValueError(f"the length L = {L} must be below 2**31")
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     sc = scale_value(scale, D)
@@ -126,81 +124,19 @@ def lsh_attention(
 
     lead = x.shape[:-2]
     B = math.prod(lead)
+    # The kernels read rows through strides (elements) with a contiguous last dim.
     xb = x.reshape((B, L, D))
     vb = val.reshape((B, L, Dv))
+    if xb.strides[-1] != xb.itemsize:
+        xb = np.ascontiguousarray(xb)
+    if vb.strides[-1] != vb.itemsize:
+        vb = np.ascontiguousarray(vb)
     out = np.zeros((B, L, Dv), dtype=cdt)
     # The rounds' LSEs combine in float64: a token that saw only itself sits near -1e5,
     # where a float32 log-sum-exp would lose the weights (its ulp there is 0.008).
     lse = np.full((B, L), -np.inf, dtype=F64)
-    if nh > 1:  # one later round's result at a time, in original order
-        o_buf = np.empty((L, Dv), dtype=cdt)
-        l_buf = np.empty(L, dtype=F64)
-    nc = L // ch
-    G = max(1, _GROUP_ROWS // ch)  # chunks per kernel call
-    ar = np.arange(ch)
-    off = 0 if nc == 1 else ch  # the self key of query t sits at key t + off of its window
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        for b in range(B):
-            xs = xb[b]
-            norms = np.sqrt(np.einsum("ld,ld->l", xs, xs))
-            inv = np.where(norms > 0, 1.0 / np.where(norms > 0, norms, 1), 0).astype(cdt)
-            self_val = (SELF_SCORE - sc * norms.astype(F64)).astype(cdt)
-            for r in range(nh):
-                order = np.argsort(_buckets(xs, rot[r]), kind="stable")  # by (bucket, position)
-                o_dst, l_dst = (out[b], lse[b]) if r == 0 else (o_buf, l_buf)
-                for c0 in range(0, nc, G):
-                    c1 = min(nc, c0 + G)
-                    g = c1 - c0
-                    q_idx = order[c0 * ch : c1 * ch]
-                    if nc == 1:
-                        k_idx = order
-                    elif c0 == 0:
-                        k_idx = np.concatenate([order[(nc - 1) * ch :], order[: c1 * ch]])
-                    else:
-                        k_idx = order[(c0 - 1) * ch : c1 * ch]
-                    kg = xs[k_idx] * inv[k_idx, None]
-                    vg = vb[b][k_idx]
-                    isz = kg.itemsize
-                    if nc == 1:
-                        k4, v4, pk = kg[None, None], vg[None, None], k_idx[None]
-                    else:  # window of chunk c = keys [c*ch, c*ch + 2ch) of the gathered rows
-                        k4 = np.lib.stride_tricks.as_strided(
-                            kg, (1, g, 2 * ch, D), (0, ch * D * isz, D * isz, isz)
-                        )
-                        v4 = np.lib.stride_tricks.as_strided(
-                            vg, (1, g, 2 * ch, Dv), (0, ch * Dv * isz, Dv * isz, isz)
-                        )
-                        pk = np.lib.stride_tricks.as_strided(k_idx, (g, 2 * ch), (ch * 8, 8))
-                    pq = q_idx.reshape(g, ch)
-                    nk = pk.shape[-1]
-                    if causal:
-                        m = np.where(pk[:, None, :] > pq[:, :, None], cdt.type(-np.inf), cdt.type(0))
-                    else:
-                        m = np.zeros((g, ch, nk), dtype=cdt)
-                    # The self score becomes -1e5: the mask cancels the kernel's own score |x| * scale.
-                    m[:, ar, ar + off] = self_val[pq]
-                    o4, l4 = scaled_dot_product_attention(
-                        xs[q_idx].reshape(1, g, ch, D),
-                        k4,
-                        v4,
-                        attn_mask=m[None],
-                        scale=sc,
-                        return_lse=True,
-                        num_threads=threads,
-                    )
-                    o_g = o4.reshape(g * ch, Dv)
-                    l_g = l4.reshape(g * ch).astype(F64)
-                    # back to the original positions (round 0 straight into the result)
-                    o_dst[q_idx] = o_g
-                    l_dst[q_idx] = l_g
-                if r > 0:  # combine with the earlier rounds by their log-sum-exp weights
-                    l_new = np.logaddexp(lse[b], l_buf)
-                    w_old = np.exp(lse[b] - l_new).astype(cdt)[:, None]
-                    w_new = np.exp(l_buf - l_new).astype(cdt)[:, None]
-                    out[b] *= w_old
-                    o_buf *= w_new
-                    out[b] += o_buf
-                    lse[b] = l_new
+    if B * L > 0:
+        _family.lsh(xb, vb, rot, out, lse, nb, nh, ch, bool(causal), sc, get_isa(), threads)
     res = out.reshape(lead + (L, Dv))
     if return_lse:
         return res, lse.astype(cdt).reshape(lead + (L,))

@@ -1,7 +1,10 @@
 """The AMX bfloat16 path (``isa="amx"``): bfloat16 query, key and value with at
 least 32 stacked rows per key/value head run on the tile kernel
 (csrc/kernel_amx.c), real tiles where the CPU has AMX-BF16, emulated ones in
-the test-only build (tools/emulate_amx.sh).  Skipped where neither.
+the test-only build (tools/emulate_amx.sh).  The same tests run on the
+``avx512bf16`` path (the same kernel source with its tile operations on
+VDPBF16PS, csrc/kernel_avx512bf16.c; real where the CPU has AVX512-BF16,
+emulated in tools/emulate_avx512bf16.sh).  Skipped where neither path exists.
 
 Precision contract (flash-attention's): the error against the float64
 reference is at most twice that of the naive bfloat16 computation (float
@@ -22,15 +25,17 @@ import fastattn
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 sdpa = fastattn.scaled_dot_product_attention
-pytestmark = pytest.mark.skipif("amx" not in ISAS, reason="no AMX path (real or emulated) on this CPU/build")
+TILE_ISAS = [i for i in ("amx", "avx512bf16") if i in ISAS]
+pytestmark = pytest.mark.skipif(not TILE_ISAS, reason="no AMX or AVX512-BF16 path (real or emulated) here")
 
 
-@pytest.fixture(autouse=True)
-def amx():
+@pytest.fixture(autouse=True, params=TILE_ISAS)
+def tile_isa(request):
+    """Every test on each tile-kernel path this CPU/build has."""
     before = fastattn.get_isa()
-    fastattn.set_isa("amx")
+    fastattn.set_isa(request.param)
     try:
-        yield
+        yield request.param
     finally:
         fastattn.set_isa(before)
 
@@ -188,7 +193,7 @@ def test_thread_counts_bit_identical(rng):
     np.testing.assert_array_equal(a.view(np.uint16), c.view(np.uint16))
 
 
-def test_tile_path_taken_and_decode_unchanged(rng):
+def test_tile_path_taken_and_decode_unchanged(rng, tile_isa):
     """bf16 prefill takes the tiles (P is rounded to bf16, so the result differs
     from the float32-compute AVX-512 path); decode (< 32 rows) is that path bit for bit."""
     q, k, v = rnd(rng, (1, 2, 64, 64)), rnd(rng, (1, 2, 256, 64)), rnd(rng, (1, 2, 256, 64))
@@ -196,7 +201,7 @@ def test_tile_path_taken_and_decode_unchanged(rng):
     fastattn.set_isa("avx512")
     b = sdpa(q, k, v).view(np.uint16)
     d1 = sdpa(q[:, :, :1], k, v).view(np.uint16)
-    fastattn.set_isa("amx")
+    fastattn.set_isa(tile_isa)
     d2 = sdpa(q[:, :, :1], k, v).view(np.uint16)
     assert np.any(a != b)
     np.testing.assert_array_equal(d1, d2)

@@ -70,9 +70,11 @@ def bound(q, k, v, expected, out_dtype, **kw):
 
 
 def amx_path(q, k, v):
-    """True when the call runs on the AMX tiles: isa "amx", all bfloat16, >= 32 stacked rows per kv head."""
+    """True when the call runs on the tile kernel: isa "amx" (AMX tiles) or "avx512bf16" (the
+    same kernel on VDPBF16PS), all bfloat16, >= 32 stacked rows per kv head."""
     rows = q.shape[-2] * (q.shape[-3] // k.shape[-3])
-    return fastattn.get_isa() == "amx" and q.dtype == k.dtype == v.dtype == BF16 and rows >= 32
+    tiles = fastattn.get_isa() in ("amx", "avx512bf16")
+    return tiles and q.dtype == k.dtype == v.dtype == BF16 and rows >= 32
 
 
 def check_half(rng, B, Hq, Hk, L, S, D, kv_dtype, q_dtype, *, Dv=None, mag=1.0, **kw):
@@ -88,8 +90,7 @@ def check_half(rng, B, Hq, Hk, L, S, D, kv_dtype, q_dtype, *, Dv=None, mag=1.0, 
     assert np.all(np.isfinite(o.astype(np.float64)))
     err = np.abs(o.astype(np.float64) - ro)
     allowed = bound(q, k, v, ro, np.dtype(q_dtype), **kw)
-    # bf16 products, P rounded to bf16: the naive bf16 contract (tests/kernel/test_amx.py)
-    if amx_path(q, k, v):
+    if amx_path(q, k, v):  # bf16 products, P rounded to bf16: the naive bf16 contract (test_amx.py)
         allowed = np.maximum(allowed, 2 * naive_bf16_error(q, k, v, enable_gqa=Hq != Hk, **kw)[0])
     assert np.all(err <= allowed), f"max excess {np.max(err - allowed):.3e}, max error {err.max():.3e}"
     # The LSE is float32 whatever the inputs: compare at float32 precision of its magnitude.

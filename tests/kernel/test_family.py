@@ -7,8 +7,11 @@ relative-position property of rotary embeddings)."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -229,6 +232,95 @@ def test_lsh_seed_rotations_threads(rng):
     np.testing.assert_array_equal(rot, ref.lsh_rotations(7, 2, 16, 8))
 
 
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize(
+    "B,L,D,Dv,ch,nb,nh,causal",
+    [
+        (1, 256, 13, 5, 16, 6, 1, False),  # odd dims, 16 chunks, half = 3 (not a vector)
+        (2, 192, 16, 33, 16, 34, 3, True),  # Dv > D and odd, half = 17
+        (1, 384, 64, 64, 64, 256, 2, False),  # the benchmark's shape, 6 chunks
+        (1, 320, 67, 9, 64, 8, 3, True),
+        (1, 256, 24, 40, 128, 4, 2, True),  # a window of two tiles
+        (2, 128, 7, 3, 128, 10, 1, False),  # one chunk of 128: one window, no second half
+        (1, 96, 5, 7, 3, 4, 2, True),  # tiny chunks
+    ],
+)
+def test_lsh_kernel_matches_reference(isa, rng, dtype, B, L, D, Dv, ch, nb, nh, causal):
+    """The C path (every ISA) against the reference, over chunk sizes 3-128, 1-3 rounds,
+    Dv != D, causal or not, batches."""
+    qk = randn(rng, (B, L, D), dtype)
+    val = randn(rng, (B, L, Dv), dtype)
+    rot = rng.standard_normal((nh, D, nb // 2))
+    kw = dict(n_buckets=nb, n_hashes=nh, chunk_size=ch, causal=causal, rotations=rot, return_lse=True)
+    o, lse = fastattn.lsh_attention(qk, val, **kw)
+    ro, rl = ref.lsh_attention(qk, val, **kw)  # the same float32 values, in float64
+    assert o.dtype == dtype and lse.dtype == dtype
+    assert_close(o, ro, dtype)
+    assert_close(lse, rl, dtype, tol=1e-10 if dtype == F64 else 1e-6, what="lse")
+
+
+def test_lsh_strided_inputs_and_batch_dims(rng):
+    # Views with row strides (a head slice of a larger array) and two batch dims.
+    big = randn(rng, (2, 3, 128, 40), F64)
+    qk, val = big[..., 3:19], big[..., 20:27]
+    kw = dict(n_buckets=8, n_hashes=2, chunk_size=32, causal=True, seed=3, return_lse=True)
+    o, lse = fastattn.lsh_attention(qk, val, **kw)
+    ro, rl = ref.lsh_attention(qk, val, **kw)
+    assert o.shape == (2, 3, 128, 7) and lse.shape == (2, 3, 128)
+    assert_close(o, ro, F64)
+    assert_close(lse, rl, F64, what="lse")
+
+
+def test_lsh_only_self_cases(isa, rng):
+    """Rows that have no key but themselves: their output is their value, LSE -1e5
+    (the self score).  A single token; causal with chunks of one token (a token
+    sees its predecessor in the sorted order only when that one comes earlier);
+    zero vectors (keys of norm 0 score 0)."""
+    for dtype in (F32, F64):
+        x = randn(rng, (1, 4), dtype)
+        v = randn(rng, (1, 3), dtype)
+        o, lse = fastattn.lsh_attention(x, v, n_buckets=2, chunk_size=1, seed=0, return_lse=True)
+        np.testing.assert_allclose(o, v, rtol=1e-6)
+        np.testing.assert_allclose(lse, [-1e5], rtol=1e-12)
+        qk = randn(rng, (2, 48, 8), dtype)
+        qk[:, 5] = 0
+        val = randn(rng, (2, 48, 6), dtype)
+        kw = dict(n_buckets=4, n_hashes=2, chunk_size=1, causal=True, seed=5, return_lse=True)
+        o, lse = fastattn.lsh_attention(qk, val, **kw)
+        ro, rl = ref.lsh_attention(qk, val, **kw)
+        assert_close(o, ro, dtype)
+        assert_close(lse, rl, dtype, tol=1e-10 if dtype == F64 else 1e-6, what="lse")
+        np.testing.assert_allclose(o[:, 0], val[:, 0], rtol=1e-5)  # position 0 sees only itself
+        assert np.all(lse[:, 0] < -9e4)
+
+
+def test_lsh_nan_input_does_not_crash(isa, rng):
+    # A NaN token hashes somewhere in range and poisons the rows that see it; no crash.
+    qk = randn(rng, (256, 16), F32)
+    val = randn(rng, (256, 8), F32)
+    qk[17, 3] = np.nan
+    o, lse = fastattn.lsh_attention(qk, val, n_buckets=8, chunk_size=32, seed=0, return_lse=True)
+    assert np.isnan(o[17]).all() and np.isnan(lse[17])
+    assert np.isfinite(o).all(axis=1).sum() >= 256 - 64  # only the NaN row's window is poisoned
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_lsh_threads_bit_identical(isa, rng, dtype):
+    qk = randn(rng, (2, 1024, 32), dtype)
+    val = randn(rng, (2, 1024, 24), dtype)
+    for kw in (
+        dict(n_buckets=16, n_hashes=3, chunk_size=32, causal=True),
+        dict(n_buckets=64, n_hashes=2, chunk_size=128),
+        dict(n_buckets=6, n_hashes=1, chunk_size=16),
+    ):
+        outs = [
+            fastattn.lsh_attention(qk, val, seed=11, return_lse=True, num_threads=n, **kw) for n in (1, 2, 3)
+        ]
+        for o, lse in outs[1:]:
+            np.testing.assert_array_equal(o, outs[0][0])
+            np.testing.assert_array_equal(lse, outs[0][1])
+
+
 def test_lsh_bad_input(rng):
     qk = randn(rng, (64, 8), F32)
     val = randn(rng, (64, 4), F32)
@@ -249,6 +341,12 @@ def test_lsh_bad_input(rng):
         f(qk, val, n_buckets=4.0)
     with pytest.raises(ValueError, match="chunk_size"):
         f(qk, val, n_buckets=4, chunk_size=0)
+    with pytest.raises(TypeError, match="num_threads"):
+        f(qk, val, n_buckets=4, num_threads=1.5)
+    with pytest.raises(ValueError, match="n_buckets must be below"):
+        f(qk, val, n_buckets=2**31)
+    with pytest.raises(ValueError, match="num_threads"):
+        f(qk, val, n_buckets=4, num_threads=fastattn._checks.MAX_THREADS + 1)
 
 
 def test_lsh_long_sequence_memory(tmp_path):
@@ -276,6 +374,183 @@ def test_lsh_long_sequence_memory(tmp_path):
     peak = int(r.stdout.split()[-1])
     print(f"LSH L=65536 D=64 2 rounds: peak extra memory {peak / 2**20:.1f} MiB")
     assert peak < 100 * 2**20, f"peak extra memory {peak / 2**20:.1f} MiB"
+
+
+# ------------------------------------------- threads: fork, thread start, rounding
+
+# The additive and LSH drivers (csrc/family.c) share the dot-product driver's team
+# and fork state: a team started by either extension makes a fork() child run every
+# call on its calling thread (libgomp's pool does not survive fork: a child asking for
+# a team waits for threads that do not exist).
+FAMILY_FORK_CHILD = (
+    """
+import os, multiprocessing as mp
+import numpy as np, fastattn
+fastattn.set_isa({isa!r})
+rng = np.random.default_rng(0)
+x = rng.standard_normal((1024, 32)).astype(np.float32)
+v = rng.standard_normal((1024, 24)).astype(np.float32)
+q = rng.standard_normal((128, 32)).astype(np.float32)
+w = rng.standard_normal((32, 32)).astype(np.float32)
+qs = rng.standard_normal((1, 4, 256, 32)).astype(np.float32)
+ks = rng.standard_normal((1, 4, 2048, 32)).astype(np.float32)
+
+def family(_=None):
+    return (fastattn.lsh_attention(x, v, n_buckets=16, n_hashes=2, chunk_size=32, seed=0, num_threads=2),
+            fastattn.additive_attention(q, x[:128], v[:128], w, w, w[0], num_threads=2))
+
+def sdpa(_=None):
+    return (fastattn.scaled_dot_product_attention(qs, ks, ks, num_threads=2),)
+
+def both(_=None):
+    return family() + sdpa()
+
+{first_call}  # the parent's first thread team comes from this call
+want = want_f + want_s
+"""
+    + """
+pid = os.fork()
+if pid == 0:
+    got = both()
+    os._exit(0 if all(np.array_equal(a, b) for a, b in zip(got, want)) else 3)
+_, status = os.waitpid(pid, 0)
+assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+with mp.get_context("fork").Pool(2) as pool:
+    for got in pool.map(both, range(4)):
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))
+assert all(np.array_equal(a, b) for a, b in zip(both(), want))  # the parent keeps its threads
+print("ok")
+"""
+)
+
+
+def _run_child(code: str, timeout: float = 180, env: dict[str, str] | None = None) -> str:
+    """Run code in a fresh interpreter (this checkout's fastattn); a hang, a signal or a
+    non-zero exit fails the test instead of the pytest run."""
+    e = dict(os.environ)
+    e.update(env or {})
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=e,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(fastattn.__file__))),
+        )
+    except subprocess.TimeoutExpired as t:
+        pytest.fail(f"child timed out after {timeout} s (a hang); output:\n{t.stdout}\n{t.stderr}")
+    assert r.returncode == 0, f"child exited with {r.returncode}:\n{r.stdout}\n{r.stderr[-4000:]}"
+    return r.stdout
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+@pytest.mark.skipif(not fastattn._kernels.openmp_enabled(), reason="no OpenMP")
+@pytest.mark.parametrize("first", ["family", "sdpa"])
+def test_family_fork_after_threaded_use(first):
+    """The parent's first team comes from the family drivers (then the child's
+    dot-product calls must know it) or from the dot-product driver (then the child's
+    LSH and additive calls must): either way the child runs and gets the same results."""
+    first_call = {"family": "want_f, want_s = family(), sdpa()", "sdpa": "want_s = sdpa(); want_f = family()"}
+    code = FAMILY_FORK_CHILD.format(isa=fastattn.get_isa(), first_call=first_call[first])
+    assert "ok" in _run_child(code)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+@pytest.mark.skipif(not fastattn._kernels.openmp_enabled(), reason="no OpenMP")
+def test_family_fork_child_of_a_dot_product_team_runs_lsh():
+    # The parent ran only a dot-product team; the child's first calls are LSH and additive.
+    code = textwrap.dedent(
+        """
+        import os, numpy as np, fastattn
+        rng = np.random.default_rng(0)
+        qs = rng.standard_normal((1, 4, 256, 32)).astype(np.float32)
+        x = rng.standard_normal((1024, 32)).astype(np.float32)
+        fastattn.scaled_dot_product_attention(qs, qs, qs, num_threads=2)
+        pid = os.fork()
+        if pid == 0:
+            o = fastattn.lsh_attention(x, x, n_buckets=16, chunk_size=32, seed=0, num_threads=2)
+            a = fastattn.additive_attention(x[:128], x[:128], x[:128], x[:32, :32].T, x[:32, :32].T,
+                                            x[0], num_threads=2)
+            os._exit(0 if np.isfinite(o).all() and np.isfinite(a).all() else 3)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+        print("ok")
+        """
+    )
+    assert "ok" in _run_child(code)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses RLIMIT_AS")
+@pytest.mark.skipif(not fastattn._kernels.openmp_enabled(), reason="no OpenMP")
+def test_family_thread_start_failure_is_an_error():
+    # With little address space left, thread stacks cannot be mapped: libgomp would
+    # exit(1); the LSH and additive drivers must raise and stay usable.
+    code = textwrap.dedent(
+        """
+        import resource, numpy as np, fastattn
+        rng = np.random.default_rng(0)
+        # (at least 64 tasks each, so that a call asks for a team of 64)
+        x = rng.standard_normal((16384, 16)).astype(np.float32)
+        w = rng.standard_normal((16, 16)).astype(np.float32)
+        lsh = lambda n: fastattn.lsh_attention(x, x, n_buckets=16, chunk_size=32, seed=0, num_threads=n)
+        add = lambda n: fastattn.additive_attention(x[:2048], x[:256], x[:256], w, w, w[0], num_threads=n)
+        ref = lsh(1), add(1)
+        with open("/proc/self/status") as f:
+            vm = [int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:")][0]
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (96 << 20), resource.RLIM_INFINITY))
+        for fn in (lsh, add):
+            try:
+                fn(64)
+            except RuntimeError as e:
+                assert "num_threads=64" in str(e), e
+                print("raised")
+            else:
+                print("ran")  # the OS gave us the threads after all: also fine
+        assert np.array_equal(lsh(1), ref[0]) and np.array_equal(add(1), ref[1])
+        print("ok")
+        """
+    )
+    assert "ok" in _run_child(code, env={"OMP_STACKSIZE": "16M"})
+
+
+_FE = {"downward": 0x400, "upward": 0x800, "towardzero": 0xC00}  # x86 <fenv.h>
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 fenv values")
+def test_family_bit_identical_under_rounding_modes(isa, rng):
+    """Every thread of the family drivers computes in round-to-nearest (the caller's
+    mode is set for the call and restored): the results do not depend on the caller's
+    rounding mode or on the thread count.  (The LSH case is C from end to end: float64
+    inputs and rotations given, so no NumPy arithmetic runs in the caller's mode.)"""
+    from fastattn import _family
+
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    qk = randn(rng, (1024, 32), F64)
+    val = randn(rng, (1024, 16), F64)
+    qk32, val32 = qk.astype(F32), val.astype(F32)
+    rot = rng.standard_normal((2, 32, 8))
+    lse = np.empty((1, 1024))
+
+    def run(nt: int) -> list[np.ndarray]:
+        res = []
+        for x, v in ((qk, val), (qk32, val32)):
+            out = np.zeros((1, 1024, v.shape[1]), x.dtype)
+            lse.fill(0)
+            _family.lsh(x[None], v[None], rot.astype(x.dtype), out, lse, 16, 2, 32, True, 0.2, isa, nt)
+            res += [out.copy(), lse.copy()]
+        return res
+
+    want = run(1)
+    for mode in _FE.values():
+        assert libm.fesetround(mode) == 0
+        try:
+            got = [run(nt) for nt in (1, 2, 3)]
+        finally:
+            libm.fesetround(0)
+        for per_nt in got:
+            for a, b in zip(per_nt, want):
+                np.testing.assert_array_equal(a, b)
 
 
 # ---------------------------------------------------------------- positions

@@ -5,7 +5,9 @@
 the argument.  "high" (bf16x3) must be within 2e-4 relative of the float64
 reference on unit-normal inputs; "medium" (Q, K, V, P rounded to bf16) within
 twice the error of the naive bf16 computation on the rounded inputs.  The lower
-levels take effect on the ``amx`` path; elsewhere they compute as "highest".
+levels take effect on the ``amx`` path, "medium" also on the ``avx512bf16``
+path ("high" computes as "highest" there: three VDPBF16PS products would not
+beat float32); elsewhere they compute as "highest".
 """
 
 from __future__ import annotations
@@ -106,6 +108,28 @@ def test_levels_take_effect_on_amx(rng, default_precision):
         r = ref.scaled_dot_product_attention(q, k, v)
         assert np.max(np.abs(h - r)) < np.max(np.abs(m - r))  # "high" is the more accurate
         # Decode-sized calls (< 32 rows) stay on the float32 kernel whatever the level.
+        np.testing.assert_array_equal(sdpa(q[:, :, :1], k, v, precision="medium"), sdpa(q[:, :, :1], k, v))
+    finally:
+        fastattn.set_isa(before)
+
+
+@pytest.mark.skipif("avx512bf16" not in ISAS, reason="no avx512bf16 path on this CPU/build")
+def test_levels_on_avx512bf16(rng, default_precision):
+    """ "medium" runs on VDPBF16PS (bf16 products: not the float32 result, within the
+    naive bf16 contract of test_medium_within_twice_naive_bf16); "high" is "highest"."""
+    before = fastattn.get_isa()
+    fastattn.set_isa("avx512bf16")
+    try:
+        q, k, v = rnd(rng, (1, 2, 64, 64)), rnd(rng, (1, 2, 128, 64)), rnd(rng, (1, 2, 128, 64))
+        hi = sdpa(q, k, v)
+        m = sdpa(q, k, v, precision="medium")
+        assert np.any(hi != m)
+        np.testing.assert_array_equal(sdpa(q, k, v, precision="high"), hi)
+        fastattn.set_isa("avx512")
+        np.testing.assert_array_equal(sdpa(q, k, v), hi)  # "highest" is the AVX-512 kernel
+        fastattn.set_isa("avx512bf16")
+        r = ref.scaled_dot_product_attention(q, k, v)
+        assert np.max(np.abs(m - r)) > np.max(np.abs(hi - r))
         np.testing.assert_array_equal(sdpa(q[:, :, :1], k, v, precision="medium"), sdpa(q[:, :, :1], k, v))
     finally:
         fastattn.set_isa(before)
