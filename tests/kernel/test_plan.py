@@ -1,4 +1,4 @@
-"""fastattn._args: the call record (Plan) and its leading-dimension merge/split.
+"""fastattn._plan: the call record (Plan) and its leading-dimension merge/split.
 
 The merge/split is checked on its own (shapes, strides, which memory each
 4-D plan addresses, with NumPy arrays and with a stand-in for device views)
