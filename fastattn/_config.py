@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from typing import Any, cast
 
 from . import _build_config, _kernels
 from ._checks import MAX_THREADS
@@ -155,7 +156,7 @@ def _module_version(name: str) -> str | None:
         return None
 
 
-def config() -> dict:
+def config() -> dict[str, Any]:
     """The configuration as a dict (what :func:`show_config` prints)."""
     from . import __version__
 
@@ -165,7 +166,9 @@ def config() -> dict:
     try:
         from . import _cuda
 
-        cuda_built, cuda_available = True, _cuda.device_count() > 0
+        # (an optional extension without a stub: its one call here is typed by hand)
+        count: int = cast(Any, _cuda).device_count()
+        cuda_built, cuda_available = True, count > 0
     except Exception:  # noqa: BLE001 - optional module
         cuda_built = cuda_available = False
     return {

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._args import Plan
+from ._plan import Plan
 
 ISA_NAMES: tuple[str, ...]
 DTYPE_CODES: dict[np.dtype[Any], int]

@@ -18,7 +18,7 @@ import numpy.typing as npt
 __all__ = ["is_tensor", "to_numpy", "from_numpy"]
 
 
-def _torch() -> Any:
+def torch_module() -> Any:
     """The torch module when it was imported, else None (typed Any: torch is optional)."""
     torch: ModuleType | None = sys.modules.get("torch")
     return torch
@@ -26,7 +26,7 @@ def _torch() -> Any:
 
 def is_tensor(x: Any) -> bool:
     """True when x is a torch.Tensor (without importing torch)."""
-    torch = _torch()
+    torch = torch_module()
     return torch is not None and isinstance(x, torch.Tensor)
 
 
@@ -36,7 +36,7 @@ def to_numpy(t: Any, name: str, *, writable: bool = False) -> npt.NDArray[Any]:
     Refuses tensors on other devices and, while autograd is recording,
     tensors that require grad: fastattn has no backward, so a result that
     silently dropped the graph would give wrong gradients."""
-    torch = _torch()
+    torch = torch_module()
     if t.device.type != "cpu":
         raise ValueError(f"{name} must be a CPU tensor, got device {t.device}")
     if t.requires_grad:
@@ -62,7 +62,7 @@ def to_numpy(t: Any, name: str, *, writable: bool = False) -> npt.NDArray[Any]:
 
 def from_numpy(a: npt.NDArray[Any]) -> Any:
     """A tensor sharing a's memory (bfloat16 arrays become bfloat16 tensors)."""
-    torch = _torch()
+    torch = torch_module()
     if a.dtype.name == "bfloat16":
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)

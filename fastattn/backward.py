@@ -10,23 +10,21 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _kernels
+from ._args import bhsd as bhsd_view
 from ._args import (
-    Plan,
     check_dtypes,
     check_shapes,
     compute_dtype,
-    element_strides,
     lengths,
     mask_value,
-    merged_stride,
     per_head,
     sinks_value,
     softcap_value,
     window_value,
 )
-from ._args import bhsd as bhsd_view
 from ._checks import F32, F64, as_array, check_float, kernel_ready, scale_value, threads_value
 from ._config import get_num_threads
+from ._plan import Plan, element_strides, merged_stride
 
 __all__ = ["scaled_dot_product_attention_backward"]
 

@@ -19,15 +19,14 @@ inputs or when none is named), and returns without synchronising (as CUDA
 libraries do); other operands' streams are synchronised before the launch.
 
 The arguments are checked by fastattn._args, as for the CPU; the call becomes
-an ``_args.Plan`` of device views (:class:`_View`), split into kernel calls by
-``_args.kernel_plans`` (the leading-dimension merge shared with the CPU), and
+a ``_plan.Plan`` of device views (:class:`_View`), split into kernel calls by
+``_plan.kernel_plans`` (the leading-dimension merge shared with the CPU), and
 each call is handed to ``fastattn._cuda`` as a record of ``fa_params`` fields
 (csrc/fastattn.h; csrc/cuda/module.c reads it by field name).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import math
 from typing import Any, Protocol, cast
@@ -35,9 +34,14 @@ from typing import Any, Protocol, cast
 import numpy as np
 import numpy.typing as npt
 
-from . import _args, _kernels
-from ._args import Plan
+from . import _args, _kernels, _plan
 from ._checks import F16, F32, F64, as_array, bfloat16_dtype, flag_value, scale_value
+from ._device_view import View as _View
+from ._device_view import bcast as _bcast
+from ._device_view import c_strides as _c_strides
+from ._device_view import distinct as _distinct
+from ._device_view import record as _record
+from ._plan import Plan
 
 Array = npt.NDArray[Any]
 
@@ -160,15 +164,6 @@ class _Buffer:
                 pass
 
 
-def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """C-contiguous strides in elements."""
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= max(int(n), 1)
-    return tuple(reversed(out))
-
-
 class DeviceArray:
     """A C-contiguous device array owned by fastattn (returned when CuPy is not
     installed, or for bfloat16).  Wrap it with ``cupy.asarray`` or
@@ -214,65 +209,6 @@ class DeviceArray:
 
     def __repr__(self) -> str:
         return f"fastattn.cuda.DeviceArray(shape={self.shape}, dtype={self.dtype})"
-
-
-class _View:
-    """(pointer, shape, element strides, dtype) of device memory; owner keeps it
-    alive.  It provides what ``_args.DeviceView`` asks of a plan array."""
-
-    __slots__ = ("ptr", "shape", "strides", "dtype", "owner", "stream")
-
-    def __init__(
-        self,
-        ptr: int,
-        shape: tuple[int, ...],
-        strides: tuple[int, ...],
-        dtype: np.dtype[Any],
-        owner: object,
-        stream: int | None = None,
-    ) -> None:
-        self.ptr, self.shape, self.strides = int(ptr), tuple(shape), tuple(strides)
-        self.dtype, self.owner, self.stream = dtype, owner, stream
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def restrided(self, shape: tuple[int, ...], strides: tuple[int, ...]) -> _View:
-        """A view of the same memory (same first element) with other shape and strides."""
-        return _View(self.ptr, shape, strides, self.dtype, self.owner, self.stream)
-
-    def swap(self, a: int, b: int) -> _View:
-        sh, st = list(self.shape), list(self.strides)
-        sh[a], sh[b] = sh[b], sh[a]
-        st[a], st[b] = st[b], st[a]
-        return self.restrided(tuple(sh), tuple(st))
-
-    def prepend(self) -> _View:
-        """A new leading dim of size 1."""
-        return self.restrided((1,) + self.shape, (0,) + self.strides)
-
-    def item(self, i: int) -> _View:
-        """The view of self[i] (first axis)."""
-        return _View(
-            self.ptr + i * self.strides[0] * self.dtype.itemsize,
-            self.shape[1:],
-            self.strides[1:],
-            self.dtype,
-            self.owner,
-            self.stream,
-        )
-
-    def extent(self) -> tuple[int, int] | None:
-        """[lo, hi) bytes touched; None when empty."""
-        if any(n == 0 for n in self.shape):
-            return None
-        item = self.dtype.itemsize
-        lo = hi = self.ptr
-        for n, s in zip(self.shape, self.strides):
-            d = (n - 1) * s * item
-            lo, hi = (lo + d, hi) if d < 0 else (lo, hi + d)
-        return lo, hi + item
 
 
 def to_device(a: npt.ArrayLike) -> DeviceArray:
@@ -383,79 +319,8 @@ def _device_empty(shape: tuple[int, ...], dtype: np.dtype[Any], stream: int) -> 
     return d, d.view()
 
 
-def _bcast(view: _View, target: tuple[int, ...], name: str) -> _View:
-    """view broadcast to target: element strides 0 along broadcast dims."""
-    if view.ndim > len(target):
-        raise ValueError(f"{name} of shape {view.shape} does not broadcast to {target}")
-    pad = len(target) - view.ndim
-    shape, strides = (1,) * pad + view.shape, (0,) * pad + view.strides
-    out = []
-    for n, s, t in zip(shape, strides, target):
-        if n == t:
-            out.append(s if t != 1 else 0)
-        elif n == 1:
-            out.append(0)
-        else:
-            raise ValueError(f"{name} of shape {view.shape} does not broadcast to {target}")
-    return view.restrided(target, tuple(out))
-
-
-def _distinct(a: Array) -> Array:
-    """The elements a broadcast view really holds: size 1 along its stride-0
-    dims (so that an uploaded mask is as small as the user's)."""
-    return a[tuple(slice(0, 1) if s == 0 else slice(None) for s in a.strides)]
-
-
 # ---------------------------------------------------------------------------
-# Plan -> fa_params record
-
-# How a plan array field becomes fa_params fields: the pointer under the
-# field's name, then the element strides of its leading dims under these
-# names (its last dim is contiguous and has no stride field, except for the
-# mask, whose every dim may broadcast).  Arrays not listed are contiguous 1-D
-# tables (k_lens, and the fields the GPU lacks: module.c refuses those).
-_STRIDE_NAMES: dict[str, tuple[str, ...]] = {
-    "q": ("q_sb", "q_sh", "q_sl"),
-    "k": ("k_sb", "k_sh", "k_sl"),
-    "v": ("v_sb", "v_sh", "v_sl"),
-    "o": ("o_sb", "o_sh", "o_sl"),
-    "lse": ("lse_sb", "lse_sh", "lse_sl"),
-    "mask": ("m_sb", "m_sh", "m_sl", "m_ss"),
-    "alibi": ("alibi_sb", "alibi_sh"),
-    "bmask": ("bm_sb", "bm_sh", "bm_si", "bm_sj"),
-}
-
-
-_PLAN_FIELDS = tuple((f.name, _STRIDE_NAMES.get(f.name, ())) for f in dataclasses.fields(Plan))
-
-
-def _record(plan: Plan) -> dict[str, Any]:
-    """The fa_params record of a 4-D plan of _Views: every plan field under its
-    own name (arrays as device pointers, None for NULL, and their strides), plus
-    the sizes and dtype codes read from the arrays."""
-    rec: dict[str, Any] = {}
-    for name, strides in _PLAN_FIELDS:
-        x = getattr(plan, name)
-        if isinstance(x, _View):
-            rec[name] = x.ptr
-            rec.update(zip(strides, x.strides))
-        else:  # an option, or None (NULL) for an array the call does not have
-            rec[name] = x
-            if x is None:
-                rec.update(dict.fromkeys(strides, 0))
-    q, k, v, o = plan.q, plan.k, plan.v, plan.o
-    rec.update(
-        B=q.shape[0],
-        Hq=q.shape[1],
-        Hk=k.shape[1],
-        D=q.shape[3],
-        Dv=v.shape[3],
-        q_dtype=_kernels.DTYPE_CODES[q.dtype],
-        k_dtype=_kernels.DTYPE_CODES[k.dtype],
-        v_dtype=_kernels.DTYPE_CODES[v.dtype],
-        o_dtype=_kernels.DTYPE_CODES[o.dtype],
-    )
-    return rec
+# The call (its Plan -> fa_params record: fastattn._device_view)
 
 
 def _operand(x: Any, name: str) -> Any:
@@ -542,7 +407,7 @@ def scaled_dot_product_attention(
     if attn_mask is not None:
         if dev and _is_device(attn_mask):
             mv = _from_cai(attn_mask, "attn_mask")
-            if mv.dtype not in _args.MASK_KINDS:
+            if mv.dtype not in _plan.MASK_KINDS:
                 raise TypeError(
                     f"attn_mask on the GPU must be bool, float32 or float64, got dtype {mv.dtype}"
                 )
@@ -632,7 +497,7 @@ def scaled_dot_product_attention(
         o=bhsd(o),
         lse=lse,
         mask=None if mask is None else (mask if lead else mask.prepend()),
-        mask_kind=_kernels.FA_MASK_NONE if mask is None else _args.MASK_KINDS[mask.dtype],
+        mask_kind=_kernels.FA_MASK_NONE if mask is None else _plan.MASK_KINDS[mask.dtype],
         scale=sc,
         causal=causal,
         window_left=wl,
@@ -646,7 +511,7 @@ def scaled_dot_product_attention(
         precision=_kernels.FA_PRECISION_HIGHEST,  # the kernels compute float32 scores with fp32 FMA
     )
     if math.prod(lead) > 0 and Hq > 0 and L > 0:
-        for p in _args.kernel_plans(plan):
+        for p in _plan.kernel_plans(plan):
             cu.attention(_record(p), stream)
     # Keep the uploaded temporaries alive until the kernel is done with them.
     if not dev:

@@ -19,10 +19,11 @@ from typing import Any, Literal, overload
 import numpy as np
 import numpy.typing as npt
 
-from . import _args, _kernels
-from ._args import Plan, dropout_value, sdpa_call, varlen_call
+from . import _kernels
+from ._args import dropout_value, sdpa_call, varlen_call
 from ._checks import F32, threads_value
 from ._config import get_num_threads, precision_code
+from ._plan import Plan
 
 __all__ = ["scaled_dot_product_attention", "varlen_attention"]
 
@@ -196,7 +197,7 @@ def scaled_dot_product_attention(
             B, Hq, L, D, S, Dv = dims
             res = np.empty((B, Hq, L, Dv), dtype=F32)
             # Plan(q, k, v, o, scale, L, S, num_threads, precision, causal): by position
-            # (~0.8 µs less than keywords, see fastattn._args.Plan).
+            # (~0.8 µs less than keywords, see fastattn._plan.Plan).
             _kernels.attention(
                 Plan(
                     query,
@@ -359,14 +360,3 @@ def varlen_attention(
         num_threads=num_threads,
         precision=precision,
     ).run()
-
-
-# Until fastattn.cuda and fastattn.dask import the shared checks from
-# fastattn._args (their owners' branches), their former names resolve here.
-_FORMER = ("_check_dtypes", "_check_shapes", "_lengths", "_per_head", "_softcap", "_window")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _FORMER:
-        return getattr(_args, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -86,7 +86,7 @@ def register(name: str = NAME) -> str:
 
 
 def _grad_needed(*tensors: Any) -> bool:
-    torch = _torch_bridge._torch()
+    torch = _torch_bridge.torch_module()
     return bool(torch.is_grad_enabled()) and any(t is not None and t.requires_grad for t in tensors)
 
 

@@ -23,18 +23,16 @@ import numpy as np
 import numpy.typing as npt
 
 from . import positions
-from ._args import (
+from ._args import check_heads, layout_value, sdpa_call
+from ._cache_args import (
     batch_indices,
     cache_dtype_value,
     cache_operands,
     cache_tokens,
-    check_heads,
-    layout_value,
     query_dtype_ok,
     query_dtypes,
     rotation_fits,
     row_view,
-    sdpa_call,
     to_cache_dtype,
 )
 from ._checks import F32, F64, as_array, flag_value, int_value
@@ -44,7 +42,7 @@ __all__ = ["KVCache", "attention_with_kvcache"]
 _Window = tuple[int, int] | Sequence[int] | None
 _Index = int | slice | npt.ArrayLike | None
 # The rotary helper of fastattn.positions (Any: that module is typed by its owner).
-_CacheRotary: Any = positions._CacheRotary
+_CacheRotary: Any = positions.CacheRotary
 
 
 class KVCache:

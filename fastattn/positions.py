@@ -155,7 +155,7 @@ def rotate(
     )
 
 
-def _last_contiguous(a: NDArray) -> NDArray:
+def last_contiguous(a: NDArray) -> NDArray:
     if a.shape[-1] <= 1 or a.strides[-1] == a.itemsize:
         if a.flags.aligned:
             return a
@@ -226,14 +226,14 @@ def apply_rotary(
         oh = np.swapaxes(oh, -2, -3)
     B = math.prod(lead)
     H = xh.shape[-3]
-    src = _last_contiguous(xh).reshape((B, H, L, D))  # merges leading dims (a copy only when it must)
+    src = last_contiguous(xh).reshape((B, H, L, D))  # merges leading dims (a copy only when it must)
     dst = oh.reshape((B, H, L, D))  # out is fresh and C-contiguous: always a view
     p2 = pos.reshape((B, L))  # a view with broadcast strides where it can be
     rotate(src, dst, p2, c, s, interleaved)
     return out
 
 
-class _CacheRotary:
+class CacheRotary:
     """Checked rotary tables of a cache path (attention_with_kvcache, KVCache)."""
 
     def __init__(
@@ -267,7 +267,7 @@ class _CacheRotary:
         """Rotate the new keys (B, H, T, D) and write them into cache rows pos[b, t], in one C pass."""
         if not is_storage_dtype(k_new4.dtype):  # e.g. longdouble: through the compute dtype
             k_new4 = k_new4.astype(self.cos.dtype)
-        src = _last_contiguous(k_new4)
+        src = last_contiguous(k_new4)
         if cache4.flags.aligned and (cache4.shape[-1] <= 1 or cache4.strides[-1] == cache4.itemsize):
             rotate(src, cache4, pos, self.cos, self.sin, self.interleaved, num_threads, dst_at_pos=True)
             return
@@ -281,5 +281,5 @@ class _CacheRotary:
     def rotate_q(self, q4: NDArray, pos: NDArray, num_threads: int | None = None) -> NDArray:
         """A rotated copy of q (B, H, L, D) in q's dtype (its bhsd view is returned)."""
         out = np.empty(q4.shape, dtype=q4.dtype)
-        rotate(_last_contiguous(q4), out, pos, self.cos, self.sin, self.interleaved, num_threads)
+        rotate(last_contiguous(q4), out, pos, self.cos, self.sin, self.interleaved, num_threads)
         return out

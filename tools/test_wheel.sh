@@ -51,7 +51,8 @@ import re, subprocess, sys, zipfile
 whl, dest = sys.argv[1], sys.argv[2]
 z = zipfile.ZipFile(whl)
 names = z.namelist()
-for need in ("fastattn/__init__.py", "fastattn/py.typed", "fastattn/_kernels.pyi"):
+for need in ("fastattn/__init__.py", "fastattn/py.typed", "fastattn/_kernels.pyi",
+             "fastattn/bench/__init__.py", "fastattn/dask/__init__.py", "fastattn/dask/_sdpa.py"):
     assert need in names, f"wheel lacks {need}"
 lic = [n for n in names if re.match(r"fastattn-[^/]*\.dist-info/licenses/LICENSE$", n)]
 assert lic, "wheel lacks the LICENSE file"

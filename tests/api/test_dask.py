@@ -16,6 +16,7 @@ import fastattn
 da = pytest.importorskip("dask.array")
 dask = pytest.importorskip("dask")
 fd = pytest.importorskip("fastattn.dask")
+from fastattn.dask import _alibi, _geometry  # noqa: E402 (after the importorskip)
 
 try:
     import ml_dtypes
@@ -150,7 +151,7 @@ def test_chunk_pair_offsets_exhaustive(causal, window, L, S, alibi_rows, monkeyp
     float mask of an in-memory call: checks the alignment worked out inside a
     task (window of the trimmed call, the ALiBi split at the diagonal and its
     LSE shift, in row blocks of alibi_rows), with and without a user mask."""
-    monkeypatch.setattr(fd, "_ALIBI_ROWS", alibi_rows)
+    monkeypatch.setattr(_alibi, "ALIBI_ROWS", alibi_rows)
     rng = np.random.default_rng(L * 100 + S)
     q = rng.standard_normal((1, 2, L, 8)).astype(np.float32)
     k = rng.standard_normal((1, 2, S, 8)).astype(np.float32)
@@ -194,7 +195,7 @@ def test_chunk_pair_offsets_exhaustive(causal, window, L, S, alibi_rows, monkeyp
                 return_lse=True,
                 num_threads=1,
             )
-            got = fd._part(
+            got = _alibi.part(
                 q[:, :, i0:i1],
                 k[:, :, j0:j1],
                 v[:, :, j0:j1],
@@ -207,7 +208,7 @@ def test_chunk_pair_offsets_exhaustive(causal, window, L, S, alibi_rows, monkeyp
                 e = (j0 - i0) - (S - L)
                 lo = None if wl < 0 else -wl - e
                 hi = 0 - e if causal else (None if wr < 0 else wr - e)
-                a0, a1, c0, c1 = fd._trim(i1 - i0, j1 - j0, lo, hi, (1, 1))
+                a0, a1, c0, c1 = _geometry.trim(i1 - i0, j1 - j0, lo, hi, (1, 1))
                 if a1 - c1 == e:
                     direct += 1
                 else:

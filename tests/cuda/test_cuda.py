@@ -878,7 +878,7 @@ def test_record_fields_and_errors(monkeypatch):
 
 
 def test_views_on_the_shared_plan_merge(monkeypatch):
-    """Device views go through _args.kernel_plans, the leading-dims merge / split the
+    """Device views go through _plan.kernel_plans, the leading-dims merge / split the
     CPU uses: mergeable leading dims give one launch with the merged batch stride,
     others one launch per index of the first leading dim.  A host mask is uploaded
     as its distinct elements and read through broadcast strides."""

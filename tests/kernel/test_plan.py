@@ -1,4 +1,4 @@
-"""fastattn._args: the call record (Plan) and its leading-dimension merge/split.
+"""fastattn._plan: the call record (Plan) and its leading-dimension merge/split.
 
 The merge/split is checked on its own (shapes, strides, which memory each
 4-D plan addresses, with NumPy arrays and with a stand-in for device views)
@@ -14,12 +14,12 @@ import pytest
 from conftest import assert_close
 
 import fastattn
-from fastattn import _args, _kernels
+from fastattn import _kernels, _plan
 from fastattn import reference as ref
 
 
 def test_plan_fields_are_the_c_struct_names():
-    names = {f.name for f in dataclasses.fields(_args.Plan)}
+    names = {f.name for f in dataclasses.fields(_plan.Plan)}
     # fastattn/_kernels.pxd declares fa_params as in csrc/fastattn.h: every Plan
     # field except the varlen lengths names one of its fields (or its pointer).
     with open(_kernels.__file__.rsplit("/", 1)[0] + "/_kernels.pxd") as f:
@@ -27,7 +27,7 @@ def test_plan_fields_are_the_c_struct_names():
     struct = pxd[pxd.index("ctypedef struct fa_params:") : pxd.index("int fa_attention(")]
     for n in names - {"L", "S"}:
         assert f" {n}" in struct or f"*{n}" in struct, n
-    per_batch = dict(_args.PER_BATCH_FIELDS)
+    per_batch = dict(_plan.PER_BATCH_FIELDS)
     assert per_batch == {
         "q": 3,
         "k": 3,
@@ -46,23 +46,23 @@ def test_enums_come_from_the_header():
     assert (_kernels.FA_F32, _kernels.FA_F64, _kernels.FA_F16, _kernels.FA_BF16) == (0, 1, 2, 3)
     assert _kernels.MASK_BOOL == _kernels.FA_MASK_BOOL == int(_kernels.fa_mask_kind.FA_MASK_BOOL)
     assert _kernels.ISA_NAMES == ("scalar", "avx2", "avx512", "amx", "avx512bf16")
-    assert _args.MASK_KINDS[np.dtype(np.float64)] == _kernels.FA_MASK_F64
+    assert _plan.MASK_KINDS[np.dtype(np.float64)] == _kernels.FA_MASK_F64
 
 
 def test_merged_stride():
-    assert _args.merged_stride((2, 3), (12, 4)) == 4
-    assert _args.merged_stride((2, 3), (4, 12)) is None  # transposed
-    assert _args.merged_stride((2, 1, 3), (12, 99, 4)) == 4  # size-1 dims do not count
-    assert _args.merged_stride((2, 3), (0, 0)) == 0  # broadcast
-    assert _args.merged_stride((2, 3), (5, 0)) is None  # broadcast along the inner dim only
-    assert _args.merged_stride((), ()) == 0
+    assert _plan.merged_stride((2, 3), (12, 4)) == 4
+    assert _plan.merged_stride((2, 3), (4, 12)) is None  # transposed
+    assert _plan.merged_stride((2, 1, 3), (12, 99, 4)) == 4  # size-1 dims do not count
+    assert _plan.merged_stride((2, 3), (0, 0)) == 0  # broadcast
+    assert _plan.merged_stride((2, 3), (5, 0)) is None  # broadcast along the inner dim only
+    assert _plan.merged_stride((), ()) == 0
 
 
-def _plan(lead, mask=None, o=None):
+def _make_plan(lead, mask=None, o=None):
     rng = np.random.default_rng(0)
     q = rng.standard_normal(lead + (2, 5, 4)).astype(np.float32)
     o = np.empty(lead + (2, 5, 4), np.float32) if o is None else o
-    return _args.Plan(
+    return _plan.Plan(
         q=q, k=q, v=q, o=o, scale=0.5, L=5, S=5, num_threads=1, precision=0, mask=mask,
         k_lens=np.full(lead, 5, np.int64),
     )  # fmt: skip
@@ -76,8 +76,8 @@ def _addresses(a):
 
 
 def test_kernel_plans_merge_into_views():
-    p = _plan((2, 3))
-    (m,) = list(_args.kernel_plans(p))
+    p = _make_plan((2, 3))
+    (m,) = list(_plan.kernel_plans(p))
     assert m.q.shape == (6, 2, 5, 4) and np.shares_memory(m.o, p.o) and m.k_lens.shape == (6,)
     assert m.scale == p.scale and m.L == 5
 
@@ -86,8 +86,8 @@ def test_kernel_plans_split_where_strides_do_not_merge():
     # A mask broadcast along the inner leading dim only: (2, 3) cannot merge without a copy.
     mask = np.broadcast_to(np.ones((2, 1, 2, 5, 5), bool), (2, 3, 2, 5, 5))
     o = np.empty((3, 2, 2, 5, 4), np.float32).transpose(1, 0, 2, 3, 4)  # an output that cannot merge either
-    p = _plan((2, 3), mask=mask, o=o)
-    subs = list(_args.kernel_plans(p))
+    p = _make_plan((2, 3), mask=mask, o=o)
+    subs = list(_plan.kernel_plans(p))
     assert len(subs) == 2 and all(s.q.ndim == 4 and s.q.shape[0] == 3 for s in subs)
     # Together they address exactly the original output's memory, each batch element once.
     got = np.concatenate([_addresses(s.o) for s in subs])
@@ -117,10 +117,10 @@ def test_kernel_plans_on_device_views():
 
     c = view((2, 3, 2, 5, 4), (120, 40, 20, 4, 1))  # C-contiguous
     bad = view((2, 3, 2, 5, 4), (40, 80, 20, 4, 1))  # leading dims transposed
-    p = _args.Plan(q=c, k=c, v=c, o=c, scale=1.0, L=5, S=5, num_threads=1, precision=0)
-    (m,) = list(_args.kernel_plans(p))
+    p = _plan.Plan(q=c, k=c, v=c, o=c, scale=1.0, L=5, S=5, num_threads=1, precision=0)
+    (m,) = list(_plan.kernel_plans(p))
     assert m.q.shape == (6, 2, 5, 4) and m.q.strides == (40, 20, 4, 1)
-    subs = list(_args.kernel_plans(dataclasses.replace(p, o=bad)))
+    subs = list(_plan.kernel_plans(dataclasses.replace(p, o=bad)))
     assert [s.o.off for s in subs] == [0, 40] and [s.q.off for s in subs] == [0, 120]
     assert all(s.o.shape == (3, 2, 5, 4) and s.o.strides == (80, 20, 4, 1) for s in subs)
 

@@ -230,3 +230,18 @@ def test_wheel_builds_repairs_installs_and_passes():
     r = subprocess.run(["bash", script, "-x", "-q"], capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "manylinux" in r.stdout and "passed" in r.stdout
+
+
+@pytest.mark.skipif(not SOURCE_TREE, reason="reads pyproject.toml of the source tree")
+def test_every_subpackage_is_listed_in_pyproject():
+    # setuptools takes the packages one by one from pyproject.toml: a subpackage
+    # missing there would be left out of the wheel (its modules would not import).
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    found = {"fastattn"} | {
+        f"fastattn.{d}" for d in os.listdir(PKG) if os.path.isfile(os.path.join(PKG, d, "__init__.py"))
+    }
+    assert {"fastattn.bench", "fastattn.dask"} <= found
+    assert listed == found

@@ -1,0 +1,100 @@
+"""The argument checks flash-attn's functions share (fastattn.flash_compat and its
+KV-cache function, fastattn._flash_kvcache): arrays or CPU torch tensors in,
+flash-attn's option conventions (``window_size`` -1, ``softcap`` 0.0 = off)."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import _torch_bridge
+from ._checks import as_array, int_value
+
+
+def array_value(x: Any, name: str, *, writable: bool = False) -> np.ndarray:
+    if _torch_bridge.is_tensor(x):
+        return _torch_bridge.to_numpy(x, name, writable=writable)
+    if writable:  # written in place: a converted copy would silently lose the writes
+        if not isinstance(x, np.ndarray):
+            raise TypeError(f"{name} must be a numpy.ndarray or a CPU torch.Tensor, got {type(x).__name__}")
+        if not x.flags.writeable:
+            raise ValueError(f"{name} must be writable to append k and v")
+        if not x.dtype.isnative:
+            raise ValueError(f"{name} must be in native byte order to be written in place")
+    return as_array(x, name)
+
+
+def wrap(torch_out: bool, *arrays: np.ndarray) -> Any:
+    res = tuple(_torch_bridge.from_numpy(a) if torch_out else a for a in arrays)
+    return res if len(res) > 1 else res[0]
+
+
+def dropout_value(dropout_p: Any) -> None:
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a number, got {type(dropout_p).__name__}")
+    if dropout_p != 0:
+        raise NotImplementedError(
+            f"dropout_p must be 0 (got {dropout_p}): fastattn is inference only and has no dropout"
+        )
+
+
+def flag_value(x: Any, name: str) -> bool:
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
+    return bool(x)
+
+
+def window_size_value(window_size: Any) -> tuple[int, int] | None:
+    """flash-attn's (left, right), -1 = unbounded; None when both sides are unbounded."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
+    left = int_value(window_size[0], "window_size[0]", -1)
+    right = int_value(window_size[1], "window_size[1]", -1)
+    return None if (left, right) == (-1, -1) else (left, right)
+
+
+def softcap_value(softcap: Any) -> float | None:
+    """flash-attn's softcap: 0.0 = off, > 0 = on."""
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a number (0.0 = off), got {type(softcap).__name__}")
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0.0 = off), got {softcap!r}")
+    return None if softcap == 0 else float(softcap)
+
+
+def alibi_value(alibi_slopes: Any) -> np.ndarray | None:
+    return None if alibi_slopes is None else array_value(alibi_slopes, "alibi_slopes")
+
+
+class Opts(NamedTuple):
+    """The trailing arguments every flash-attn function shares (checked by common())."""
+
+    dropout_p: Any
+    softmax_scale: Any
+    causal: Any
+    window_size: Any
+    softcap: Any
+    alibi_slopes: Any
+    deterministic: Any
+    return_attn_probs: Any
+
+    def common(self) -> dict[str, Any]:
+        dropout_value(self.dropout_p)
+        flag_value(self.deterministic, "deterministic")
+        return dict(
+            window=window_size_value(self.window_size),
+            softcap=softcap_value(self.softcap),
+            alibi_slopes=alibi_value(self.alibi_slopes),
+        )
+
+
+def check_ndim(a: np.ndarray, name: str, nd: int, shape: str) -> None:
+    if a.ndim != nd:
+        raise ValueError(f"{name} must be {nd}-D {shape}, got shape {a.shape}")
+
+
+def probs_placeholder(q: np.ndarray) -> np.ndarray:
+    # flash-attn returns an empty S_dmask unless dropout_p > 0 (which fastattn refuses).
+    return np.empty((0,), dtype=q.dtype)

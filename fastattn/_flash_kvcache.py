@@ -1,0 +1,286 @@
+"""flash-attn's ``flash_attn_with_kvcache`` (re-exported by fastattn.flash_compat,
+whose docstring gives the conventions): the cache checks, the in-place append and
+the attention over the cache."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import numpy as np
+
+from . import _torch_bridge, positions
+from ._args import sdpa_call
+from ._cache_args import is_real_float as _is_real_float
+from ._cache_args import query_dtype_ok as _query_dtype_ok
+from ._cache_args import row_view as _rows
+from ._checks import int_value, is_storage_dtype
+from ._flash_args import alibi_value as _alibi
+from ._flash_args import array_value as _array
+from ._flash_args import check_ndim as _ndim
+from ._flash_args import flag_value as _flag
+from ._flash_args import softcap_value as _softcap
+from ._flash_args import window_size_value as _window_size
+from ._flash_args import wrap as _wrap
+
+# The rotary helper of fastattn.positions (Any: that module is typed by its owner).
+_CacheRotary: Any = positions.CacheRotary
+
+
+def _per_batch_ints(x: Any, name: str, B: int) -> np.ndarray:
+    if isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_)):
+        return np.full(B, int(x), dtype=np.int64)
+    a = _array(x, name)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an int or an integer array, got dtype {a.dtype}")
+    if a.ndim == 0:
+        a = np.broadcast_to(a, (B,))
+    if a.shape != (B,):
+        raise ValueError(f"{name} must have shape ({B},) (the batch of q), got {a.shape}")
+    return a.astype(np.int64)
+
+
+def _to_cache_dtype(x: np.ndarray, dt: np.dtype, name: str) -> np.ndarray:
+    if x.dtype == dt:
+        return x
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = x.astype(dt)
+        overflow = ~np.isfinite(y) & np.isfinite(x)
+    if np.any(overflow):
+        raise ValueError(f"{name} holds values beyond the range of the {dt} cache (they would become inf)")
+    return y
+
+
+def flash_attn_with_kvcache(
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    k: Any = None,
+    v: Any = None,
+    rotary_cos: Any = None,
+    rotary_sin: Any = None,
+    cache_seqlens: Any = None,
+    cache_batch_idx: Any = None,
+    cache_leftpad: Any = None,
+    block_table: Any = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: Any = True,
+    alibi_slopes: Any = None,
+    num_splits: Any = 0,
+    return_softmax_lse: Any = False,
+) -> Any:
+    """flash-attn's ``flash_attn_with_kvcache``: append new keys/values in place, then attend.
+
+    q ``(batch, seqlen_q, nheads, headdim)``; k_cache ``(batch_cache, seqlen_cache,
+    nheads_k, headdim)`` and v_cache ``(..., headdim_v)``, NumPy arrays or CPU
+    tensors, written in place.  With ``k``/``v`` ``(batch, seqlen_new, nheads_k,
+    headdim[_v])`` (given together) their tokens are written into cache row
+    ``cache_batch_idx[b]`` (default ``b``) at positions ``cache_seqlens[b] ..
+    cache_seqlens[b] + seqlen_new - 1`` (converted to the cache dtype; a value
+    that would overflow it raises), then each query row attends over that row's
+    keys ``cache_leftpad[b] <= j < cache_seqlens[b] + seqlen_new``.
+    ``cache_seqlens`` (an int or ``(batch,)``) is not modified: the caller
+    advances it, as with flash-attn; ``None`` means the whole cache is valid
+    (then ``k``/``v`` cannot be given).  ``causal`` and ``window_size`` are
+    aligned to the bottom right of the valid keys; ``alibi_slopes``, ``softcap``
+    and ``softmax_scale`` as in :func:`flash_attn_func`.  Returns out ``(batch,
+    seqlen_q, nheads, headdim_v)`` in q's dtype, and with ``return_softmax_lse``
+    also the float32 ``softmax_lse (batch, nheads, seqlen_q)``.
+
+    Rotary embeddings as flash-attn: ``rotary_cos``/``rotary_sin`` ``(seqlen_ro,
+    rotary_dim / 2)`` (:func:`fastattn.rotary_cos_sin`), only with ``k``/``v``;
+    the new keys are rotated at positions ``cache_seqlens[b] + t`` in the C pass
+    that writes them into the cache; q at ``cache_seqlens[b] + i`` when causal or
+    local (``window_size != (-1, -1)``), else every query at ``cache_seqlens[b]``.
+    ``rotary_interleaved=True`` (flash-attn's default) pairs dimensions (0, 1),
+    (2, 3), ...; False pairs i with i + rotary_dim/2 (GPT-NeoX).  Any even
+    rotary_dim up to headdim is accepted (flash-attn's GPU kernel needs a
+    multiple of 16).
+
+    Every check runs before anything is written.  ``block_table``, and rotary
+    together with a nonzero ``cache_leftpad``, raise ``NotImplementedError``;
+    ``num_splits`` only tunes flash-attn's GPU kernel and changes nothing here.
+    """
+    # flash-attn features fastattn does not have: refused, never ignored.
+    if block_table is not None:
+        raise NotImplementedError("block_table (paged KV cache) is not supported by fastattn")
+    _flag(rotary_interleaved, "rotary_interleaved")
+    int_value(num_splits, "num_splits", 0)
+    ret = _flag(return_softmax_lse, "return_softmax_lse")
+    is_causal = _flag(causal, "causal")
+    window = _window_size(window_size)
+    cap = _softcap(softcap)
+    torch_out = _torch_bridge.is_tensor(q)
+
+    qa = _array(q, "q")
+    appending = k is not None or v is not None
+    if appending and (k is None or v is None):
+        raise ValueError("k and v must be given together")
+    kc = _array(k_cache, "k_cache", writable=appending)
+    vc = _array(v_cache, "v_cache", writable=appending)
+    _ndim(qa, "q", 4, "(batch, seqlen_q, nheads, headdim)")
+    _ndim(kc, "k_cache", 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
+    _ndim(vc, "v_cache", 4, "(batch_cache, seqlen_cache, nheads_k, headdim_v)")
+    cdt = kc.dtype
+    if not is_storage_dtype(cdt):
+        raise TypeError(f"k_cache must have dtype float16, bfloat16, float32 or float64, got {cdt}")
+    if vc.dtype != cdt:
+        raise TypeError(f"v_cache must have the dtype of k_cache ({cdt}), got {vc.dtype}")
+    if not _query_dtype_ok(qa.dtype, cdt):
+        allowed = "float64" if cdt.name == "float64" else f"float32 or {cdt}"
+        raise TypeError(f"q must have dtype {allowed} for {cdt} caches, got {qa.dtype}")
+    B, Lq, Hq, D = qa.shape
+    Bc, S, Hk, Dk = kc.shape
+    if vc.shape[:3] != (Bc, S, Hk):
+        raise ValueError(f"v_cache {vc.shape} must match k_cache {kc.shape} except in the last dim")
+    Dv = vc.shape[3]
+    if Dk != D:
+        raise ValueError(f"k_cache head dim ({Dk}) must equal q's ({D})")
+    if Hk == 0 or Hq % Hk:
+        raise ValueError(f"q heads ({Hq}) must be a multiple of the cache's heads ({Hk})")
+
+    if cache_batch_idx is None:
+        if Bc < B:
+            raise ValueError(f"k_cache holds {Bc} sequences but q has {B}; pass cache_batch_idx")
+        idx = None
+    else:
+        ia = _array(cache_batch_idx, "cache_batch_idx")
+        if ia.shape != (B,):
+            raise ValueError(f"cache_batch_idx must have shape ({B},) (the batch of q), got {ia.shape}")
+        if ia.dtype.kind not in "iu":
+            raise TypeError(f"cache_batch_idx must be an integer array, got dtype {ia.dtype}")
+        if ia.size and (ia.min() < 0 or ia.max() >= Bc):
+            raise ValueError(f"cache_batch_idx values must lie in [0, {Bc}), got [{ia.min()}, {ia.max()}]")
+        idx = ia.astype(np.int64)
+        if appending and np.unique(idx).size != idx.size:
+            raise ValueError("cache_batch_idx must not repeat an index when k and v are appended")
+    rows = np.arange(B, dtype=np.int64) if idx is None else idx
+
+    if cache_seqlens is None:
+        if appending:
+            raise ValueError("cache_seqlens must be given with k and v (where to write them)")
+        seq = np.full(B, S, dtype=np.int64)
+    else:
+        seq = _per_batch_ints(cache_seqlens, "cache_seqlens", B)
+    if seq.size and (seq.min() < 0 or seq.max() > S):
+        raise ValueError(f"cache_seqlens values must lie in [0, {S}], got [{seq.min()}, {seq.max()}]")
+    left = None
+    if cache_leftpad is not None:
+        left = _per_batch_ints(cache_leftpad, "cache_leftpad", B)
+        if left.size and (left.min() < 0 or np.any(left > seq)):
+            raise ValueError("cache_leftpad values must lie in [0, cache_seqlens]")
+
+    T = 0
+    if appending:
+        ka, va = _array(k, "k"), _array(v, "v")
+        for a, n, d in ((ka, "k", D), (va, "v", Dv)):
+            if not _is_real_float(a.dtype):
+                raise TypeError(f"{n} must be a real floating array, got dtype {a.dtype}")
+            if a.ndim != 4 or a.shape[0] != B or a.shape[2] != Hk or a.shape[3] != d:
+                raise ValueError(f"{n} must have shape ({B}, seqlen_new, {Hk}, {d}), got {a.shape}")
+        T = ka.shape[1]
+        if va.shape[1] != T:
+            raise ValueError(f"k and v must hold the same number of tokens, got {T} and {va.shape[1]}")
+        if seq.size and seq.max() + T > S:
+            b = int(np.argmax(seq))
+            raise ValueError(
+                f"cache_seqlens[{b}] + {T} new tokens = {int(seq[b]) + T} exceeds the cache length {S}"
+            )
+        if np.may_share_memory(kc, vc):
+            raise ValueError("k_cache and v_cache must not share memory")
+        vw = _to_cache_dtype(va, cdt, "v")
+    rot = None
+    if rotary_cos is not None or rotary_sin is not None:
+        rot = _CacheRotary(rotary_cos, rotary_sin, rotary_interleaved, D, cdt)
+        if not appending:
+            raise ValueError("rotary_cos/rotary_sin need k and v (flash-attn rotates the new keys and q)")
+        if left is not None and np.any(left):
+            raise NotImplementedError("rotary_cos/rotary_sin together with a nonzero cache_leftpad")
+        kpos = rot.positions(seq, T)
+        local = window is not None and tuple(window) != (-1, -1)
+        qpos = rot.positions(seq, Lq) if (is_causal or local) else np.broadcast_to(seq[:, None], (B, Lq))
+        rot.check(kpos, "the new keys' positions (cache_seqlens + t)")
+        rot.check(qpos, "the queries' positions")
+        ka_h = np.swapaxes(ka, 1, 2)  # (B, Hk, T, D)
+        if cdt.itemsize == 2 and ka.size and np.abs(ka).max() * 1.4143 >= float(np.finfo(cdt).max):
+            # a rotated pair can grow by sqrt(2): check the rotated keys before writing anything
+            _to_cache_dtype(rot.rotate_q(ka_h, kpos), cdt, "k (rotated)")
+    elif appending:
+        kw = _to_cache_dtype(ka, cdt, "k")
+    total = seq + T
+    mask = None
+    if left is not None and np.any(left):
+        mask = (np.arange(S)[None, :] >= left[:, None])[:, None, None, :]  # (B, 1, 1, S): True = attend
+    opts: dict[str, Any] = dict(
+        is_causal=is_causal,
+        scale=softmax_scale,
+        enable_gqa=True,
+        layout="bshd",
+        window=window,
+        softcap=cap,
+        return_lse=ret,
+    )
+    al = _alibi(alibi_slopes)
+    # Every check of the attention, once, before anything is written: the calls read
+    # the caches in place (views), so they see the tokens written below.
+    kview = kc[:B] if idx is None else _rows(kc, idx)
+    vview = vc[:B] if idx is None else _rows(vc, idx)
+    if kview is not None and vview is not None:
+        calls = [sdpa_call(qa, kview, vview, attn_mask=mask, key_lengths=total, alibi_slopes=al, **opts)]
+    else:  # scattered cache rows: one call per sequence, each on a view of its row
+        if al is not None and al.ndim == 2 and al.shape[0] != B:
+            raise ValueError(f"alibi_slopes must have shape ({Hq},) or ({B}, {Hq}), got {al.shape}")
+        calls = [
+            sdpa_call(
+                qa[b : b + 1],
+                kc[c : c + 1],
+                vc[c : c + 1],
+                attn_mask=None if mask is None else mask[b : b + 1],
+                key_lengths=total[b : b + 1],
+                alibi_slopes=None if al is None else (al if al.ndim == 1 else al[b : b + 1]),
+                **opts,
+            )
+            for b, c in enumerate(rows.tolist())
+        ]
+
+    # ---- write (nothing has been modified before this point)
+    if T and B:
+        seq_l = seq.tolist()
+        if rot is not None:  # keys rotated and written in one C pass over the new tokens
+            if kview is not None:
+                rot.append(ka_h, np.swapaxes(kview, 1, 2), kpos)
+            else:
+                for b, c in enumerate(rows.tolist()):
+                    rot.append(ka_h[b : b + 1], np.swapaxes(kc[c : c + 1], 1, 2), kpos[b : b + 1])
+        if len(set(seq_l)) == 1 and kview is not None and vview is not None:
+            s0 = seq_l[0]
+            if rot is None:
+                kview[:, s0 : s0 + T] = kw
+            vview[:, s0 : s0 + T] = vw
+        else:
+            for b, (c, s0) in enumerate(zip(rows.tolist(), seq_l)):
+                if rot is None:
+                    kc[c, s0 : s0 + T] = kw[b]
+                vc[c, s0 : s0 + T] = vw[b]
+    if rot is not None:  # the queries rotated after every check (bhsd, as the plans hold them)
+        qr = rot.rotate_q(np.swapaxes(qa, 1, 2), qpos)
+        calls = [c.with_queries(qr if len(calls) == 1 else qr[b : b + 1]) for b, c in enumerate(calls)]
+
+    # ---- attend
+    if len(calls) == 1 and kview is not None:
+        res = calls[0].run()
+    else:
+        out = np.empty((B, Lq, Hq, Dv), dtype=qa.dtype)
+        lse = np.empty((B, Hq, Lq), dtype=np.float64 if qa.dtype.name == "float64" else np.float32)
+        for b, call in enumerate(calls):
+            if ret:
+                out[b : b + 1], lse[b : b + 1] = call.run()
+            else:
+                out[b : b + 1] = call.run()
+        res = (out, lse) if ret else out
+    if ret:
+        return _wrap(torch_out, *res)
+    return _wrap(torch_out, res)
