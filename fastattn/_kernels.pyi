@@ -72,7 +72,7 @@ FA_EINVAL: int
 FA_ETHREADS: int
 
 def attention(plan: Plan) -> None:
-    """Run the fused kernel on a 4-D ``fastattn._args.Plan`` (trusted: checked when built)."""
+    """Run the fused kernel on a 4-D ``fastattn._plan.Plan`` (trusted: checked when built)."""
 
 def small_call_dims(q: object, k: object, v: object) -> tuple[int, int, int, int, int, int] | None:
     """``(B, Hq, L, D, S, Dv)`` when q, k, v suit the small-call fast path unchanged, else None."""

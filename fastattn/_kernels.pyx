@@ -1,7 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 # cython: freethreading_compatible=True
 """Thin binding to the C kernels: fill ``fa_params`` by field name from a
-``fastattn._args.Plan`` that has already been checked, then make one ``nogil``
+``fastattn._plan.Plan`` that has already been checked, then make one ``nogil``
 call.
 
 The C declarations (fa_params, the enums) are in fastattn/_kernels.pxd, which
@@ -186,7 +186,7 @@ def small_call_dims(object q, object k, object v):
 
 
 def attention(object plan):
-    """Run the fused kernel on a 4-D ``fastattn._args.Plan`` (trusted: checked when built)."""
+    """Run the fused kernel on a 4-D ``fastattn._plan.Plan`` (trusted: checked when built)."""
     cdef fa_params p
     cdef int rc
     _fill(&p, plan)
