@@ -424,6 +424,36 @@ def cu_seqlens_value(cu: Any, name: str, T: int) -> Array:
     return c
 
 
+def varlen_geometry(
+    qa: Any, ka: Any, va: Any, enable_gqa: bool, cu_seqlens_q: Any, cu_seqlens_k: Any
+) -> tuple[int, int, int, int, int, int, Array, Array]:
+    """The operand checks of :func:`fastattn.varlen_attention`, in its order, on packed
+    ``(total_tokens, heads, head_dim)`` arrays (NumPy, or Dask for ``fastattn.dask``):
+    ``(Tq, Hq, D, Tk, Hk, Dv, cu_q, cu_k)``."""
+    check_dtypes(qa, ka, va, ("q", "k", "v"))
+    for a, n in ((qa, "q"), (ka, "k"), (va, "v")):
+        if a.ndim != 3:
+            raise ValueError(f"{n} must be 3-D (total_tokens, heads, head_dim), got shape {a.shape}")
+    Tq, Hq, D = qa.shape
+    Tk, Hk, Dk = ka.shape
+    if va.shape[:2] != (Tk, Hk):
+        raise ValueError(f"k and v must have the same tokens and heads, got {ka.shape} and {va.shape}")
+    Dv = va.shape[2]
+    if D != Dk:
+        raise ValueError(f"q and k must have the same head dim, got {D} and {Dk}")
+    if D == 0 or Dv == 0:
+        raise ValueError("head dims of q, k and v must be >= 1")
+    if Hq != Hk:
+        check_heads(Hq, Hk, enable_gqa, "q", "k/v")
+    cq = cu_seqlens_value(cu_seqlens_q, "cu_seqlens_q", Tq)
+    ck = cu_seqlens_value(cu_seqlens_k, "cu_seqlens_k", Tk)
+    if cq.shape != ck.shape:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length, got {cq.shape[0]} and {ck.shape[0]}"
+        )
+    return Tq, Hq, D, Tk, Hk, Dv, cq, ck
+
+
 def varlen_call(
     q: Any,
     k: Any,
@@ -447,27 +477,7 @@ def varlen_call(
     causal = flag_value(is_causal, "is_causal")
     want_lse = flag_value(return_lse, "return_lse")
     qa, ka, va = as_array(q, "q"), as_array(k, "k"), as_array(v, "v")
-    check_dtypes(qa, ka, va, ("q", "k", "v"))
-    for a, n in ((qa, "q"), (ka, "k"), (va, "v")):
-        if a.ndim != 3:
-            raise ValueError(f"{n} must be 3-D (total_tokens, heads, head_dim), got shape {a.shape}")
-    Tq, Hq, D = qa.shape
-    Tk, Hk, Dk = ka.shape
-    if va.shape[:2] != (Tk, Hk):
-        raise ValueError(f"k and v must have the same tokens and heads, got {ka.shape} and {va.shape}")
-    Dv = va.shape[2]
-    if D != Dk:
-        raise ValueError(f"q and k must have the same head dim, got {D} and {Dk}")
-    if D == 0 or Dv == 0:
-        raise ValueError("head dims of q, k and v must be >= 1")
-    if Hq != Hk:
-        check_heads(Hq, Hk, enable_gqa, "q", "k/v")
-    cq = cu_seqlens_value(cu_seqlens_q, "cu_seqlens_q", Tq)
-    ck = cu_seqlens_value(cu_seqlens_k, "cu_seqlens_k", Tk)
-    if cq.shape != ck.shape:
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must have the same length, got {cq.shape[0]} and {ck.shape[0]}"
-        )
+    Tq, Hq, D, Tk, Hk, Dv, cq, ck = varlen_geometry(qa, ka, va, enable_gqa, cu_seqlens_q, cu_seqlens_k)
     nb = cq.shape[0] - 1
     prec = precision_code(precision)
     cdt = compute_dtype(qa.dtype)

@@ -180,27 +180,7 @@ def varlen_attention(
     causal = flag_value(is_causal, "is_causal")
     want_lse = flag_value(return_lse, "return_lse")
     qa, ka, va = _graph.as_dask(q, "q"), _graph.as_dask(k, "k"), _graph.as_dask(v, "v")
-    _args.check_dtypes(qa, ka, va, ("q", "k", "v"))
-    for a, nm in ((qa, "q"), (ka, "k"), (va, "v")):
-        if a.ndim != 3:
-            raise ValueError(f"{nm} must be 3-D (total_tokens, heads, head_dim), got shape {a.shape}")
-    Tq, Hq, D = qa.shape
-    Tk, Hk, Dk = ka.shape
-    if va.shape[:2] != (Tk, Hk):
-        raise ValueError(f"k and v must have the same tokens and heads, got {ka.shape} and {va.shape}")
-    Dv = va.shape[2]
-    if D != Dk:
-        raise ValueError(f"q and k must have the same head dim, got {D} and {Dk}")
-    if D == 0 or Dv == 0:
-        raise ValueError("head dims of q, k and v must be >= 1")
-    if Hq != Hk:
-        _args.check_heads(Hq, Hk, enable_gqa, "q", "k/v")
-    cq = _args.cu_seqlens_value(cu_seqlens_q, "cu_seqlens_q", Tq)
-    ck = _args.cu_seqlens_value(cu_seqlens_k, "cu_seqlens_k", Tk)
-    if cq.shape != ck.shape:
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must have the same length, got {cq.shape[0]} and {ck.shape[0]}"
-        )
+    Tq, Hq, D, Tk, Hk, Dv, cq, ck = _args.varlen_geometry(qa, ka, va, enable_gqa, cu_seqlens_q, cu_seqlens_k)
     nb = cq.shape[0] - 1
     prec = _graph.precision(precision)
     cdt = _args.compute_dtype(qa.dtype)
