@@ -159,9 +159,15 @@ int fa_cpu_has_avx512bf16(void)
 #endif
 }
 
+/* The default path: AMX where the CPU and OS grant it, else VDPBF16PS where the
+ * CPU has AVX512-BF16 (bf16 products for bfloat16 inputs and "medium"; on Zen 4
+ * 1.9-2.3x the float32 kernel at one thread, docs/performance.md), else the
+ * float32 kernels.  Every path computes float32 "highest" the same way (the
+ * AVX-512 kernel), so the order only changes 16-bit prefill and "medium". */
 int fa_isa_best(void)
 {
     if (fa_cpu_has(FA_ISA_AMX)) return FA_ISA_AMX;
+    if (fa_cpu_has(FA_ISA_AVX512BF16)) return FA_ISA_AVX512BF16;
     if (fa_cpu_has(FA_ISA_AVX512)) return FA_ISA_AVX512;
     if (fa_cpu_has(FA_ISA_AVX2)) return FA_ISA_AVX2;
     return FA_ISA_SCALAR;

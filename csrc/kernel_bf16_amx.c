@@ -37,9 +37,10 @@
 #include "simd.h"
 #include "mask.h"
 #include "kernel.h"
-/* The tile layer: the AMX unit (or its scalar emulation, amx_emu.h), or, for
- * kernel_bf16_avx512bf16.c, which compiles this file with FA_TILES_VDPBF16, the
- * same tile operations on AVX512-BF16 vectors (vdpbf16.h). */
+/* The products: the AMX unit's tiles (or their scalar emulation, amx_emu.h),
+ * or, for kernel_bf16_avx512bf16.c, which compiles this file with
+ * FA_TILES_VDPBF16, register-blocked VDPBF16PS products over the same packed
+ * operands (vdpbf16.h; amx_qk_step / amx_pv_step below). */
 #if defined(FA_TILES_VDPBF16)
 #include "vdpbf16.h"
 #define AMX_KERNEL fa_kernel_bf16_avx512bf16
@@ -294,6 +295,25 @@ static void amx_pack_v(uint16_t *Vp, const uint16_t *V, int64_t ldv, int64_t nj,
         }
 }
 
+#if defined(FA_TILES_VDPBF16)
+/* On VDPBF16PS (vdpbf16.h): the same two steps as register-blocked vector
+ * products over the same packed operands. */
+static inline void amx_qk_step(const uint16_t *Q, const uint16_t *Ql, int64_t Dq, const uint16_t *Kp,
+                               const uint16_t *Kpl, int64_t kb, float *S)
+{
+    const int64_t t = Dq / 32 * 512; /* one key tile's packed K */
+    avx512bf16_qk_step(Q, Ql, Dq, Kp + kb * t, Kp + (kb + 1) * t, Kpl ? Kpl + kb * t : NULL,
+                       Kpl ? Kpl + (kb + 1) * t : NULL, S + kb * 16, AMX_BN);
+}
+
+static inline void amx_pv_step(const uint16_t *P, const uint16_t *Pl, const uint16_t *Vp, const uint16_t *Vpl,
+                               int64_t njp, int64_t cb, float *O, int64_t Dvq)
+{
+    const int64_t ldvc = Dvq / 16 * 512; /* one 32-key chunk of packed V */
+    avx512bf16_pv_step(P, Pl, AMX_BN, njp, Vp + cb * 512, Vp + (cb + 1) * 512, Vpl ? Vpl + cb * 512 : NULL,
+                       Vpl ? Vpl + (cb + 1) * 512 : NULL, ldvc, O + cb * 16, Dvq);
+}
+#else
 /* The 2x2 block product every tile loop issues: accumulators 0-3 (rows 0-15 / 16-31 by
    columns 0-15 / 16-31) += A tiles 4, 5 times B tiles 6, 7.  A macro, not a function:
    tile numbers must be immediates. */
@@ -367,6 +387,8 @@ static inline void amx_pv_step(const uint16_t *P, const uint16_t *Pl, const uint
     FA_TILE_STORE(2, o1, ldo);
     FA_TILE_STORE(3, o1 + 16, ldo);
 }
+
+#endif
 
 /* n float32 values x split into bf16 hi = bf16(x) and (when lo) lo = bf16(x - hi),
  * the bf16x3 split (hi + lo carries ~16 mantissa bits); zeros from n to npad.

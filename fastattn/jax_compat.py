@@ -13,6 +13,7 @@ only exist once JAX has been imported).
 from __future__ import annotations
 
 import functools
+import importlib
 import numbers
 import sys
 from typing import Any
@@ -394,8 +395,10 @@ def _jax_forward(
     that a ``jax.custom_vjp`` can wrap it.  Shapes and dtypes are checked here,
     at trace time, with the argument names; the host callback then runs
     :func:`_numpy_forward` (once per element under ``jax.vmap``)."""
-    import jax
-    import jax.numpy as jnp
+    # Typed as Any (as the other optional dependencies are), so that mypy --strict
+    # passes the same whether JAX is installed or not.
+    jax: Any = importlib.import_module("jax")
+    jnp: Any = importlib.import_module("jax.numpy")
 
     q, k, v = (jnp.asarray(a) for a in (query, key, value))
     for a, n in ((q, "query"), (k, "key"), (v, "value")):
@@ -481,23 +484,19 @@ def _jax_core(
     :func:`fastattn.scaled_dot_product_attention_backward`.  Gradients flow to
     query, key and value only: bias, mask and lengths get none (the caller
     stops them), nor does the residual."""
-    import jax
-
-    jx: Any = jax  # (JAX's own annotations leave ShapeDtypeStruct untyped)
+    jax: Any = importlib.import_module("jax")  # typed as Any: see _jax_forward
     opts: dict[str, Any] = dict(scale=scale, is_causal=is_causal, window=window, num_threads=num_threads)
 
     def forward(q: Any, k: Any, v: Any, b: Any, m: Any, ql: Any, kl: Any) -> Any:
         B, T, N, _ = q.shape
         result = (
-            jx.ShapeDtypeStruct((B, T, N, v.shape[3]), q.dtype),
-            jx.ShapeDtypeStruct((B, T, N), k.dtype),
+            jax.ShapeDtypeStruct((B, T, N, v.shape[3]), q.dtype),
+            jax.ShapeDtypeStruct((B, T, N), k.dtype),
         )
         callback = functools.partial(_host_callback, **opts)
         return jax.pure_callback(callback, result, q, k, v, b, m, ql, kl, vmap_method="expand_dims")
 
-    @jax.custom_vjp
-    def core(q: Any, k: Any, v: Any, b: Any, m: Any, ql: Any, kl: Any) -> Any:
-        return forward(q, k, v, b, m, ql, kl)
+    core: Any = jax.custom_vjp(forward)
 
     def core_fwd(q: Any, k: Any, v: Any, b: Any, m: Any, ql: Any, kl: Any) -> Any:
         return forward(q, k, v, b, m, ql, kl), (q, k, v, b, m, ql, kl)
@@ -505,7 +504,7 @@ def _jax_core(
     def core_bwd(saved: Any, cts: Any) -> Any:
         q, k, v, b, m, ql, kl = saved
         d_out = cts[0]  # the residual's cotangent is dropped: it is stopped in _jax_forward
-        result = tuple(jx.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v))
+        result = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v))
         callback = functools.partial(_host_backward, **opts)
         dq, dk, dv = jax.pure_callback(
             callback, result, q, k, v, b, m, ql, kl, d_out, vmap_method="expand_dims"

@@ -84,12 +84,17 @@ def test_fast_path_shape_errors_unchanged(rng, which):
         sdpa(q, k, v)
 
 
-@pytest.mark.skipif("amx" not in ISAS, reason="precision levels take effect on the amx path only")
-@pytest.mark.parametrize("level", ["high", "medium"])
-def test_fast_path_follows_precision(rng, level):
+# The (path, level) pairs where a lower level changes the result: both on the tiles,
+# "medium" on VDPBF16PS ("high" computes as "highest" there).
+LEVEL_PATHS = [p for p in (("amx", "high"), ("amx", "medium"), ("avx512bf16", "medium")) if p[0] in ISAS]
+
+
+@pytest.mark.skipif(not LEVEL_PATHS, reason="precision levels take effect on the amx and avx512bf16 paths only")
+@pytest.mark.parametrize("isa,level", LEVEL_PATHS)
+def test_fast_path_follows_precision(rng, isa, level):
     """The fast path passes precision= and the process default on, as the general path does."""
     before_isa, before_prec = fastattn.get_isa(), fastattn.get_float32_matmul_precision()
-    fastattn.set_isa("amx")
+    fastattn.set_isa(isa)
     try:
         q, k, v = _qkv(rng, 1, 2, 64, 128, 64, 64)
         explicit = sdpa(q, k, v, precision=level)
