@@ -132,6 +132,36 @@ def cache_tokens(x: Any, name: str, n: int, Hk: int, Dx: int, allow_3d: bool) ->
     return a
 
 
+def attend_query(
+    q: Any, cdt: np.dtype[Any], shape: tuple[int, int, int], lens: Array, idx: Array | None, alibi: Any
+) -> Array:
+    """The query checks of :meth:`fastattn.KVCache.attend`, in its order: ``q`` of a
+    dtype the cache ``cdt`` takes, shaped ``(n, Hq, Lq, D)`` with ``shape`` = ``(n, Hk,
+    D)`` and Hq a multiple of Hk; each selected sequence (its length in ``lens``, its
+    row in ``idx``, None for all rows) holds at least Lq tokens; ``alibi`` of
+    ``(Hq,)`` or ``(n, Hq)``.  Returns q as an array."""
+    n, Hk, D = shape
+    qa = as_array(q, "q")
+    if not query_dtype_ok(qa.dtype, cdt):
+        raise TypeError(f"q must have dtype {query_dtypes(cdt)} for a {cdt} cache, got {qa.dtype}")
+    if qa.ndim != 4 or qa.shape[0] != n or qa.shape[3] != D:
+        raise ValueError(f"q must have shape ({n}, Hq, Lq, {D}), got {qa.shape}")
+    Hq, Lq = qa.shape[1], qa.shape[2]
+    check_heads(Hq, Hk, True, "q", "the cache's kv")
+    if lens.size and lens.min() < Lq:
+        r = int(np.argmin(lens))
+        b = r if idx is None else int(idx[r])
+        raise ValueError(
+            f"q holds {Lq} query tokens but sequence {b} has only {int(lens[r])} "
+            "cached tokens; append the new tokens' keys and values before attending"
+        )
+    if alibi is not None:
+        al = as_array(alibi, "alibi_slopes")
+        if al.ndim == 2 and al.shape[0] != n:
+            raise ValueError(f"alibi_slopes must have shape ({Hq},) or ({n}, {Hq}), got {al.shape}")
+    return qa
+
+
 def _max_finite(dt: np.dtype[Any]) -> float:
     if dt == F64 or dt == F32 or dt.kind == "f":
         return float(np.finfo(dt).max)

@@ -23,24 +23,25 @@ import numpy as np
 import numpy.typing as npt
 
 from . import positions
-from ._args import check_heads, layout_value, sdpa_call
+from ._args import layout_value, sdpa_call
 from ._cache_args import (
+    attend_query,
     batch_indices,
     cache_dtype_value,
     cache_operands,
     cache_tokens,
-    query_dtype_ok,
-    query_dtypes,
     rotation_fits,
     row_view,
     to_cache_dtype,
 )
 from ._checks import F32, F64, as_array, flag_value, int_value
+from ._config import precision_code
 
 __all__ = ["KVCache", "attention_with_kvcache"]
 
 _Window = tuple[int, int] | Sequence[int] | None
 _Index = int | slice | npt.ArrayLike | None
+_Precision = Literal["highest", "high", "medium"] | None
 # The rotary helper of fastattn.positions (Any: that module is typed by its owner).
 _CacheRotary: Any = positions.CacheRotary
 
@@ -333,6 +334,7 @@ class KVCache:
         return_lse: Literal[False] = False,
         num_threads: int | None = None,
         batch_index: _Index = None,
+        precision: _Precision = None,
     ) -> np.ndarray: ...
     @overload
     def attend(
@@ -346,6 +348,7 @@ class KVCache:
         return_lse: Literal[True],
         num_threads: int | None = None,
         batch_index: _Index = None,
+        precision: _Precision = None,
     ) -> tuple[np.ndarray, np.ndarray]: ...
     def attend(
         self,
@@ -358,6 +361,7 @@ class KVCache:
         return_lse: bool = False,
         num_threads: int | None = None,
         batch_index: _Index = None,
+        precision: _Precision = None,
     ) -> Any:
         """Causal attention of the ``Lq`` newest tokens over each sequence's cached prefix.
 
@@ -368,31 +372,16 @@ class KVCache:
         so every selected sequence needs ``lengths[b] >= Lq``.  Returns
         ``(.., Hq, Lq, Dv)`` in q's dtype (and the float32 LSE ``(.., Hq, Lq)``
         with ``return_lse``).  ``window``, ``alibi_slopes`` (``(Hq,)`` or
-        ``(B, Hq)``), ``softcap``, ``scale``, ``num_threads`` as in
-        :func:`fastattn.scaled_dot_product_attention`.
+        ``(B, Hq)``), ``softcap``, ``scale``, ``num_threads`` and ``precision``
+        (float32 matmul level; None: ``fastattn.get_float32_matmul_precision()``)
+        as in :func:`fastattn.scaled_dot_product_attention`.
         """
+        precision_code(precision)  # a bad level raises before the queries are rotated (C)
         idx = batch_indices(batch_index, self.batch)
         n = self.batch if idx is None else idx.size
-        qa = as_array(q, "q")
-        if not query_dtype_ok(qa.dtype, self.dtype):
-            raise TypeError(
-                f"q must have dtype {query_dtypes(self.dtype)} for a {self.dtype} cache, got {qa.dtype}"
-            )
-        if qa.ndim != 4 or qa.shape[0] != n or qa.shape[3] != self.head_dim:
-            raise ValueError(f"q must have shape ({n}, Hq, Lq, {self.head_dim}), got {qa.shape}")
-        Hq, Lq = qa.shape[1], qa.shape[2]
-        check_heads(Hq, self.num_kv_heads, True, "q", "the cache's kv")
         lens = self._len if idx is None else self._len[idx]
-        if lens.size and lens.min() < Lq:
-            b = int(np.argmin(lens)) if idx is None else int(idx[np.argmin(lens)])
-            raise ValueError(
-                f"q holds {Lq} query tokens but sequence {b} has only {int(self._len[b])} "
-                "cached tokens; append the new tokens' keys and values before attending"
-            )
-        if alibi_slopes is not None:
-            al = as_array(alibi_slopes, "alibi_slopes")
-            if al.ndim == 2 and al.shape[0] != n:
-                raise ValueError(f"alibi_slopes must have shape ({Hq},) or ({n}, {Hq}), got {al.shape}")
+        qa = attend_query(q, self.dtype, (n, self.num_kv_heads, self.head_dim), lens, idx, alibi_slopes)
+        Lq = qa.shape[2]
         if self._rot is not None:  # the queries are the last Lq cached positions
             qa = self._rot.rotate_q(qa, self._rot.positions(lens - Lq, Lq))
         opts: dict[str, Any] = dict(
@@ -403,6 +392,7 @@ class KVCache:
             scale=scale,
             return_lse=return_lse,
             num_threads=num_threads,
+            precision=precision,
         )
         kv, vv = row_view(self._k, idx), row_view(self._v, idx)
         if kv is not None and vv is not None:
@@ -454,6 +444,7 @@ def attention_with_kvcache(
     rotary_cos: npt.ArrayLike | None = None,
     rotary_sin: npt.ArrayLike | None = None,
     rotary_interleaved: bool = False,
+    precision: _Precision = None,
 ) -> np.ndarray: ...
 @overload
 def attention_with_kvcache(
@@ -475,6 +466,7 @@ def attention_with_kvcache(
     rotary_cos: npt.ArrayLike | None = None,
     rotary_sin: npt.ArrayLike | None = None,
     rotary_interleaved: bool = False,
+    precision: _Precision = None,
 ) -> tuple[np.ndarray, np.ndarray]: ...
 def attention_with_kvcache(
     q: npt.ArrayLike,
@@ -495,6 +487,7 @@ def attention_with_kvcache(
     rotary_cos: npt.ArrayLike | None = None,
     rotary_sin: npt.ArrayLike | None = None,
     rotary_interleaved: bool = False,
+    precision: _Precision = None,
 ) -> Any:
     """Attention over caller-owned caches, optionally appending new keys/values first
     (the semantics of flash-attn's ``flash_attn_with_kvcache``).
@@ -516,7 +509,8 @@ def attention_with_kvcache(
     requires ``Lq <= n_b``.  The caches may be float16, bfloat16, float32 or
     float64 (k_cache and v_cache alike); q float32 or the cache dtype.
     Returns the output in q's dtype and layout (and the LSE ``(B, Hq, Lq)``
-    with ``return_lse``).
+    with ``return_lse``).  ``precision``: the float32 matmul level, as for
+    :func:`fastattn.scaled_dot_product_attention` (None: the process default).
 
     Rotary embeddings (flash-attn's): ``rotary_cos``/``rotary_sin``
     ``(positions, rotary_dim / 2)`` (:func:`fastattn.rotary_cos_sin`), with
@@ -559,6 +553,7 @@ def attention_with_kvcache(
         scale=scale,
         return_lse=return_lse,
         num_threads=num_threads,
+        precision=precision,
     )
     rot: Any = None
     if rotary_cos is not None or rotary_sin is not None:

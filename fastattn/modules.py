@@ -25,13 +25,14 @@ passed here as ``~mask``.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from ._args import sdpa_call
 from ._checks import as_array, int_value
+from ._config import precision_code
 
 __all__ = ["MultiHeadAttention"]
 
@@ -373,6 +374,7 @@ class MultiHeadAttention:
         is_causal: bool = False,
         *,
         num_threads: int | None = None,
+        precision: Literal["highest", "high", "medium"] | None = None,
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """Attend ``query`` to ``key``/``value``: ``torch.nn.MultiheadAttention.forward``.
 
@@ -404,12 +406,19 @@ class MultiHeadAttention:
             both are given both apply (the same result when the hint is right).
         num_threads: threads of the attention kernel (keyword only; the
             projections use NumPy's BLAS).
+        precision: the attention kernel's float32 matmul precision (keyword
+            only): "highest", "high" or "medium" as for
+            :func:`fastattn.scaled_dot_product_attention`; None (the default) uses
+            ``fastattn.get_float32_matmul_precision()``.  The projections
+            (NumPy's BLAS) and the ``need_weights`` weights are float32 or
+            float64 arithmetic whatever the level.
 
         Rows whose keys are all masked give zeros (torch gives NaN) and zero weights.
         Returns ``(attn_output, attn_weights)``, always a pair like torch:
         ``attn_output`` in the query's layout with E features, in ``self.dtype``;
         ``attn_weights`` None when ``need_weights`` is False.
         """
+        precision_code(precision)  # a bad level raises before any projection or kernel runs
         need_weights = _flag(need_weights, "need_weights")
         average_attn_weights = _flag(average_attn_weights, "average_attn_weights")
         is_causal = _flag(is_causal, "is_causal")
@@ -486,6 +495,7 @@ class MultiHeadAttention:
             return_lse=need_weights,
             out=o.swapaxes(0, 1) if seq_first else o,
             num_threads=num_threads,
+            precision=precision,
         ).run()
         lse = res[1] if need_weights else None
         E = self.embed_dim

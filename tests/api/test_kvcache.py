@@ -125,6 +125,83 @@ def test_attend_options_match_reference(rng):
     assert_close(lse, else_, np.float32, what="lse")
 
 
+# --- precision -------------------------------------------------------------------
+
+# The ISA paths on which the float32 level changes results (>= 32 query rows per key/value head).
+LEVELS_APPLY = fastattn.get_isa() in ("amx", "avx512bf16")
+
+
+def _precision_cache(rng, B=3, Hk=2, D=32, lengths=(96, 70, 81)):
+    cache = KVCache(B, Hk, 128, D)
+    for b, n in enumerate(lengths):
+        cache.append(randn(rng, (Hk, n, D)), randn(rng, (Hk, n, D)), batch_index=b)
+    return cache
+
+
+def test_attend_precision_passes_through(rng):
+    """attend(precision=...) is the direct call at that precision on the same cache, bit
+    for bit: contiguous rows (one call) and scattered rows (one call per sequence)."""
+    cache = _precision_cache(rng)
+    q = randn(rng, (3, 4, 64, 32))  # 64 queries x 2 heads per key/value head
+    kw = dict(is_causal=True, enable_gqa=True)
+    for prec in ("medium", "high", "highest"):
+        want = fastattn.scaled_dot_product_attention(
+            q, cache.k, cache.v, key_lengths=cache.lengths, precision=prec, **kw
+        )
+        np.testing.assert_array_equal(cache.attend(q, precision=prec), want)
+        o, lse = cache.attend(q[[2, 0]], batch_index=[2, 0], return_lse=True, precision=prec)
+        for r, b in enumerate([2, 0]):
+            one = slice(b, b + 1)
+            wo, wl = fastattn.scaled_dot_product_attention(
+                q[one],
+                cache.k[one],
+                cache.v[one],
+                key_lengths=cache.lengths[one],
+                return_lse=True,
+                precision=prec,
+                **kw,
+            )
+            np.testing.assert_array_equal(o[r : r + 1], wo)
+            np.testing.assert_array_equal(lse[r : r + 1], wl)
+    default = fastattn.get_float32_matmul_precision()
+    fastattn.set_float32_matmul_precision("medium")
+    try:
+        by_default = cache.attend(q)
+    finally:
+        fastattn.set_float32_matmul_precision(default)
+    np.testing.assert_array_equal(by_default, cache.attend(q, precision="medium"))
+
+
+def test_attention_with_kvcache_precision_passes_through(rng):
+    B, Hq, Hk, D, S = 2, 4, 2, 32, 128
+    kc, vc = randn(rng, (B, Hk, S, D)), randn(rng, (B, Hk, S, D))
+    seqlens = np.array([70, 100])
+    kn, vn = randn(rng, (B, Hk, 8, D)), randn(rng, (B, Hk, 8, D))
+    q = randn(rng, (B, Hq, 64, D))
+    o = awk(q, kc, vc, seqlens, kn, vn, precision="medium")
+    want = fastattn.scaled_dot_product_attention(
+        q, kc, vc, is_causal=True, enable_gqa=True, key_lengths=seqlens + 8, precision="medium"
+    )
+    np.testing.assert_array_equal(o, want)
+
+
+@pytest.mark.skipif(
+    not LEVELS_APPLY, reason=f"the {fastattn.get_isa()!r} path computes every float32 level as 'highest'"
+)
+def test_cache_precision_medium_differs_from_highest(rng):
+    """Where the level changes results (amx, avx512bf16), "medium" is not "highest": the
+    value reached the kernel (the tests above show that it is the value given)."""
+    cache = _precision_cache(rng)
+    q = randn(rng, (3, 4, 64, 32))
+    med, hi = cache.attend(q, precision="medium"), cache.attend(q, precision="highest")
+    assert_close(med, hi, np.float32, tol=3e-2)
+    assert np.abs(med - hi).max() > 1e-5
+    kc, vc, seq = np.array(cache.k), np.array(cache.v), cache.lengths
+    med2, hi2 = (awk(q, kc, vc, seq, precision=p) for p in ("medium", "highest"))
+    np.testing.assert_array_equal(med2, med)
+    np.testing.assert_array_equal(hi2, hi)
+
+
 # --- ragged batches ------------------------------------------------------------
 
 
@@ -257,6 +334,8 @@ def test_bad_input_names_the_argument_and_changes_nothing(rng):
         (ValueError, "batch_index", dict(q=q[:1], batch_index=5)),
         (ValueError, "window", dict(q=q, window=(-2, 0))),
         (ValueError, "alibi_slopes", dict(q=q, alibi_slopes=np.ones(3))),
+        (ValueError, "precision", dict(q=q, precision="low")),
+        (TypeError, "precision", dict(q=q, precision=2)),
     ]
     for exc, name, kw in bad_attends:
         with pytest.raises(exc, match=name):
@@ -379,6 +458,7 @@ def test_attention_with_kvcache_bad_input_changes_nothing(rng):
         (ValueError, "alibi_slopes", dict(cache_seqlens=3, k_new=kn, v_new=kn, alibi_slopes=np.ones(5))),
         (ValueError, "num_threads", dict(cache_seqlens=3, k_new=kn, v_new=kn, num_threads=0)),
         (ValueError, "layout", dict(cache_seqlens=3, k_new=kn, v_new=kn, layout="sbhd")),
+        (ValueError, "precision", dict(cache_seqlens=3, k_new=kn, v_new=kn, precision="fast")),
     ]
     for exc, name, kw in cases:
         args = dict(q=q, k_cache=kc, v_cache=vc)

@@ -215,6 +215,73 @@ def test_no_lxs_allocation_without_weights(rng):
     assert peak < L * S // 2, f"peak {peak} bytes: an L x S buffer was allocated"
 
 
+# --- precision ---------------------------------------------------------------------
+
+# The ISA paths on which the float32 level changes results (>= 32 query rows per key/value head).
+LEVELS_APPLY = fastattn.get_isa() in ("amx", "avx512bf16")
+
+
+def test_precision_passes_through(rng):
+    """precision= reaches the kernel: MHA(precision="medium") is the hand-made projections,
+    the direct call at "medium" and the output projection, bit for bit; it equals the
+    process default "medium"; and where the level changes results it differs from "highest"."""
+    B, L, S, E, H, Hk = 2, 64, 80, 64, 4, 2  # 64 queries x 2 heads per key/value head
+    m = with_biases(MHA(E, H, num_kv_heads=Hk, batch_first=True, seed=9), rng)
+    x, kx = randn(rng, (B, L, E)), randn(rng, (B, S, E))
+
+    def lin(a, w, b):  # as the module projects: one GEMM over all tokens, bias added
+        y = np.matmul(a.reshape(-1, a.shape[-1]), w.T)
+        y += b
+        return y.reshape(a.shape[:-1] + (-1,))
+
+    q = lin(x, m.q_proj_weight, m.q_proj_bias).reshape(B, L, H, -1)
+    k = lin(kx, m.k_proj_weight, m.k_proj_bias).reshape(B, S, Hk, -1)
+    v = lin(kx, m.v_proj_weight, m.v_proj_bias).reshape(B, S, Hk, -1)
+    got = {}
+    for prec in ("medium", "highest"):
+        o = fastattn.scaled_dot_product_attention(q, k, v, enable_gqa=True, layout="bshd", precision=prec)
+        want = lin(o.reshape(B, L, E), m.out_proj_weight, m.out_proj_bias)
+        got[prec], w = m(x, kx, need_weights=False, precision=prec)
+        assert w is None
+        np.testing.assert_array_equal(got[prec], want)
+    default = fastattn.get_float32_matmul_precision()
+    fastattn.set_float32_matmul_precision("medium")
+    try:
+        by_default, _ = m(x, kx, need_weights=False)
+    finally:
+        fastattn.set_float32_matmul_precision(default)
+    np.testing.assert_array_equal(by_default, got["medium"])
+    np.testing.assert_array_equal(m(x, kx, need_weights=False)[0], got["highest"])  # default restored
+    assert_close(got["medium"], transcription(m, x, kx), np.float32, tol=3e-2)
+
+
+@pytest.mark.skipif(
+    not LEVELS_APPLY, reason=f"the {fastattn.get_isa()!r} path computes every float32 level as 'highest'"
+)
+def test_precision_medium_differs_from_highest(rng):
+    """Where the level changes results (amx, avx512bf16), "medium" is not "highest":
+    the value reached the kernel (the test above shows that it is the value given)."""
+    m = MHA(64, 4, num_kv_heads=2, seed=10)  # (L, B, E): sequence-major strided views
+    x = randn(rng, (64, 2, 64))
+    med, _ = m(x, need_weights=False, precision="medium")
+    hi, _ = m(x, need_weights=False, precision="highest")
+    assert_close(med, hi, np.float32, tol=3e-2)
+    assert np.abs(med - hi).max() > 1e-5
+
+
+def test_bad_precision_raises_before_any_work(rng, monkeypatch):
+    m = MHA(8, 2, batch_first=True, seed=0)
+    x = randn(rng, (2, 5, 8))
+    # checked first: the projections and the kernel never run
+    monkeypatch.setattr(m, "_project", lambda *a: pytest.fail("projected before checking precision"))
+    with pytest.raises(ValueError, match="precision"):
+        m(x, precision="low")
+    with pytest.raises(ValueError, match="precision"):
+        m(x, precision="HIGHEST")
+    with pytest.raises(TypeError, match="precision"):
+        m(x, precision=2)
+
+
 # --- weights ---------------------------------------------------------------------
 
 
