@@ -33,6 +33,10 @@ slow NumPy's BLAS (and so the GEMM reference rate and the NumPy baseline); run
 ``env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python -m fastattn.bench`` to
 measure the true limit.
 
+``--precision high|medium`` runs fastattn's float32 calls at that matmul precision
+(torch's levels, ``precision=``) and times fastattn at ``"highest"`` beside it as
+``fastattn-highest``, so that the report shows the ratio; the header line names the level.
+
 Where JAX is installed, ``jax.nn.dot_product_attention`` is timed too (float32; XLA
 runs on its own thread pool, whatever ``--threads`` says).
 

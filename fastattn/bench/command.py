@@ -13,13 +13,13 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import fastattn
 from fastattn.bench import backward
 from fastattn.bench.cases import BACKWARD_CASES, CASES, QUICK_CASES, select_cases, sweep_cases
 from fastattn.bench.ort import OrtAttention, OrtMHA
-from fastattn.bench.peers import FastAttn, Impl, Jax, NumpyRef, Torch
+from fastattn.bench.peers import PRECISIONS, FastAttn, FastAttnHighest, Impl, Jax, NumpyRef, Torch
 from fastattn.bench.report import causal_summary, markdown_table, print_case
 from fastattn.bench.runner import Record, run_case
 from fastattn.bench.yardsticks import (
@@ -53,6 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="threads for every library (default: all cores)")
     p.add_argument("--cases", nargs="+", default=None, help="case names or substrings")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="highest",
+        help="fastattn's float32 matmul precision (torch's levels; default highest); below highest, "
+        "fastattn at highest is timed too, as fastattn-highest",
+    )
     p.add_argument("--json", metavar="PATH", default=None, help="write records and machine info as JSON")
     p.add_argument(
         "--repeat",
@@ -98,6 +105,8 @@ def finish_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argpars
         p.error("--repeat must be >= 1")
     if args.pause is not None and args.pause < 0:
         p.error("--pause must be >= 0")
+    if args.precision != "highest" and (args.backward or args.dtype != "float32"):
+        p.error("--precision applies to float32 forward runs (--dtype float32, without --backward)")
     if args.backward:
         return backward.finish_args(p, args)
     if args.repeat is None:
@@ -148,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     if args.quick and not args.cases and not args.sweep:
         cases = [c for c in cases if c.name in QUICK_CASES]
     cases = select_cases(args.cases, cases)
-    impls = [FastAttn, Torch, NumpyRef] if args.sweep else default_impls()
+    impls: list[type[Impl]] = [FastAttn, Torch, NumpyRef] if args.sweep else default_impls()
     if args.impls:
         names = {cls.name: cls for cls in IMPLS}
         bad = [n for n in args.impls if n not in names]
@@ -157,9 +166,16 @@ def run(args: argparse.Namespace) -> int:
         impls = [c for c in (impls if args.sweep else IMPLS) if c.name in args.impls]
         if FastAttn not in impls:
             impls.insert(0, FastAttn)
+    # fastattn at --precision; below "highest", fastattn at "highest" beside it (the ratio of the two).
+    makers: list[Callable[[], Impl]] = [
+        (lambda: FastAttn(args.precision)) if c is FastAttn else c for c in impls
+    ]
+    if args.precision != "highest":
+        makers.insert(1, FastAttnHighest)
     print(
         f"fastattn {fastattn.__version__} on {cpu_model()} ({fastattn.get_isa()} kernels), "
-        f"{args.threads} thread(s), dtype {args.dtype}",
+        f"{args.threads} thread(s), dtype {args.dtype}"
+        + (f", precision {args.precision}" if args.dtype == "float32" else ""),
         file=out,
     )
     for var in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
@@ -194,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     records: list[Record] = []
     t_start = time.perf_counter()
     for case in cases:
-        recs = run_case(case, impls, args, out)
+        recs = run_case(case, makers, args, out)
         for r in recs:
             r["sweep"] = bool(args.sweep)
         print_case(case, recs, machine, out)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import numpy as np
 
@@ -22,6 +22,9 @@ from fastattn.bench.inputs import Inputs, first
 from fastattn.bench.yardsticks import blas_limit
 
 Runner = Callable[[], Array]
+# torch's float32 matmul precision levels (fastattn's precision=, fastattn bench --precision).
+Precision = Literal["highest", "high", "medium"]
+PRECISIONS: tuple[Precision, ...] = ("highest", "high", "medium")
 
 
 class Skip(Exception):
@@ -47,10 +50,14 @@ class Impl:
     """``prepare(inputs, threads)`` returns a zero-argument callable returning the output
     as a NumPy array shaped like q (or (Hq, T, D) for varlen).  Everything that is not
     the attention itself (conversions, masks, sessions) happens in ``prepare``, outside
-    the timing.  ``note`` (set by ``prepare``) says how the case was adapted."""
+    the timing.  ``note`` (set by ``prepare``) says how the case was adapted;
+    ``precision`` is the float32 matmul level fastattn's calls use (None for the peers)
+    and ``tolerance`` the least error bound its check against the oracle takes."""
 
     name = ""
     note = ""
+    precision: Precision | None = None
+    tolerance = 0.0
 
     def available(self) -> str | None:
         """None when usable, else the reason it is not."""
@@ -66,10 +73,19 @@ def concat_varlen(outs: list[Array]) -> Array:
 
 
 class FastAttn(Impl):
+    """fastattn's own calls, at the float32 matmul level ``precision`` (``--precision``;
+    the kernel applies it to float32 inputs only)."""
+
     name = "fastattn"
+
+    def __init__(self, precision: Precision = "highest") -> None:
+        self.precision = precision
+        # "medium" rounds Q, K, V and P to bfloat16: checked as a 16-bit input would be
+        self.tolerance = 3e-2 if precision == "medium" else 0.0
 
     def prepare(self, inp: Inputs, threads: int) -> Runner:
         case = inp.case
+        prec = self.precision
         if case.kind == "varlen":
             seqs = inp.seqs()
             q, k, v = (
@@ -88,6 +104,7 @@ class FastAttn(Impl):
                     enable_gqa=case.gqa,
                     window=case.window,
                     num_threads=threads,
+                    precision=prec,
                 )
                 out: Array = o.transpose(1, 0, 2)
                 return out
@@ -97,11 +114,28 @@ class FastAttn(Impl):
 
         def run_dense() -> Array:
             out: Array = fastattn.scaled_dot_product_attention(
-                q, k, v, is_causal=case.causal, enable_gqa=case.gqa, window=case.window, num_threads=threads
+                q,
+                k,
+                v,
+                is_causal=case.causal,
+                enable_gqa=case.gqa,
+                window=case.window,
+                num_threads=threads,
+                precision=prec,
             )
             return out
 
         return run_dense
+
+
+class FastAttnHighest(FastAttn):
+    """fastattn at precision "highest", timed beside fastattn in a run at a lower
+    ``--precision``, so that one run shows what the level buys."""
+
+    name = "fastattn-highest"
+
+    def __init__(self) -> None:
+        super().__init__("highest")
 
 
 class Torch(Impl):

@@ -32,9 +32,10 @@ def print_case(case: Case, records: list[Record], machine: dict[str, Any], out: 
         + ")",
         file=out,
     )
+    w = max([11] + [len(r["impl"]) for r in records])  # the name column (fastattn-highest is wider)
     for r in records:
         if r["seconds"] is None:
-            print(f"  {r['impl']:11s} {r['status']}: {r['note']}", file=out)
+            print(f"  {r['impl']:{w}s} {r['status']}: {r['note']}", file=out)
             continue
         if case.kind == "decode":
             rate = f"{r['gbps']:7.1f} GB/s"
@@ -58,25 +59,26 @@ def print_case(case: Case, records: list[Record], machine: dict[str, Any], out: 
                 else f"  fastattn {1 / r['ratio']:.2f}x slower"
             )
         note = f"  [{r['note']}]" if r["note"] else ""
-        print(f"  {r['impl']:11s} {fmt_time(r['seconds'])}  {rate}  {pct}{ratio}{note}", file=out)
+        print(f"  {r['impl']:{w}s} {fmt_time(r['seconds'])}  {rate}  {pct}{ratio}{note}", file=out)
     read = next((r for r in records if r.get("read_gbps")), None)
     if read:
         what = "(the same K and V read by the same threads: NumPy GEMVs)"
-        print(f"  {'kv-read':11s} {'':11s}  {read['read_gbps']:7.1f} GB/s  {what}", file=out)
+        print(f"  {'kv-read':{w}s} {'':11s}  {read['read_gbps']:7.1f} GB/s  {what}", file=out)
         what = "(one large array read by the same threads in the same rounds: the machine's bandwidth)"
-        print(f"  {'bw':11s} {'':11s}  {read['mem_gbps']:7.1f} GB/s  {what}", file=out)
+        print(f"  {'bw':{w}s} {'':11s}  {read['mem_gbps']:7.1f} GB/s  {what}", file=out)
 
 
 def causal_summary(records: list[Record], out: TextIO) -> None:
     """time(causal)/time(non-causal) per implementation: about 0.5 means masked work is skipped."""
     by = {(r["case"], r["impl"]): r["seconds"] for r in records}
     lines = []
+    w = max([11] + [len(r["impl"]) for r in records])
     for full, causal in CAUSAL_PAIRS:
         for impl in dict.fromkeys(r["impl"] for r in records):
             a, b = by.get((full, impl)), by.get((causal, impl))
             if a and b:
                 lines.append(
-                    f"  {impl:11s} {causal}: {b / a:.2f} of the non-causal time"
+                    f"  {impl:{w}s} {causal}: {b / a:.2f} of the non-causal time"
                     + ("  (masked work not skipped)" if b / a > 0.85 else "")
                 )
     if lines:

@@ -5,6 +5,8 @@ import json
 import numpy as np
 import pytest
 
+import fastattn
+
 bench = pytest.importorskip("fastattn.bench")
 
 
@@ -33,6 +35,58 @@ def test_bench_quick_case_writes_json(tmp_path, capsys):
     assert "fastattn" in impls
     assert all(r["case"] == "B1 H8 L16 D64" for r in data["records"])
     assert "B1 H8 L16 D64" in capsys.readouterr().out
+
+
+def test_bench_precision_times_fastattn_at_highest_too(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = bench.main(
+        ["--precision", "medium", "--quick", "--cases", "B1 H8 L16 D64", "--no-machine"]
+        + ["--impls", "fastattn", "--repeat", "1", "--threads", "1", "--json", str(out)]
+    )
+    assert rc == 0
+    text = capsys.readouterr().out
+    header = text.splitlines()[0]
+    assert "dtype float32, precision medium" in header, header
+    line = next(x for x in text.splitlines() if x.strip().startswith("fastattn-highest"))
+    assert "x faster" in line or "x slower" in line  # its time against fastattn at "medium"
+    recs = {r["impl"]: r for r in json.loads(out.read_text())["records"]}
+    assert set(recs) == {"fastattn", "fastattn-highest"}
+    assert recs["fastattn"]["precision"] == "medium" and recs["fastattn-highest"]["precision"] == "highest"
+    assert all(r["status"] == "ok" and r["ratio"] is not None for r in recs.values())
+
+
+def test_bench_precision_default_and_bad_combinations(capsys):
+    assert bench.parse_args(["--quick"]).precision == "highest"
+    bad = (
+        ["--precision", "medium", "--dtype", "bfloat16"],  # the level is for float32 runs
+        ["--precision", "high", "--backward"],  # the backward computes float32 at "highest"
+        ["--precision", "low"],
+    )
+    for argv in bad:
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(argv)
+        assert e.value.code == 2 and "precision" in capsys.readouterr().err
+
+
+def test_bench_precision_reaches_fastattn_calls():
+    """A case that takes the bf16 path (64 rows per key/value head): fastattn at "medium"
+    passes its check (a bfloat16 bound) and its error is not the error at "highest"
+    where the level changes results."""
+    import io
+
+    from fastattn.bench import peers, runner
+
+    args = bench.parse_args(["--quick", "--repeat", "1", "--threads", "1", "--pause", "0"])
+    case = bench.Case("B1 H2 L64 D32", B=1, Hq=2, Hk=2, L=64, S=64, D=32)
+    recs = runner.run_case(
+        case, [lambda: peers.FastAttn("medium"), peers.FastAttnHighest], args, io.StringIO()
+    )
+    med, hi = recs
+    assert med["status"] == "ok" and hi["status"] == "ok", recs
+    assert (med["precision"], hi["precision"]) == ("medium", "highest")
+    assert hi["max_err"] <= 1e-3
+    if fastattn.get_isa() in ("amx", "avx512bf16"):
+        assert med["max_err"] > 10 * hi["max_err"], (med["max_err"], hi["max_err"])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
