@@ -89,7 +89,9 @@ def test_fast_path_shape_errors_unchanged(rng, which):
 LEVEL_PATHS = [p for p in (("amx", "high"), ("amx", "medium"), ("avx512bf16", "medium")) if p[0] in ISAS]
 
 
-@pytest.mark.skipif(not LEVEL_PATHS, reason="precision levels take effect on the amx and avx512bf16 paths only")
+@pytest.mark.skipif(
+    not LEVEL_PATHS, reason="precision levels take effect on the amx and avx512bf16 paths only"
+)
 @pytest.mark.parametrize("isa,level", LEVEL_PATHS)
 def test_fast_path_follows_precision(rng, isa, level):
     """The fast path passes precision= and the process default on, as the general path does."""
