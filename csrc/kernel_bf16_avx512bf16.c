@@ -4,8 +4,8 @@
  * FA_EMULATE_AVX512, see vdpbf16.h).
  *
  * The AMX kernel's source (kernel_bf16_amx.c: packing, row groups, masks, softmax,
- * bf16x3 at precision "high") with its tile operations done on vectors
- * (vdpbf16.h): one kernel body to test, the same task contract, the same
+ * bf16x3 at precision "high") with its two products as register-blocked
+ * VDPBF16PS (vdpbf16.h): one kernel body to test, the same task contract, the same
  * accuracy contract (products of bf16 exact, fp32 accumulation, P rounded to
  * bf16).  Used, where the ISA is avx512bf16, for the calls the AMX kernel
  * takes where the ISA is amx (dispatch.c): bfloat16 query, key and value, and

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from . import _build_config, _kernels
 from ._checks import MAX_THREADS
@@ -75,8 +75,10 @@ def set_num_threads(n: int | None) -> None:
     _thread_override = n
 
 
-# torch's float32 matmul precision levels (codes shared with csrc/fastattn.h).
-PRECISIONS = {"highest": 0, "high": 1, "medium": 2}
+# torch's float32 matmul precision levels (codes shared with csrc/fastattn.h); the
+# type of every front end's precision= argument (None there: the process default).
+Precision = Literal["highest", "high", "medium"]
+PRECISIONS: dict[str, int] = {"highest": 0, "high": 1, "medium": 2}
 _f32_precision = "highest"
 
 

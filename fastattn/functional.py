@@ -22,7 +22,7 @@ import numpy.typing as npt
 from . import _kernels
 from ._args import dropout_value, sdpa_call, varlen_call
 from ._checks import F32, threads_value
-from ._config import get_num_threads, precision_code
+from ._config import Precision, get_num_threads, precision_code
 from ._plan import Plan
 
 __all__ = ["scaled_dot_product_attention", "varlen_attention"]
@@ -31,7 +31,7 @@ _SCALE_MAX_F32 = float(np.finfo(np.float32).max) / math.log2(math.e)  # as _chec
 
 _Window = tuple[int, int] | Sequence[int] | None
 _Layout = Literal["bhsd", "bshd"]
-_Precision = Literal["highest", "high", "medium"] | None
+_Precision = Precision | None
 
 
 @overload

@@ -35,13 +35,13 @@ from ._cache_args import (
     to_cache_dtype,
 )
 from ._checks import F32, F64, as_array, flag_value, int_value
-from ._config import precision_code
+from ._config import Precision, precision_code
 
 __all__ = ["KVCache", "attention_with_kvcache"]
 
 _Window = tuple[int, int] | Sequence[int] | None
 _Index = int | slice | npt.ArrayLike | None
-_Precision = Literal["highest", "high", "medium"] | None
+_Precision = Precision | None
 # The rotary helper of fastattn.positions (Any: that module is typed by its owner).
 _CacheRotary: Any = positions.CacheRotary
 

@@ -25,14 +25,14 @@ passed here as ``~mask``.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from ._args import sdpa_call
 from ._checks import as_array, int_value
-from ._config import precision_code
+from ._config import Precision, precision_code
 
 __all__ = ["MultiHeadAttention"]
 
@@ -374,7 +374,7 @@ class MultiHeadAttention:
         is_causal: bool = False,
         *,
         num_threads: int | None = None,
-        precision: Literal["highest", "high", "medium"] | None = None,
+        precision: Precision | None = None,
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """Attend ``query`` to ``key``/``value``: ``torch.nn.MultiheadAttention.forward``.
 

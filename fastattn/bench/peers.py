@@ -11,20 +11,20 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any, Callable, Literal
+from typing import Any, Callable, get_args
 
 import numpy as np
 
 import fastattn
+from fastattn._config import Precision
 from fastattn.bench.cases import MASK_LIMIT, SCORES_LIMIT, Array, additive_mask, bool_mask, numpy_attention
 from fastattn.bench.cases import scores_bytes as _scores_bytes
-from fastattn.bench.inputs import Inputs, first
+from fastattn.bench.inputs import TOL_16BIT, Inputs, first
 from fastattn.bench.yardsticks import blas_limit
 
 Runner = Callable[[], Array]
 # torch's float32 matmul precision levels (fastattn's precision=, fastattn bench --precision).
-Precision = Literal["highest", "high", "medium"]
-PRECISIONS: tuple[Precision, ...] = ("highest", "high", "medium")
+PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 
 
 class Skip(Exception):
@@ -81,7 +81,7 @@ class FastAttn(Impl):
     def __init__(self, precision: Precision = "highest") -> None:
         self.precision = precision
         # "medium" rounds Q, K, V and P to bfloat16: checked as a 16-bit input would be
-        self.tolerance = 3e-2 if precision == "medium" else 0.0
+        self.tolerance = TOL_16BIT if precision == "medium" else 0.0
 
     def prepare(self, inp: Inputs, threads: int) -> Runner:
         case = inp.case
