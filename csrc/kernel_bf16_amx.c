@@ -61,7 +61,11 @@
  * counts of the phases, one thread. */
 #if defined(FA_AMX_PROF)
 #include <x86intrin.h>
+#if defined(FA_TILES_VDPBF16) /* one definition, in the AMX unit */
+extern double fa_amx_prof[8];
+#else
 double fa_amx_prof[8];
+#endif
 #define AMX_PT(v) const unsigned long long v = __rdtsc()
 #define AMX_PADD(i, a, b) (fa_amx_prof[i] += (double)((b) - (a)))
 #else
@@ -441,6 +445,26 @@ typedef struct amx_jobs {
     int64_t every, tick;              /* a step every `every` pump calls          */
 } amx_jobs;
 
+/* Round of the pipeline: the Q.K^T of active group aq (-1: none) into S buffer
+ * aq & 1, and the P.V of active group ap (-1: none) from P buffer ap & 1
+ * (w->act lists the active groups of the key tile; j->njp, Dq, Dvq are set). */
+static inline void amx_jobs_round(amx_jobs *j, const amx_ws *w, int x3, int64_t aq, int64_t ap)
+{
+    j->iqk = j->ipv = j->tick = 0;
+    j->nqk = aq >= 0 ? j->njp / 32 : 0;
+    j->npv = ap >= 0 ? j->Dvq / 32 : 0;
+    if (aq >= 0) {
+        j->Q = w->Q + w->act[aq] * AMX_RG * j->Dq;
+        j->Ql = x3 ? w->Ql + w->act[aq] * AMX_RG * j->Dq : NULL;
+        j->S = w->S + (aq & 1) * AMX_RG * AMX_BN;
+    }
+    if (ap >= 0) {
+        j->P = w->P + (ap & 1) * AMX_RG * AMX_BN;
+        j->Pl = x3 ? w->Pl + (ap & 1) * AMX_RG * AMX_BN : NULL;
+        j->O = w->O + w->act[ap] * AMX_RG * j->Dvq;
+    }
+}
+
 /* Issue the next pending step; 0 when none is left. */
 static inline int amx_step(amx_jobs *j)
 {
@@ -777,31 +801,13 @@ static void amx_run(const fa_params *p, const fa_task *t, void *scratch)
         memset(&jb, 0, sizeof(jb));
         jb.Dq = Dq; jb.Dvq = Dvq; jb.njp = njp;
         jb.K = w.K; jb.Kl = x3 ? w.Kl : NULL; jb.V = w.V; jb.Vl = x3 ? w.Vl : NULL;
-        /* Round a: the QK of active group aq (-1: none) into S buffer aq & 1, the PV of
-         * active group ap (-1: none) from P buffer ap & 1. */
-#define AMX_JOBS(aq, ap) do { \
-            const int64_t aq_ = (aq), ap_ = (ap); \
-            jb.iqk = jb.ipv = jb.tick = 0; \
-            jb.nqk = aq_ >= 0 ? njp / 32 : 0; \
-            jb.npv = ap_ >= 0 ? Dvq / 32 : 0; \
-            if (aq_ >= 0) { \
-                jb.Q = w.Q + w.act[aq_] * AMX_RG * Dq; \
-                jb.Ql = x3 ? w.Ql + w.act[aq_] * AMX_RG * Dq : NULL; \
-                jb.S = w.S + (aq_ & 1) * AMX_RG * AMX_BN; \
-            } \
-            if (ap_ >= 0) { \
-                jb.P = w.P + (ap_ & 1) * AMX_RG * AMX_BN; \
-                jb.Pl = x3 ? w.Pl + (ap_ & 1) * AMX_RG * AMX_BN : NULL; \
-                jb.O = w.O + w.act[ap_] * AMX_RG * Dvq; \
-            } \
-        } while (0)
         AMX_PT(tq0);
-        AMX_JOBS(0, -1);
+        amx_jobs_round(&jb, &w, x3, 0, -1);
         while (amx_step(&jb)) {}
         AMX_PT(tq1);
         AMX_PADD(1, tq0, tq1);
         for (int64_t a = 0; a < na; a++) {
-            AMX_JOBS(a + 1 < na ? a + 1 : -1, a - 1);
+            amx_jobs_round(&jb, &w, x3, a + 1 < na ? a + 1 : -1, a - 1);
             uint16_t *Pl = x3 ? w.Pl + (a & 1) * AMX_RG * AMX_BN : NULL;
             AMX_PT(ta1);
             amx_softmax(p, t, &w, w.act[a], jt, nj, njp, w.S + (a & 1) * AMX_RG * AMX_BN,
@@ -812,9 +818,8 @@ static void amx_run(const fa_params *p, const fa_task *t, void *scratch)
             AMX_PADD(2, ta1, ta2);
             AMX_PADD(3, ta2, ta3);
         }
-        AMX_JOBS(-1, na - 1);
+        amx_jobs_round(&jb, &w, x3, -1, na - 1);
         while (amx_step(&jb)) {}
-#undef AMX_JOBS
     }
     if (cfg_loaded) FA_TILE_RELEASE();
 
