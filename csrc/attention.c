@@ -10,6 +10,7 @@
 #include "kernel.h"
 #include "mask.h"
 #include "convert.h"
+#include "tiles.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -24,7 +25,6 @@
 /* Split the keys when there are fewer tasks than this (shape-only rule). */
 #define FA_SPLIT_TASKS 16
 #define FA_SPLIT_MIN_KEYS 512
-#define FA_LONG_L 1024 /* query length from which tasks take block_rows rows */
 /* Calls with less work than this (multiply-adds) run on the calling thread:
  * starting a thread team costs more than it saves.  Tasks do not depend on
  * the thread count, so neither do the results. */
@@ -297,9 +297,9 @@ int fa_attention(const fa_params *p)
     if (p->Hq % p->Hk != 0 || p->D < 1 || p->Dv < 1) return FA_EINVAL;
     const fa_kernel *kern = fa_select_kernel(p);
     const int64_t G = p->Hq / p->Hk;
-    /* Long sequences with D, Dv <= 128 take the kernel's larger row block. */
-    const int64_t rows = p->L >= FA_LONG_L && p->D <= 128 && p->Dv <= 128 ? kern->block_rows
-                                                                            : kern->block_rows_short;
+    /* The row block: derived from the L2 size for long sequences with D, Dv <= 128,
+     * the kernel's short block otherwise, or FASTATTN_TILES (tiles.c). */
+    const int64_t rows = fa_rows_per_task(kern, p);
     int64_t bmq = rows / G;
     if (bmq < 1) bmq = 1;
     if (bmq > p->L) bmq = p->L > 0 ? p->L : 1;
@@ -352,13 +352,14 @@ int fa_attention(const fa_params *p)
                     t->j0 = s * chunk; t->j1 = (s + 1) * chunk < p->S ? (s + 1) * chunk : p->S;
                     t->part_o = part_o ? part_o + (size_t)(n * prow * p->Dv) * esz : NULL;
                     t->part_lse = part_lse ? part_lse + (size_t)(n * prow) * esz : NULL;
+                    t->rows = rows;
                 }
     }
 
     int failed = 0;
     int nt = p->num_threads < 1 ? 1 : p->num_threads > FA_MAX_THREADS ? FA_MAX_THREADS : p->num_threads;
     if (nt > ntask) nt = (int)ntask;
-    const size_t ws_bytes = kern->scratch_bytes(p);
+    const size_t ws_bytes = kern->scratch_bytes(p, rows);
     {
         double macs = (double)p->B * (double)p->Hq * (double)p->L * (double)p->S * (double)(p->D + p->Dv);
         if (p->causal) macs *= 0.5;

@@ -12,14 +12,20 @@
 typedef struct fa_task {
     int64_t b, hk, i0, ni, j0, j1;
     void *part_o, *part_lse;
+    int64_t rows;        /* the call's row block (tiles.c); the scratch was sized for it */
 } fa_task;
 
 typedef struct fa_kernel {
-    size_t (*scratch_bytes)(const fa_params *p);
+    /* Scratch of one thread for tasks of at most max(rows, G) stacked rows. */
+    size_t (*scratch_bytes)(const fa_params *p, int64_t rows);
     void (*run)(const fa_params *p, const fa_task *t, void *scratch);
-    int64_t block_rows;  /* max stacked rows (heads x positions) per task; scratch fits it */
-    int64_t block_rows_short; /* rows per task for L < FA_LONG_L or D > 128 (attention.c) */
+    int64_t block_rows;  /* stacked rows (heads x positions) per task when the L2 size is unknown */
+    int64_t block_rows_short; /* rows per task for L < FA_LONG_L or D > 128, and the least derived */
     int64_t block_keys;  /* keys per tile; split points are multiples of it */
+    int64_t rows_max;    /* the most rows the derived block may take (tiles.c) */
+    int64_t row_multiple; /* the derived block is a multiple of this (the register or tile block) */
+    /* Bytes of one stacked row's working set per key tile (tiles.c's rule). */
+    int64_t (*row_bytes)(int64_t D, int64_t Dv);
 } fa_kernel;
 
 extern const fa_kernel fa_kernel_f32_scalar, fa_kernel_f64_scalar;

@@ -6,7 +6,7 @@
 #define FA_BLK_NV 2   /* zmm vectors of keys per Q.K^T block (32 keys)    */
 #define FA_BLK_NVO 2  /* zmm vectors of Dv per P.V block                  */
 #define FA_BLK_BN 128 /* keys per tile                                    */
-#define FA_BLK_BMR 96 /* stacked query rows per task                      */
+#define FA_BLK_BMR 96 /* stacked query rows per task (L >= 1024: tiles.c)  */
 #define FA_BLK_RD 8   /* at most this many rows take the decode path      */
 #include "kernel_impl.h"
 #include "backward_impl.h"

@@ -6,8 +6,10 @@
  *   FA_BLK_NV   vectors of keys per Q.K^T register block (FA_BLK_NR keys)
  *   FA_BLK_NVO  vectors of Dv per P.V register block
  *   FA_BLK_BN   keys per tile
- *   FA_BLK_BMR  stacked query rows per task (FA_BLK_BMR_SHORT: for short
- *               sequences, optional; attention.c chooses)
+ *   FA_BLK_BMR  stacked query rows per task where the L2 size is unknown
+ *               (FA_BLK_BMR_SHORT: for short sequences, optional); for long
+ *               ones the driver derives the block from L2 (tiles.c), at most
+ *               FA_BLK_ROWS_MAX, and sizes the scratch for it
  *   FA_BLK_RD   at most this many stacked rows take the decode path
  * and FA_ISA_SUFFIX where the unit provides this ISA's exp2 test hook.
  * (FA_TILE_* are the AMX tile instructions, amx_emu.h.)
@@ -80,24 +82,34 @@ static inline size_t fa_al(size_t n) { return (n + FA_ALIGN - 1) / FA_ALIGN * FA
  * position.  Sizing the scratch for that keeps K and V read once per task
  * (rather than once per slice of the group), and the tasks still depend on the
  * shapes only. */
-static inline int64_t FA_NAME(cap_rows)(const fa_params *p)
+static inline int64_t FA_NAME(cap_rows)(const fa_params *p, int64_t rows)
 {
     const int64_t G = p->Hk > 0 ? p->Hq / p->Hk : 1;
-    return G > FA_BLK_BMR ? G : FA_BLK_BMR;
+    /* at least FA_ROW_TN / FA_BLK_BN rows: the single-row path keeps its long
+     * tile of FA_ROW_TN scores in S */
+    const int64_t r = rows > FA_ROW_TN / FA_BLK_BN ? rows : FA_ROW_TN / FA_BLK_BN;
+    return G > r ? G : r;
 }
 
-static size_t FA_NAME(scratch_bytes)(const fa_params *p)
+/* One stacked row's working set per key tile (tiles.c): its scaled query, its
+ * scores and its output accumulator. */
+static int64_t FA_NAME(row_bytes)(int64_t D, int64_t Dv)
+{
+    return (fa_rup(D, VW) + FA_BLK_BN + fa_rup(Dv, VW)) * (int64_t)sizeof(REAL);
+}
+
+static size_t FA_NAME(scratch_bytes)(const fa_params *p, int64_t rows)
 {
     int64_t Dp = fa_rup(p->D, VW), Dvp = fa_rup(p->Dv, VW), W = Dp > Dvp ? Dp : Dvp;
-    const size_t e = sizeof(REAL), R = (size_t)FA_NAME(cap_rows)(p);
+    const size_t e = sizeof(REAL), R = (size_t)FA_NAME(cap_rows)(p, rows);
     return fa_al(R * Dp * e) + fa_al(FA_BLK_BN * Dp * e) + fa_al(FA_BLK_BN * Dvp * e) + fa_al(R * FA_BLK_BN * e) +
            fa_al(R * Dvp * e) + 2 * fa_al(R * e) + fa_al(W * e) + FA_ALIGN;
 }
 
-static void FA_NAME(carve)(const fa_params *p, void *scratch, fa_ws *w)
+static void FA_NAME(carve)(const fa_params *p, int64_t rows, void *scratch, fa_ws *w)
 {
     int64_t Dp = fa_rup(p->D, VW), Dvp = fa_rup(p->Dv, VW);
-    const size_t e = sizeof(REAL), R = (size_t)FA_NAME(cap_rows)(p);
+    const size_t e = sizeof(REAL), R = (size_t)FA_NAME(cap_rows)(p, rows);
     char *c = (char *)(((uintptr_t)scratch + FA_ALIGN - 1) / FA_ALIGN * FA_ALIGN);
     w->Qs = (REAL *)c; c += fa_al(R * Dp * e);
     w->K = (REAL *)c; c += fa_al(FA_BLK_BN * Dp * e);
@@ -353,7 +365,7 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
     const int64_t G = p->Hq / p->Hk, D = p->D, Dv = p->Dv, b = t->b;
     const int64_t Dp = fa_rup(D, VW), Dvp = fa_rup(Dv, VW);
     fa_ws w;
-    FA_NAME(carve)(p, scratch, &w);
+    FA_NAME(carve)(p, t->rows, scratch, &w);
     const fa_batch bi = fa_batch_info(p, b);
     const int64_t delta = bi.Sb - bi.Lb;
     int64_t ni = fa_min64(t->ni, bi.Lb - t->i0);
@@ -361,7 +373,7 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
     const int64_t R = G * ni;
     /* Every buffer of the scratch holds cap_rows rows (attention.c checks the
      * whole scratch with a guard zone in debug builds). */
-    FA_DEBUG_CHECK(G * t->ni <= FA_NAME(cap_rows)(p), "task stacks more rows than its scratch holds");
+    FA_DEBUG_CHECK(G * t->ni <= FA_NAME(cap_rows)(p, t->rows), "task stacks more rows than its scratch holds");
     const int use_log2 = p->softcap == 0.0;
     const REAL qscale = (REAL)(p->scale * (use_log2 ? FA_LOG2E : 1.0));
     const int64_t ksz = (int64_t)fa_dtype_size(p->k_dtype), vsz = (int64_t)fa_dtype_size(p->v_dtype);
@@ -411,8 +423,7 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
      * stream when K and V are 16-bit (float32 rows need none, see qk_rows); TN is
      * also the row stride of S. */
     const int64_t nvo = Dvp / VW;
-    const int row1 = R == 1 && rowdot && kfuse && vfuse && FA_ROW_TN <= FA_BLK_BMR * FA_BLK_BN &&
-                     (nvo == 4 || nvo == 8 || nvo == 12 || nvo == 16);
+    const int row1 = R == 1 && rowdot && kfuse && vfuse && (nvo == 4 || nvo == 8 || nvo == 12 || nvo == 16);
     const int64_t TN = row1 ? FA_ROW_TN : FA_BLK_BN;
     for (int64_t jt = jlo; jt < jhi; jt += TN) {
         const int64_t nj = fa_min64(TN, jhi - jt), njp = fa_rup(nj, VW);
@@ -689,7 +700,11 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
 #ifndef FA_BLK_BMR_SHORT
 #define FA_BLK_BMR_SHORT FA_BLK_BMR
 #endif
-const fa_kernel FA_NAME(fa_kernel) = { FA_NAME(scratch_bytes), FA_NAME(run), FA_BLK_BMR, FA_BLK_BMR_SHORT, FA_BLK_BN };
+#ifndef FA_BLK_ROWS_MAX
+#define FA_BLK_ROWS_MAX 1024
+#endif
+const fa_kernel FA_NAME(fa_kernel) = { FA_NAME(scratch_bytes), FA_NAME(run), FA_BLK_BMR, FA_BLK_BMR_SHORT, FA_BLK_BN,
+                                       FA_BLK_ROWS_MAX, FA_BLK_MR, FA_NAME(row_bytes) };
 
 #if defined(FA_ISA_SUFFIX)
 /* Test hook: the vectorised exp2 of this ISA over n values. */

@@ -69,9 +69,11 @@ if _installed_copy() is None:  # else sys.modules["fastattn"] is the installed c
         get_float32_matmul_precision,
         get_isa,
         get_num_threads,
+        get_tiles,
         set_float32_matmul_precision,
         set_isa,
         set_num_threads,
+        set_tiles,
         show_config,
     )
     from .additive import additive_attention
@@ -111,6 +113,8 @@ __all__ = [
     "show_config",
     "get_float32_matmul_precision",
     "set_float32_matmul_precision",
+    "get_tiles",
+    "set_tiles",
 ]
 
 

@@ -23,6 +23,8 @@ __all__ = [
     "config",
     "get_float32_matmul_precision",
     "set_float32_matmul_precision",
+    "get_tiles",
+    "set_tiles",
 ]
 
 # Read by the CUDA launcher itself at each call (see the module docstring); reported here.
@@ -30,6 +32,7 @@ _CUDA_LAUNCH_KNOBS = ("FASTATTN_CUDA_MMA", "FASTATTN_CUDA_DECODE", "FASTATTN_CUD
 
 _ENV_THREADS = os.environ.get("FASTATTN_NUM_THREADS")
 _ENV_ISA = os.environ.get("FASTATTN_ISA")
+_ENV_TILES = os.environ.get("FASTATTN_TILES")
 _thread_override: int | None = None
 
 
@@ -149,6 +152,43 @@ if _ENV_ISA:
     except ValueError as e:
         raise ImportError(f"FASTATTN_ISA={_ENV_ISA!r}: {e}") from None
 
+# The most stacked rows per task a row block may have (csrc/tiles.h, FA_ROWS_MAX).
+TILES_ROWS_MAX = 4096
+
+
+def set_tiles(rows: int | None) -> None:
+    """Force the forward kernels' row block (stacked query rows per task) for later calls.
+
+    By default (``None``) it is derived from the core's L2 size for query lengths
+    >= 1024 with head dims <= 128, and is the kernel's short block otherwise (see
+    docs/performance.md, "Tiles from the cache").  A number is for measurement: every
+    forward call takes that many rows per task (clamped to the kernel's maximum,
+    at least a GQA group).  Results do not depend on the thread count either way,
+    but they may differ in the last bits between row blocks.  The environment
+    variable ``FASTATTN_TILES`` (an integer, read at import) sets the same.
+    """
+    if rows is None:
+        _kernels.tiles_set_rows(0)
+        return
+    if isinstance(rows, bool) or not isinstance(rows, int):
+        raise TypeError(f"rows must be an int or None, got {type(rows).__name__}")
+    if not 1 <= rows <= TILES_ROWS_MAX:
+        raise ValueError(f"rows must be in [1, {TILES_ROWS_MAX}], got {rows}")
+    _kernels.tiles_set_rows(rows)
+
+
+def get_tiles() -> int | None:
+    """The row block forced by :func:`set_tiles` or ``FASTATTN_TILES`` (None: derived)."""
+    rows = _kernels.tiles_get_rows()
+    return rows if rows > 0 else None
+
+
+if _ENV_TILES and _ENV_TILES.strip():
+    try:
+        set_tiles(int(_ENV_TILES))
+    except ValueError as e:
+        raise ImportError(f"FASTATTN_TILES={_ENV_TILES!r}: must be an integer in [1, {TILES_ROWS_MAX}] ({e})") from None
+
 
 def _module_version(name: str) -> str | None:
     """Version of an imported-or-importable module, None when it is missing."""
@@ -196,6 +236,13 @@ def config() -> dict[str, Any]:
         "isa": get_isa(),
         "isa_best": _kernels.isa_best(),
         "FASTATTN_ISA": _ENV_ISA,
+        "caches (L1d, L2, L3 bytes per core)": _kernels.cache_sizes(),
+        "rows per task (float32, L >= 1024, D = 64 / 128)": (
+            _kernels.tiles_rows(64, 64, 1024, "float32"),
+            _kernels.tiles_rows(128, 128, 1024, "float32"),
+        ),
+        "rows per task (bfloat16, L >= 1024, D = 64)": _kernels.tiles_rows(64, 64, 1024, "bfloat16"),
+        "FASTATTN_TILES": _ENV_TILES,
         "float32_matmul_precision": _f32_precision,
         "num_threads": get_num_threads(),
         "FASTATTN_NUM_THREADS": _ENV_THREADS,

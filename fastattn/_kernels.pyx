@@ -230,6 +230,28 @@ def cpu_features():
             "amx_bf16": bool(fa_cpu_has_amx())}
 
 
+def cache_sizes():
+    """Bytes of one core's L1 data, L2 and L3 caches (cpuid; 0 where unknown)."""
+    cdef int64_t l1d = 0, l2 = 0, l3 = 0
+    fa_cache_sizes(&l1d, &l2, &l3)
+    return {"l1d": l1d, "l2": l2, "l3": l3}
+
+
+def tiles_set_rows(int64_t rows):
+    """Stacked query rows per task for later calls (0: derived from L2); False when out of range."""
+    return fa_tiles_set_rows(rows) == 0
+
+
+def tiles_get_rows():
+    return fa_tiles_get_rows()
+
+
+def tiles_rows(int64_t D, int64_t Dv, int64_t L, str dtype):
+    """Rows per task that a call of this shape and dtype ("float32", "float64", "bfloat16") takes now."""
+    cdef int dt = {"float32": FA_F32, "float64": FA_F64, "bfloat16": FA_BF16}[dtype]
+    return fa_tiles_rows(D, Dv, L, dt)
+
+
 def openmp_enabled():
     return bool(fa_openmp_enabled())
 

@@ -24,8 +24,9 @@ def test_tile_boundaries(isa, rng, L, S, causal):
     check_sdpa(q, k, v, is_causal=causal)
 
 
-# From L = 1024 (D, Dv <= 128) tasks take 192 rows on AVX2 (32 scalar, 96 AVX-512): 1025 =
-# 5 x 192 + 65 rows; with GQA 2 heads stack 96 positions per task.
+# From L = 1024 (D, Dv <= 128) tasks take the row block derived from the L2 size (csrc/tiles.c,
+# tests/kernel/test_tiles.py; 192 rows on AVX2 with a 512 KiB L2): 1025 and 1031 rows leave a
+# partial last block for most blocks; with GQA 2 heads stack half as many positions per task.
 @pytest.mark.parametrize("L,G,causal", [(1024, 1, True), (1025, 1, False), (1031, 2, True)])
 def test_long_query_blocks(isa, rng, L, G, causal):
     q, k, v = randn(rng, (1, 2 * G, L, 32)), randn(rng, (1, 2, L + 3, 32)), randn(rng, (1, 2, L + 3, 24))

@@ -1,0 +1,133 @@
+/* tiles.c: the machine's caches, and the query block (stacked rows per task)
+ * of the forward kernels derived from them.
+ *
+ * Why the row block follows L2: a task holds, for each of its R rows, the
+ * scaled query (Dp values), one tile of scores (BN) and the output
+ * accumulator (Dvp), and streams every K/V tile of its key range past them.
+ * Those R rows are touched once per key tile, so they must stay in the core's
+ * L2; and the larger R, the fewer times K and V are read again (once per task,
+ * from L3 or memory).  So R is the largest multiple of the register block
+ * that keeps the rows' working set within a fraction FA_L2_SHARE of L2,
+ * clamped to [the kernel's short block, the kernel's rows_max]:
+ *
+ *     R = FA_L2_SHARE * L2 / row_bytes(D, Dv),  row_bytes = (Dp + BN + Dvp) * sizeof(REAL)
+ *
+ * (kernel_impl.h; the AMX kernel's rows hold bf16 queries and fp32 outputs, its
+ * scores live per group of 32 rows, and its rows_max is the measured 512).
+ * The kernels' long-sequence constants were measured before this rule; the
+ * share reproduces them where they were measured (Zen 3, 512 KiB L2, AVX2,
+ * BN = 64, D = 64: 0.28 * 512 KiB / 768 B = 191 -> 192 measured best, +13-20%
+ * on L4096 against 96).  Short sequences (L < FA_LONG_L) and D > 128 keep the
+ * kernel's short block (balance over threads and tasks, not cache, decides
+ * there).  FASTATTN_TILES (fastattn._config) overrides R for measurement.
+ *
+ * Cache sizes: cpuid's deterministic cache parameters (leaf 4 on Intel,
+ * 0x8000001D on AMD), read once; 0 where unknown (then the kernel's compiled
+ * constants apply). */
+#include <stdatomic.h>
+#include <string.h>
+#include "kernel.h"
+#include "tiles.h"
+
+#if defined(FA_HAVE_X86)
+#include <cpuid.h>
+
+/* Size in bytes of the data/unified cache of each level (1..3) from a
+ * leaf-4-format cpuid leaf (4 or 0x8000001D); 0 for a level not found. */
+static void fa_read_caches(unsigned leaf, int64_t size[4])
+{
+    for (unsigned sub = 0; sub < 16; sub++) {
+        unsigned a, b, c, d;
+        __cpuid_count(leaf, sub, a, b, c, d);
+        const unsigned type = a & 31, level = (a >> 5) & 7;
+        if (type == 0) break;       /* no more caches */
+        if (type == 2) continue;    /* instruction cache */
+        if (level < 1 || level > 3) continue;
+        const int64_t ways = (int64_t)((b >> 22) & 1023) + 1, parts = (int64_t)((b >> 12) & 1023) + 1;
+        const int64_t line = (int64_t)(b & 4095) + 1, sets = (int64_t)c + 1;
+        size[level] = ways * parts * line * sets;
+    }
+}
+
+static void fa_detect_caches(int64_t size[4])
+{
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return;
+    const unsigned maxleaf = a;
+    char vendor[13];
+    memcpy(vendor, &b, 4); memcpy(vendor + 4, &d, 4); memcpy(vendor + 8, &c, 4);
+    vendor[12] = 0;
+    if (strcmp(vendor, "AuthenticAMD") == 0 || strcmp(vendor, "HygonGenuine") == 0) {
+        /* 0x8000001D exists when cpuid 0x80000001 ECX bit 22 (TopologyExtensions) is set. */
+        if (__get_cpuid(0x80000001, &a, &b, &c, &d) && ((c >> 22) & 1)) fa_read_caches(0x8000001D, size);
+    } else if (maxleaf >= 4) {
+        fa_read_caches(4, size);
+    }
+}
+#endif
+
+/* Detected once; racing first callers compute and store the same values, and
+ * `known` is published last (release), so a reader that sees it sees them. */
+static atomic_llong fa_cache_l1d, fa_cache_l2, fa_cache_l3;
+static atomic_int fa_cache_known;
+
+void fa_cache_sizes(int64_t *l1d, int64_t *l2, int64_t *l3)
+{
+    if (!atomic_load_explicit(&fa_cache_known, memory_order_acquire)) {
+        int64_t size[4] = { 0, 0, 0, 0 };
+#if defined(FA_HAVE_X86)
+        fa_detect_caches(size);
+#endif
+        atomic_store_explicit(&fa_cache_l1d, size[1], memory_order_relaxed);
+        atomic_store_explicit(&fa_cache_l2, size[2], memory_order_relaxed);
+        atomic_store_explicit(&fa_cache_l3, size[3], memory_order_relaxed);
+        atomic_store_explicit(&fa_cache_known, 1, memory_order_release);
+    }
+    *l1d = atomic_load_explicit(&fa_cache_l1d, memory_order_relaxed);
+    *l2 = atomic_load_explicit(&fa_cache_l2, memory_order_relaxed);
+    *l3 = atomic_load_explicit(&fa_cache_l3, memory_order_relaxed);
+}
+
+/* The override of FASTATTN_TILES (0: none), set by fastattn._config at import
+ * or by fastattn.set_tiles; a call reads it once. */
+static atomic_llong fa_rows_override;
+
+int fa_tiles_set_rows(int64_t rows)
+{
+    if (rows < 0 || rows > FA_ROWS_MAX) return -1;
+    atomic_store_explicit(&fa_rows_override, rows, memory_order_relaxed);
+    return 0;
+}
+
+int64_t fa_tiles_get_rows(void) { return atomic_load_explicit(&fa_rows_override, memory_order_relaxed); }
+
+static int64_t fa_round_down(int64_t x, int64_t m) { return x / m * m; }
+
+int64_t fa_rows_derived(const fa_kernel *k, int64_t D, int64_t Dv, int64_t L)
+{
+    if (L < FA_LONG_L || D > 128 || Dv > 128) return k->block_rows_short;
+    int64_t l1d, l2, l3;
+    fa_cache_sizes(&l1d, &l2, &l3);
+    if (l2 <= 0) return k->block_rows; /* unknown cache: the compiled constant */
+    int64_t r = fa_round_down((int64_t)(FA_L2_SHARE * (double)l2) / k->row_bytes(D, Dv), k->row_multiple);
+    if (r < k->block_rows_short) r = k->block_rows_short;
+    if (r > k->rows_max) r = k->rows_max;
+    return r;
+}
+
+int64_t fa_rows_per_task(const fa_kernel *k, const fa_params *p)
+{
+    const int64_t o = fa_tiles_get_rows();
+    if (o > 0) return o < k->rows_max ? o : k->rows_max;
+    return fa_rows_derived(k, p->D, p->Dv, p->L);
+}
+
+int64_t fa_tiles_rows(int64_t D, int64_t Dv, int64_t L, int dtype)
+{
+    fa_params p;
+    memset(&p, 0, sizeof(p));
+    p.B = p.Hq = p.Hk = 1;
+    p.L = L; p.S = L; p.D = D; p.Dv = Dv;
+    p.q_dtype = p.k_dtype = p.v_dtype = p.o_dtype = dtype;
+    return fa_rows_per_task(fa_select_kernel(&p), &p);
+}

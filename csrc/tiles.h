@@ -1,0 +1,22 @@
+/* tiles.h: cache sizes and the forward kernels' row block (tiles.c). */
+#ifndef FA_TILES_H
+#define FA_TILES_H
+
+#include "kernel.h"
+
+/* Share of the core's L2 that a task's stacked rows may fill (tiles.c). */
+#define FA_L2_SHARE 0.28
+/* The most stacked rows per task any choice (derived or FASTATTN_TILES) gives. */
+#define FA_ROWS_MAX 4096
+/* Query length from which tasks take the long-sequence row block. */
+#define FA_LONG_L 1024
+
+static inline int64_t fa_rup64(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/* Rows per task of kernel k for the call p: the FASTATTN_TILES override, else
+ * fa_rows_derived. */
+int64_t fa_rows_per_task(const fa_kernel *k, const fa_params *p);
+/* The derived row block (tiles.c) for head dims D, Dv and query length L. */
+int64_t fa_rows_derived(const fa_kernel *k, int64_t D, int64_t Dv, int64_t L);
+
+#endif

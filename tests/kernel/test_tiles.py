@@ -1,0 +1,182 @@
+"""The row block (stacked query rows per task) derived from the L2 size, its
+override (``fastattn.set_tiles`` / ``FASTATTN_TILES``) and the cache sizes read
+by cpuid, against the OS's own account (sysfs) and the reference."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ISAS, check_sdpa, randn
+
+import fastattn
+from fastattn import _kernels
+
+sdpa = fastattn.scaled_dot_product_attention
+
+
+@pytest.fixture(autouse=True)
+def _derived_tiles():
+    fastattn.set_tiles(None)
+    yield
+    fastattn.set_tiles(None)
+
+
+def _sysfs_caches() -> dict[int, int]:
+    """Data/unified cache size per level of cpu0 as Linux reports it (bytes)."""
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    out: dict[int, int] = {}
+    for d in sorted(base.glob("index*")):
+        try:
+            level = int((d / "level").read_text())
+            ctype = (d / "type").read_text().strip()
+            size = (d / "size").read_text().strip()
+        except OSError:
+            continue
+        if ctype == "Instruction":
+            continue
+        mult = {"K": 1024, "M": 1024 * 1024}.get(size[-1], 1)
+        out[level] = int(size.rstrip("KM")) * mult
+    return out
+
+
+def test_cache_sizes_match_the_os():
+    got = _kernels.cache_sizes()
+    assert set(got) == {"l1d", "l2", "l3"} and all(isinstance(v, int) and v >= 0 for v in got.values())
+    sysfs = _sysfs_caches()
+    if not sysfs or not sys.platform.startswith("linux"):
+        pytest.skip("no sysfs cache description here")
+    # cpuid's deterministic cache parameters and the kernel's account agree on
+    # the per-core caches (L3 may be reported per socket or per CCX).
+    if got["l1d"]:
+        assert got["l1d"] == sysfs.get(1)
+    if got["l2"]:
+        assert got["l2"] == sysfs.get(2)
+
+
+def _expected_rows(isa: str, D: int, Dv: int, L: int, dtype: str) -> int:
+    """The rule of csrc/tiles.c, written again from its comment."""
+    l2 = _kernels.cache_sizes()["l2"]
+    if dtype == "bfloat16" and isa in ("amx", "avx512bf16") and L >= 32:
+        short, rows_max, mult, longr = 128, 512, 32, 512
+        row = 4 * -(-D // 32) * 32 + 4 * -(-Dv // 32) * 32 + 96
+    else:
+        if isa in ("amx", "avx512bf16", "avx512"):
+            vw, bn, short, mult, longr = 16, 128, 96, 12, 96
+        elif isa == "avx2":
+            vw, bn, short, mult, longr = 8, 64, 96, 6, 192
+        else:
+            vw, bn, short, mult, longr = 1, 64, 32, 4, 32  # kernel_f32_scalar.c
+        if dtype == "float64":  # kernel_f64_scalar.c on every ISA
+            vw, bn, short, mult, longr = 1, 64, 32, 4, 32
+        rows_max = 1024
+        row = (-(-D // vw) * vw + bn + -(-Dv // vw) * vw) * (8 if dtype == "float64" else 4)
+    if L < 1024 or D > 128 or Dv > 128:
+        return short
+    if l2 <= 0:
+        return longr
+    r = int(0.28 * l2) // row // mult * mult
+    return min(max(r, short), rows_max)
+
+
+@pytest.mark.parametrize("isa_name", ISAS)
+@pytest.mark.parametrize(
+    "D,Dv,L,dtype",
+    [(64, 64, 1024, "float32"), (128, 128, 4096, "float32"), (64, 64, 1023, "float32"), (160, 160, 2048, "float32"),
+     (40, 24, 2048, "float32"), (64, 64, 2048, "float64"), (64, 64, 1024, "bfloat16"), (128, 128, 100, "bfloat16")],
+)
+def test_derived_rows_follow_the_rule(isa_name, D, Dv, L, dtype):
+    prev = fastattn.get_isa()
+    fastattn.set_isa(isa_name)
+    try:
+        assert _kernels.tiles_rows(D, Dv, L, dtype) == _expected_rows(isa_name, D, Dv, L, dtype)
+    finally:
+        fastattn.set_isa(prev)
+
+
+def test_derived_rows_grow_with_the_cache():
+    # The shape of the rule: long sequences never take fewer rows than short ones,
+    # and larger heads never take more (for the same kernel).
+    for dtype in ("float32", "float64"):
+        short = _kernels.tiles_rows(64, 64, 512, dtype)
+        assert _kernels.tiles_rows(64, 64, 4096, dtype) >= short
+        assert _kernels.tiles_rows(128, 128, 4096, dtype) <= _kernels.tiles_rows(64, 64, 4096, dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 12, 97, 600, 4096])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forced_rows_against_reference(isa, rng, rows, causal):
+    fastattn.set_tiles(rows)
+    assert fastattn.get_tiles() == rows
+    # L >= 1024 takes the (forced) long block; GQA 4 stacks 4 heads per position, so a
+    # block of 1 or 5 rows still holds a whole group; L != S exercises the causal offset.
+    q, k, v = randn(rng, (1, 8, 1030, 24)), randn(rng, (1, 2, 1100, 24)), randn(rng, (1, 2, 1100, 16))
+    check_sdpa(q, k, v, is_causal=causal, enable_gqa=True)
+    # decode: a single row with long tiles (the scratch must hold its 512 scores)
+    q1 = randn(rng, (1, 2, 1, 64))
+    k1, v1 = randn(rng, (1, 2, 1300, 64)), randn(rng, (1, 2, 1300, 64))
+    check_sdpa(q1, k1, v1)
+
+
+@pytest.mark.parametrize("rows", [7, 200])
+def test_forced_rows_bit_identical_over_threads(isa, rng, rows):
+    fastattn.set_tiles(rows)
+    q, k, v = randn(rng, (2, 4, 1100, 32)), randn(rng, (2, 4, 1100, 32)), randn(rng, (2, 4, 1100, 32))
+    outs = [sdpa(q, k, v, is_causal=True, num_threads=n) for n in (1, 2, 3)]
+    for o in outs[1:]:
+        assert np.array_equal(o, outs[0])
+
+
+def test_bfloat16_forced_rows(rng):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    for rows in (32, 100, 512):
+        fastattn.set_tiles(rows)
+        q = randn(rng, (1, 4, 1050, 64)).astype(ml_dtypes.bfloat16)
+        k = randn(rng, (1, 4, 1050, 64)).astype(ml_dtypes.bfloat16)
+        v = randn(rng, (1, 4, 1050, 64)).astype(ml_dtypes.bfloat16)
+        out = sdpa(q, k, v, is_causal=True).astype(np.float64)
+        ref = fastattn.reference.scaled_dot_product_attention(
+            q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), is_causal=True
+        )
+        # bf16 contract (tests/kernel/test_amx.py): well within the bf16 rounding of P and the output
+        assert np.max(np.abs(out - ref)) < 2e-2
+
+
+def test_set_tiles_checks():
+    with pytest.raises(TypeError, match="rows must be an int"):
+        fastattn.set_tiles(1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="rows must be an int"):
+        fastattn.set_tiles(True)
+    for bad in (0, -3, 4097):
+        with pytest.raises(ValueError, match=r"rows must be in \[1, 4096\]"):
+            fastattn.set_tiles(bad)
+    assert fastattn.get_tiles() is None
+
+
+def test_show_config_reports_tiles():
+    cfg = fastattn._config.config()
+    assert cfg["caches (L1d, L2, L3 bytes per core)"] == _kernels.cache_sizes()
+    assert cfg["rows per task (float32, L >= 1024, D = 64 / 128)"] == (
+        _kernels.tiles_rows(64, 64, 1024, "float32"),
+        _kernels.tiles_rows(128, 128, 1024, "float32"),
+    )
+
+
+def _import_with_env(value: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, FASTATTN_TILES=value)
+    code = "import fastattn; print(fastattn.get_tiles())"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_env_knob():
+    r = _import_with_env("200")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "200"
+    r = _import_with_env("lots")
+    assert r.returncode != 0 and "FASTATTN_TILES='lots'" in r.stderr
+    r = _import_with_env("0")
+    assert r.returncode != 0 and "FASTATTN_TILES='0'" in r.stderr
