@@ -263,7 +263,13 @@ omp = ["-fopenmp"] if OPENMP else []
 extensions = [
     Extension(
         "fastattn._kernels",
-        sources=["fastattn/_kernels.pyx", "csrc/attention.c", "csrc/dispatch.c", "csrc/tiles.c", "csrc/backward.c"],
+        sources=[
+            "fastattn/_kernels.pyx",
+            "csrc/attention.c",
+            "csrc/dispatch.c",
+            "csrc/tiles.c",
+            "csrc/backward.c",
+        ],
         include_dirs=["csrc", np.get_include()],
         depends=[os.path.join("csrc", f) for f in os.listdir(os.path.join(HERE, "csrc")) if f.endswith(".h")],
         extra_compile_args=BASE_FLAGS + omp,

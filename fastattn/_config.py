@@ -187,7 +187,9 @@ if _ENV_TILES and _ENV_TILES.strip():
     try:
         set_tiles(int(_ENV_TILES))
     except ValueError as e:
-        raise ImportError(f"FASTATTN_TILES={_ENV_TILES!r}: must be an integer in [1, {TILES_ROWS_MAX}] ({e})") from None
+        raise ImportError(
+            f"FASTATTN_TILES={_ENV_TILES!r}: must be an integer in [1, {TILES_ROWS_MAX}] ({e})"
+        ) from None
 
 
 def _module_version(name: str) -> str | None:

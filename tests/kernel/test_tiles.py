@@ -86,8 +86,16 @@ def _expected_rows(isa: str, D: int, Dv: int, L: int, dtype: str) -> int:
 @pytest.mark.parametrize("isa_name", ISAS)
 @pytest.mark.parametrize(
     "D,Dv,L,dtype",
-    [(64, 64, 1024, "float32"), (128, 128, 4096, "float32"), (64, 64, 1023, "float32"), (160, 160, 2048, "float32"),
-     (40, 24, 2048, "float32"), (64, 64, 2048, "float64"), (64, 64, 1024, "bfloat16"), (128, 128, 100, "bfloat16")],
+    [
+        (64, 64, 1024, "float32"),
+        (128, 128, 4096, "float32"),
+        (64, 64, 1023, "float32"),
+        (160, 160, 2048, "float32"),
+        (40, 24, 2048, "float32"),
+        (64, 64, 2048, "float64"),
+        (64, 64, 1024, "bfloat16"),
+        (128, 128, 100, "bfloat16"),
+    ],
 )
 def test_derived_rows_follow_the_rule(isa_name, D, Dv, L, dtype):
     prev = fastattn.get_isa()
