@@ -115,14 +115,14 @@ def test_derived_rows_grow_with_the_cache():
         assert _kernels.tiles_rows(128, 128, 4096, dtype) <= _kernels.tiles_rows(64, 64, 4096, dtype)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 12, 97, 600, 4096])
+@pytest.mark.parametrize("rows", [1, 5, 97, 600, 4096])
 @pytest.mark.parametrize("causal", [False, True])
 def test_forced_rows_against_reference(isa, rng, rows, causal):
     fastattn.set_tiles(rows)
     assert fastattn.get_tiles() == rows
     # L >= 1024 takes the (forced) long block; GQA 4 stacks 4 heads per position, so a
     # block of 1 or 5 rows still holds a whole group; L != S exercises the causal offset.
-    q, k, v = randn(rng, (1, 8, 1030, 24)), randn(rng, (1, 2, 1100, 24)), randn(rng, (1, 2, 1100, 16))
+    q, k, v = randn(rng, (1, 4, 1030, 24)), randn(rng, (1, 1, 1100, 24)), randn(rng, (1, 1, 1100, 16))
     check_sdpa(q, k, v, is_causal=causal, enable_gqa=True)
     # decode: a single row with long tiles (the scratch must hold its 512 scores)
     q1 = randn(rng, (1, 2, 1, 64))
