@@ -80,23 +80,29 @@ static size_t FB_NAME(fb_scratch_bytes)(const fa_params *p)
            3 * FB_NAME(fb_al)(FB_BQ * FB_BK * e) + FB_ALIGN;
 }
 
+/* The next n values of the scratch at *c, which then moves past them (each
+ * buffer starts FB_ALIGN-aligned: fb_scratch_bytes sizes them so). */
+static inline REAL *FB_NAME(fb_take)(char **c, size_t n)
+{
+    REAL *r = (REAL *)*c;
+    *c += FB_NAME(fb_al)(n * sizeof(REAL));
+    return r;
+}
+
 static void FB_NAME(fb_carve)(const fa_params *p, void *scratch, FB_NAME(fb_ws) *w)
 {
     const int64_t Dp = FB_NAME(fb_rup)(p->D, VW), Dvp = FB_NAME(fb_rup)(p->Dv, VW);
-    const size_t e = sizeof(REAL);
     char *c = (char *)(((uintptr_t)scratch + FB_ALIGN - 1) / FB_ALIGN * FB_ALIGN);
-#define FB_TAKE(ptr, n) do { ptr = (REAL *)c; c += FB_NAME(fb_al)((size_t)(n) * e); } while (0)
-    FB_TAKE(w->Kt, Dp * FB_NKT * FB_BK);
-    FB_TAKE(w->Vt, Dvp * FB_NKT * FB_BK);
-    FB_TAKE(w->Kr, FB_NKT * FB_BK * Dp);
-    FB_TAKE(w->dK, FB_NKT * FB_BK * Dp);
-    FB_TAKE(w->dV, FB_NKT * FB_BK * Dvp);
-    FB_TAKE(w->Q, FB_BQ * Dp);
-    FB_TAKE(w->dO, FB_BQ * Dvp);
-    FB_TAKE(w->S, FB_BQ * FB_BK);
-    FB_TAKE(w->dP, FB_BQ * FB_BK);
-    FB_TAKE(w->Dr, FB_BQ * FB_BK);
-#undef FB_TAKE
+    w->Kt = FB_NAME(fb_take)(&c, (size_t)(Dp * FB_NKT * FB_BK));
+    w->Vt = FB_NAME(fb_take)(&c, (size_t)(Dvp * FB_NKT * FB_BK));
+    w->Kr = FB_NAME(fb_take)(&c, (size_t)(FB_NKT * FB_BK * Dp));
+    w->dK = FB_NAME(fb_take)(&c, (size_t)(FB_NKT * FB_BK * Dp));
+    w->dV = FB_NAME(fb_take)(&c, (size_t)(FB_NKT * FB_BK * Dvp));
+    w->Q = FB_NAME(fb_take)(&c, (size_t)(FB_BQ * Dp));
+    w->dO = FB_NAME(fb_take)(&c, (size_t)(FB_BQ * Dvp));
+    w->S = FB_NAME(fb_take)(&c, (size_t)(FB_BQ * FB_BK));
+    w->dP = FB_NAME(fb_take)(&c, (size_t)(FB_BQ * FB_BK));
+    w->Dr = FB_NAME(fb_take)(&c, (size_t)(FB_BQ * FB_BK));
 }
 
 /* C[i][0:nv*VW] (+)= sum_k A[i*ai + k*ak] * B[k*ldb + 0:nv*VW] for i < mr
@@ -176,14 +182,51 @@ FA_INLINE void FB_NAME(fb_ukr_sdp)(const int mr, const int nv, int64_t D, int64_
     }
 }
 
-#define FB_MR_CASES(n, CALL) \
-    switch (n) { \
-    case 1: CALL(1); break; case 2: CALL(2 <= FB_MR ? 2 : FB_MR); break; \
-    case 3: CALL(3 <= FB_MR ? 3 : FB_MR); break; case 4: CALL(4 <= FB_MR ? 4 : FB_MR); break; \
-    case 5: CALL(5 <= FB_MR ? 5 : FB_MR); break; case 6: CALL(6 <= FB_MR ? 6 : FB_MR); break; \
-    case 7: CALL(7 <= FB_MR ? 7 : FB_MR); break; case 8: CALL(8 <= FB_MR ? 8 : FB_MR); break; \
-    case 9: CALL(9 <= FB_MR ? 9 : FB_MR); break; case 10: CALL(10 <= FB_MR ? 10 : FB_MR); break; \
-    case 11: CALL(11 <= FB_MR ? 11 : FB_MR); break; default: CALL(FB_MR); break; }
+/* ---- Constant-mr dispatch: fb_ukr and fb_ukr_sdp for mr = 1..FB_MR rows,
+ * each case a call with mr (and the caller's nv) compile-time constants, so
+ * that each inlines its own unrolled copy; always_inline, so that those copies
+ * sit in the caller as when these switches were macros there.  FB_MRC clamps
+ * the unreachable cases past FB_MR (the callers pass at most FB_MR rows). */
+#define FB_MRC(n) ((n) <= FB_MR ? (n) : FB_MR)
+
+FA_INLINE void FB_NAME(fb_ukr_n)(int64_t mr, const int nv, int64_t K, const REAL *A, int64_t ai, int64_t ak,
+                                 const REAL *B, int64_t ldb, REAL *C, int64_t ldc, int load)
+{
+    switch (mr) {
+    case 1: FB_NAME(fb_ukr)(1, nv, K, A, ai, ak, B, ldb, C, ldc, load); break;
+    case 2: FB_NAME(fb_ukr)(FB_MRC(2), nv, K, A, ai, ak, B, ldb, C, ldc, load); break;
+    case 3: FB_NAME(fb_ukr)(FB_MRC(3), nv, K, A, ai, ak, B, ldb, C, ldc, load); break;
+    case 4: FB_NAME(fb_ukr)(FB_MRC(4), nv, K, A, ai, ak, B, ldb, C, ldc, load); break;
+    case 5: FB_NAME(fb_ukr)(FB_MRC(5), nv, K, A, ai, ak, B, ldb, C, ldc, load); break;
+    case 6: FB_NAME(fb_ukr)(FB_MRC(6), nv, K, A, ai, ak, B, ldb, C, ldc, load); break;
+    case 7: FB_NAME(fb_ukr)(FB_MRC(7), nv, K, A, ai, ak, B, ldb, C, ldc, load); break;
+    case 8: FB_NAME(fb_ukr)(FB_MRC(8), nv, K, A, ai, ak, B, ldb, C, ldc, load); break;
+    case 9: FB_NAME(fb_ukr)(FB_MRC(9), nv, K, A, ai, ak, B, ldb, C, ldc, load); break;
+    case 10: FB_NAME(fb_ukr)(FB_MRC(10), nv, K, A, ai, ak, B, ldb, C, ldc, load); break;
+    case 11: FB_NAME(fb_ukr)(FB_MRC(11), nv, K, A, ai, ak, B, ldb, C, ldc, load); break;
+    default: FB_NAME(fb_ukr)(FB_MR, nv, K, A, ai, ak, B, ldb, C, ldc, load); break;
+    }
+}
+
+FA_INLINE void FB_NAME(fb_ukr_sdp_n)(int64_t mr, const int nv, int64_t D, int64_t Dv, const REAL *Q, int64_t qs,
+                                     const REAL *Kt, const REAL *dO, int64_t os, const REAL *Vt, int64_t ldb,
+                                     const REAL *l2, const REAL *di, vf c1v, REAL *P, REAL *dS, int64_t ldc)
+{
+    switch (mr) {
+    case 1: FB_NAME(fb_ukr_sdp)(1, nv, D, Dv, Q, qs, Kt, dO, os, Vt, ldb, l2, di, c1v, P, dS, ldc); break;
+    case 2: FB_NAME(fb_ukr_sdp)(FB_MRC(2), nv, D, Dv, Q, qs, Kt, dO, os, Vt, ldb, l2, di, c1v, P, dS, ldc); break;
+    case 3: FB_NAME(fb_ukr_sdp)(FB_MRC(3), nv, D, Dv, Q, qs, Kt, dO, os, Vt, ldb, l2, di, c1v, P, dS, ldc); break;
+    case 4: FB_NAME(fb_ukr_sdp)(FB_MRC(4), nv, D, Dv, Q, qs, Kt, dO, os, Vt, ldb, l2, di, c1v, P, dS, ldc); break;
+    case 5: FB_NAME(fb_ukr_sdp)(FB_MRC(5), nv, D, Dv, Q, qs, Kt, dO, os, Vt, ldb, l2, di, c1v, P, dS, ldc); break;
+    case 6: FB_NAME(fb_ukr_sdp)(FB_MRC(6), nv, D, Dv, Q, qs, Kt, dO, os, Vt, ldb, l2, di, c1v, P, dS, ldc); break;
+    case 7: FB_NAME(fb_ukr_sdp)(FB_MRC(7), nv, D, Dv, Q, qs, Kt, dO, os, Vt, ldb, l2, di, c1v, P, dS, ldc); break;
+    case 8: FB_NAME(fb_ukr_sdp)(FB_MRC(8), nv, D, Dv, Q, qs, Kt, dO, os, Vt, ldb, l2, di, c1v, P, dS, ldc); break;
+    case 9: FB_NAME(fb_ukr_sdp)(FB_MRC(9), nv, D, Dv, Q, qs, Kt, dO, os, Vt, ldb, l2, di, c1v, P, dS, ldc); break;
+    case 10: FB_NAME(fb_ukr_sdp)(FB_MRC(10), nv, D, Dv, Q, qs, Kt, dO, os, Vt, ldb, l2, di, c1v, P, dS, ldc); break;
+    case 11: FB_NAME(fb_ukr_sdp)(FB_MRC(11), nv, D, Dv, Q, qs, Kt, dO, os, Vt, ldb, l2, di, c1v, P, dS, ldc); break;
+    default: FB_NAME(fb_ukr_sdp)(FB_MR, nv, D, Dv, Q, qs, Kt, dO, os, Vt, ldb, l2, di, c1v, P, dS, ldc); break;
+    }
+}
 
 /* C (M x N, ldc) (+)= A (M x K, element (i, k) at A[i*ai + k*ak]) . B (K x N, ldb);
  * N is a multiple of VW.  Column blocks outer, so that a block of B stays in
@@ -195,16 +238,12 @@ static void FB_NAME(fb_gemm)(int64_t M, int64_t N, int64_t K, const REAL *A, int
     for (; c0 + FB_NV * VW <= N; c0 += FB_NV * VW)
         for (int64_t r0 = 0; r0 < M; r0 += FB_MR) {
             const int64_t mr = M - r0 < FB_MR ? M - r0 : FB_MR;
-#define FB_CALL(n) FB_NAME(fb_ukr)(n, FB_NV, K, A + r0 * ai, ai, ak, B + c0, ldb, C + r0 * ldc + c0, ldc, load)
-            FB_MR_CASES(mr, FB_CALL)
-#undef FB_CALL
+            FB_NAME(fb_ukr_n)(mr, FB_NV, K, A + r0 * ai, ai, ak, B + c0, ldb, C + r0 * ldc + c0, ldc, load);
         }
     for (int64_t u = 0, nt = (N - c0) / VW; u < nt; u++, c0 += VW)
         for (int64_t r0 = 0; r0 < M; r0 += FB_MR) {
             const int64_t mr = M - r0 < FB_MR ? M - r0 : FB_MR;
-#define FB_CALL(n) FB_NAME(fb_ukr)(n, 1, K, A + r0 * ai, ai, ak, B + c0, ldb, C + r0 * ldc + c0, ldc, load)
-            FB_MR_CASES(mr, FB_CALL)
-#undef FB_CALL
+            FB_NAME(fb_ukr_n)(mr, 1, K, A + r0 * ai, ai, ak, B + c0, ldb, C + r0 * ldc + c0, ldc, load);
         }
 }
 
@@ -220,16 +259,12 @@ static void FB_NAME(fb_sdp)(int64_t nq, int64_t D, int64_t Dv, const REAL *Q, in
         const int64_t mr = nq - r0 < FB_MR ? nq - r0 : FB_MR;
         int64_t c0 = 0;
         for (; c0 + FB_NV * VW <= FB_BK; c0 += FB_NV * VW) {
-#define FB_CALL(n) FB_NAME(fb_ukr_sdp)(n, FB_NV, D, Dv, Q + r0 * qs, qs, Kt + c0, dO + r0 * os, os, Vt + c0, FB_BK, \
-                                       l2 + r0, di + r0, c1v, P + r0 * FB_BK + c0, dS + r0 * FB_BK + c0, FB_BK)
-            FB_MR_CASES(mr, FB_CALL)
-#undef FB_CALL
+            FB_NAME(fb_ukr_sdp_n)(mr, FB_NV, D, Dv, Q + r0 * qs, qs, Kt + c0, dO + r0 * os, os, Vt + c0, FB_BK,
+                                  l2 + r0, di + r0, c1v, P + r0 * FB_BK + c0, dS + r0 * FB_BK + c0, FB_BK);
         }
         for (; c0 < FB_BK; c0 += VW) {
-#define FB_CALL(n) FB_NAME(fb_ukr_sdp)(n, 1, D, Dv, Q + r0 * qs, qs, Kt + c0, dO + r0 * os, os, Vt + c0, FB_BK, \
-                                       l2 + r0, di + r0, c1v, P + r0 * FB_BK + c0, dS + r0 * FB_BK + c0, FB_BK)
-            FB_MR_CASES(mr, FB_CALL)
-#undef FB_CALL
+            FB_NAME(fb_ukr_sdp_n)(mr, 1, D, Dv, Q + r0 * qs, qs, Kt + c0, dO + r0 * os, os, Vt + c0, FB_BK,
+                                  l2 + r0, di + r0, c1v, P + r0 * FB_BK + c0, dS + r0 * FB_BK + c0, FB_BK);
         }
     }
 }

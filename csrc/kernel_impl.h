@@ -41,7 +41,7 @@
  * P.V one row at a time over the tile (V from DRAM once, then from L2): -0..-5%;
  * 16-256-key tiles: no better.  So those keep 64-key tiles. */
 #define FA_ROW_TN 512
-#define FA_VPANEL_ROWS 64 /* prefill-path tasks with at most this many rows pack V (see run) */
+#define FA_VPANEL_ROWS 64 /* prefill-path tasks with at most this many rows pack V (see pv_prefill) */
 
 /* Prefetch the n bytes at p (one row), one line per instruction. */
 #define FA_PREFETCH_ROW(p, n, hint) do { \
@@ -316,27 +316,134 @@ FA_INLINE void FA_NAME(pv_rows)(int nr, int vdt, const REAL *P, int64_t ldp, int
     }
 }
 
-/* CALL(n, dt) with the storage dtype dt (float16, bfloat16 or this kernel's own)
- * a compile-time constant, so that ld() widens without a branch per load. */
-#define FA_DT_CASES(dt, self, CALL, n) \
-    do { if ((dt) == FA_F16) CALL(n, FA_F16); else if ((dt) == FA_BF16) CALL(n, FA_BF16); \
-         else CALL(n, self); } while (0)
+/* ---- Constant-n dispatch: one function per micro-kernel ----
+ * Each switches a runtime row count (and storage dtype) to calls whose
+ * arguments are compile-time constants, so that every case inlines its own
+ * fully unrolled copy of the micro-kernel (accumulators in registers, ld()
+ * without a branch per load).  They are always_inline themselves: the
+ * constant-argument copies then sit in the caller (the path), as they did when
+ * these switches were macros expanded in run(), and the caller's other
+ * constants (a NULL stream, a known tile width) fold into them too. */
 
-/* CALL(n) for the decode row counts n = 1..FA_BLK_RD (FA_BLK_RD is 4 or 8), n a constant. */
-#define FA_RD_CASES(n, CALL) \
-    switch (n) { \
-    case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
-    case 5: CALL(5 <= FA_BLK_RD ? 5 : FA_BLK_RD); break; case 6: CALL(6 <= FA_BLK_RD ? 6 : FA_BLK_RD); break; \
-    case 7: CALL(7 <= FA_BLK_RD ? 7 : FA_BLK_RD); break; default: CALL(FA_BLK_RD); break; }
+/* A row count clamped to the register block (cases past it are unreachable:
+ * the callers pass at most FA_BLK_RD / FA_BLK_MR rows; the clamp keeps those
+ * cases' array bounds valid where FA_BLK_RD or FA_BLK_MR is small). */
+#define FA_RD(n) ((n) <= FA_BLK_RD ? (n) : FA_BLK_RD)
+#define FA_MR(n) ((n) <= FA_BLK_MR ? (n) : FA_BLK_MR)
 
-#define FA_MR_CASES(n, CALL) \
-    switch (n) { \
-    case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; \
-    case 4: CALL(4); break; case 5: CALL(5 <= FA_BLK_MR ? 5 : FA_BLK_MR); break; \
-    case 6: CALL(6 <= FA_BLK_MR ? 6 : FA_BLK_MR); break; case 7: CALL(7 <= FA_BLK_MR ? 7 : FA_BLK_MR); break; \
-    case 8: CALL(8 <= FA_BLK_MR ? 8 : FA_BLK_MR); break; case 9: CALL(9 <= FA_BLK_MR ? 9 : FA_BLK_MR); break; \
-    case 10: CALL(10 <= FA_BLK_MR ? 10 : FA_BLK_MR); break; case 11: CALL(11 <= FA_BLK_MR ? 11 : FA_BLK_MR); break; \
-    default: CALL(FA_BLK_MR); break; }
+/* qk_rows for nr (a constant) rows, the K storage dtype kdt made constant:
+ * float16, bfloat16, else this kernel's own (self_dt). */
+FA_INLINE void FA_NAME(qk_rows_dt)(int nr, int kdt, int self_dt, const REAL *Q, int64_t Dp, const void *K,
+                                   int64_t ldk, int64_t nj, REAL *S, int64_t lds, const char *vpf, int64_t vpf_ld,
+                                   int64_t vpf_row, const fa_stream *st)
+{
+    if (kdt == FA_F16) FA_NAME(qk_rows)(nr, FA_F16, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st);
+    else if (kdt == FA_BF16) FA_NAME(qk_rows)(nr, FA_BF16, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st);
+    else FA_NAME(qk_rows)(nr, self_dt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st);
+}
+
+/* qk_rows for R = 1..FA_BLK_RD rows (R > FA_BLK_RD does not take it). */
+FA_INLINE void FA_NAME(qk_rows_n)(int64_t R, int kdt, int self_dt, const REAL *Q, int64_t Dp, const void *K,
+                                  int64_t ldk, int64_t nj, REAL *S, int64_t lds, const char *vpf, int64_t vpf_ld,
+                                  int64_t vpf_row, const fa_stream *st)
+{
+    switch (R) {
+    case 1: FA_NAME(qk_rows_dt)(1, kdt, self_dt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st); break;
+    case 2: FA_NAME(qk_rows_dt)(2, kdt, self_dt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st); break;
+    case 3: FA_NAME(qk_rows_dt)(3, kdt, self_dt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st); break;
+    case 4: FA_NAME(qk_rows_dt)(4, kdt, self_dt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st); break;
+    case 5: FA_NAME(qk_rows_dt)(FA_RD(5), kdt, self_dt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st); break;
+    case 6: FA_NAME(qk_rows_dt)(FA_RD(6), kdt, self_dt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st); break;
+    case 7: FA_NAME(qk_rows_dt)(FA_RD(7), kdt, self_dt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st); break;
+    default: FA_NAME(qk_rows_dt)(FA_BLK_RD, kdt, self_dt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st); break;
+    }
+}
+
+/* pv_rows for nr (a constant) rows, the V storage dtype vdt made constant. */
+FA_INLINE void FA_NAME(pv_rows_dt)(int nr, int vdt, int self_dt, const REAL *P, int64_t ldp, int64_t nj,
+                                   const void *V, int64_t ldv, REAL *O, int64_t Dvp)
+{
+    if (vdt == FA_F16) FA_NAME(pv_rows)(nr, FA_F16, P, ldp, nj, V, ldv, O, Dvp);
+    else if (vdt == FA_BF16) FA_NAME(pv_rows)(nr, FA_BF16, P, ldp, nj, V, ldv, O, Dvp);
+    else FA_NAME(pv_rows)(nr, self_dt, P, ldp, nj, V, ldv, O, Dvp);
+}
+
+/* pv_rows for R = 1..FA_BLK_RD rows. */
+FA_INLINE void FA_NAME(pv_rows_n)(int64_t R, int vdt, int self_dt, const REAL *P, int64_t ldp, int64_t nj,
+                                  const void *V, int64_t ldv, REAL *O, int64_t Dvp)
+{
+    switch (R) {
+    case 1: FA_NAME(pv_rows_dt)(1, vdt, self_dt, P, ldp, nj, V, ldv, O, Dvp); break;
+    case 2: FA_NAME(pv_rows_dt)(2, vdt, self_dt, P, ldp, nj, V, ldv, O, Dvp); break;
+    case 3: FA_NAME(pv_rows_dt)(3, vdt, self_dt, P, ldp, nj, V, ldv, O, Dvp); break;
+    case 4: FA_NAME(pv_rows_dt)(4, vdt, self_dt, P, ldp, nj, V, ldv, O, Dvp); break;
+    case 5: FA_NAME(pv_rows_dt)(FA_RD(5), vdt, self_dt, P, ldp, nj, V, ldv, O, Dvp); break;
+    case 6: FA_NAME(pv_rows_dt)(FA_RD(6), vdt, self_dt, P, ldp, nj, V, ldv, O, Dvp); break;
+    case 7: FA_NAME(pv_rows_dt)(FA_RD(7), vdt, self_dt, P, ldp, nj, V, ldv, O, Dvp); break;
+    default: FA_NAME(pv_rows_dt)(FA_BLK_RD, vdt, self_dt, P, ldp, nj, V, ldv, O, Dvp); break;
+    }
+}
+
+/* pv_row1 for nv (a constant) vectors, the V storage dtype vdt made constant. */
+FA_INLINE void FA_NAME(pv_row1_dt)(int nv, int vdt, int self_dt, const REAL *P, int64_t nj, const void *V,
+                                   int64_t ldv, REAL *O, const fa_stream *st)
+{
+    if (vdt == FA_F16) FA_NAME(pv_row1)(nv, FA_F16, P, nj, V, ldv, O, st);
+    else if (vdt == FA_BF16) FA_NAME(pv_row1)(nv, FA_BF16, P, nj, V, ldv, O, st);
+    else FA_NAME(pv_row1)(nv, self_dt, P, nj, V, ldv, O, st);
+}
+
+/* pv_row1 for an output row of nvo = 4, 8, 12 or 16 vectors (path_row1 takes no other). */
+FA_INLINE void FA_NAME(pv_row1_n)(int64_t nvo, int vdt, int self_dt, const REAL *P, int64_t nj, const void *V,
+                                  int64_t ldv, REAL *O, const fa_stream *st)
+{
+    switch (nvo) {
+    case 4: FA_NAME(pv_row1_dt)(4, vdt, self_dt, P, nj, V, ldv, O, st); break;
+    case 8: FA_NAME(pv_row1_dt)(8, vdt, self_dt, P, nj, V, ldv, O, st); break;
+    case 12: FA_NAME(pv_row1_dt)(12, vdt, self_dt, P, nj, V, ldv, O, st); break;
+    default: FA_NAME(pv_row1_dt)(16, vdt, self_dt, P, nj, V, ldv, O, st); break;
+    }
+}
+
+/* qk_ukernel for mr = 1..FA_BLK_MR rows (mr a constant per case). */
+FA_INLINE void FA_NAME(qk_ukernel_n)(int mr, const REAL *Q, int64_t ldq, const REAL *Kp, int64_t D, REAL *S,
+                                     int64_t lds)
+{
+    switch (mr) {
+    case 1: FA_NAME(qk_ukernel)(1, Q, ldq, Kp, D, S, lds); break;
+    case 2: FA_NAME(qk_ukernel)(2, Q, ldq, Kp, D, S, lds); break;
+    case 3: FA_NAME(qk_ukernel)(3, Q, ldq, Kp, D, S, lds); break;
+    case 4: FA_NAME(qk_ukernel)(4, Q, ldq, Kp, D, S, lds); break;
+    case 5: FA_NAME(qk_ukernel)(FA_MR(5), Q, ldq, Kp, D, S, lds); break;
+    case 6: FA_NAME(qk_ukernel)(FA_MR(6), Q, ldq, Kp, D, S, lds); break;
+    case 7: FA_NAME(qk_ukernel)(FA_MR(7), Q, ldq, Kp, D, S, lds); break;
+    case 8: FA_NAME(qk_ukernel)(FA_MR(8), Q, ldq, Kp, D, S, lds); break;
+    case 9: FA_NAME(qk_ukernel)(FA_MR(9), Q, ldq, Kp, D, S, lds); break;
+    case 10: FA_NAME(qk_ukernel)(FA_MR(10), Q, ldq, Kp, D, S, lds); break;
+    case 11: FA_NAME(qk_ukernel)(FA_MR(11), Q, ldq, Kp, D, S, lds); break;
+    default: FA_NAME(qk_ukernel)(FA_BLK_MR, Q, ldq, Kp, D, S, lds); break;
+    }
+}
+
+/* pv_ukernel for mr = 1..FA_BLK_MR rows and nv (a constant: FA_BLK_NVO or 1) vectors. */
+FA_INLINE void FA_NAME(pv_ukernel_n)(int mr, int nv, const REAL *P, int64_t ldp, int64_t nj, const REAL *V,
+                                     int64_t ldv, REAL *O, int64_t ldo)
+{
+    switch (mr) {
+    case 1: FA_NAME(pv_ukernel)(1, nv, P, ldp, nj, V, ldv, O, ldo); break;
+    case 2: FA_NAME(pv_ukernel)(2, nv, P, ldp, nj, V, ldv, O, ldo); break;
+    case 3: FA_NAME(pv_ukernel)(3, nv, P, ldp, nj, V, ldv, O, ldo); break;
+    case 4: FA_NAME(pv_ukernel)(4, nv, P, ldp, nj, V, ldv, O, ldo); break;
+    case 5: FA_NAME(pv_ukernel)(FA_MR(5), nv, P, ldp, nj, V, ldv, O, ldo); break;
+    case 6: FA_NAME(pv_ukernel)(FA_MR(6), nv, P, ldp, nj, V, ldv, O, ldo); break;
+    case 7: FA_NAME(pv_ukernel)(FA_MR(7), nv, P, ldp, nj, V, ldv, O, ldo); break;
+    case 8: FA_NAME(pv_ukernel)(FA_MR(8), nv, P, ldp, nj, V, ldv, O, ldo); break;
+    case 9: FA_NAME(pv_ukernel)(FA_MR(9), nv, P, ldp, nj, V, ldv, O, ldo); break;
+    case 10: FA_NAME(pv_ukernel)(FA_MR(10), nv, P, ldp, nj, V, ldv, O, ldo); break;
+    case 11: FA_NAME(pv_ukernel)(FA_MR(11), nv, P, ldp, nj, V, ldv, O, ldo); break;
+    default: FA_NAME(pv_ukernel)(FA_BLK_MR, nv, P, ldp, nj, V, ldv, O, ldo); break;
+    }
+}
 
 /* nj rows of n values of dtype dt (row r at src + r * srow bytes) converted
  * to REAL rows of ld values at dst, zero-padded from n to ld. */
@@ -358,314 +465,191 @@ static inline void FA_NAME(write_row)(REAL *dst, const REAL *o, double inv, int 
     const REAL s = (REAL)inv;
     for (int64_t c = 0; c < Dv; c++) dst[c] = o[c] * s;
 }
+/* ---- The task: shared pieces and the three paths ---- */
 
-/* Row r of a task is query head hk*G + r/ni at position i0 + r%ni. */
-static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
+/* What run() derives once per task from the call and the task; the paths and
+ * the shared pieces only read it.  Row r of the task is query head
+ * hk*G + r/ni at position i0 + r%ni (R = G*ni active rows). */
+typedef struct fa_ctx {
+    const fa_params *p;
+    const fa_task *t;
+    fa_batch bi;
+    int64_t G, D, Dv, Dp, Dvp, b, delta, ni, R;
+    int64_t ksz, vsz;                /* bytes per K / V element (storage dtype) */
+    const char *kbase, *vbase;       /* key 0 of this (batch, kv head) */
+    int64_t jlo, jhi;                /* keys any row may see */
+    int64_t flo, fhi;                /* keys every row sees */
+    int use_log2;                    /* no softcap: Q carries log2(e), exp2 replaces exp */
+    int elem_always;                 /* mask, ALiBi, softcap or block mask: every tile per element */
+    int self_dt;                     /* this kernel's own dtype (FA_F32 / FA_F64) */
+    int kfuse, vfuse;                /* K / V rows read in place, widened on load (decode) */
+    int vdirect;                     /* V rows are whole vectors of REAL: usable as they lie */
+} fa_ctx;
+
+/* Pre-scaled, zero-padded query rows in w->Qs, m = -inf, l = 0, O = 0. */
+FA_INLINE void FA_NAME(load_q)(const fa_ctx *c, const fa_ws *w)
 {
-    const int64_t G = p->Hq / p->Hk, D = p->D, Dv = p->Dv, b = t->b;
-    const int64_t Dp = fa_rup(D, VW), Dvp = fa_rup(Dv, VW);
-    fa_ws w;
-    FA_NAME(carve)(p, t->rows, scratch, &w);
-    const fa_batch bi = fa_batch_info(p, b);
-    const int64_t delta = bi.Sb - bi.Lb;
-    int64_t ni = fa_min64(t->ni, bi.Lb - t->i0);
-    if (ni < 0) ni = 0;
-    const int64_t R = G * ni;
-    /* Every buffer of the scratch holds cap_rows rows (attention.c checks the
-     * whole scratch with a guard zone in debug builds). */
-    FA_DEBUG_CHECK(G * t->ni <= FA_NAME(cap_rows)(p, t->rows), "task stacks more rows than its scratch holds");
-    const int use_log2 = p->softcap == 0.0;
-    const REAL qscale = (REAL)(p->scale * (use_log2 ? FA_LOG2E : 1.0));
-    const int64_t ksz = (int64_t)fa_dtype_size(p->k_dtype), vsz = (int64_t)fa_dtype_size(p->v_dtype);
-    const char *kbase = (const char *)p->k + (b * p->k_sb + t->hk * p->k_sh + bi.koff * p->k_sl) * ksz;
-    const char *vbase = (const char *)p->v + (b * p->v_sb + t->hk * p->v_sh + bi.koff * p->v_sl) * vsz;
-    const int rowdot = R <= FA_BLK_RD;
-    const int self_dt = sizeof(REAL) == 8 ? FA_F64 : FA_F32;
-    const int kdirect = p->k_dtype == self_dt && D % VW == 0;
-    const int vdirect = p->v_dtype == self_dt && Dv % VW == 0;
-    /* The decode path widens 16-bit K/V rows as it loads them. */
-    const int wide16 = sizeof(REAL) == 4;
-    const int kfuse = D % VW == 0 && (kdirect || (wide16 && fa_dtype_16(p->k_dtype)));
-    const int vfuse = Dv % VW == 0 && (vdirect || (wide16 && fa_dtype_16(p->v_dtype)));
-
-    /* Key range any row may see, and the range every row sees. */
-    int64_t jlo = 0, jhi = 0, flo = 0, fhi = 0;
-    if (R > 0) {
-        int64_t lo0, hi0, lo1, hi1;
-        fa_row_range(p, t->i0 + delta, bi.Sb, &lo0, &hi0);
-        fa_row_range(p, t->i0 + ni - 1 + delta, bi.Sb, &lo1, &hi1);
-        jlo = fa_max64(lo0, t->j0);
-        jhi = fa_min64(hi1, fa_min64(t->j1, bi.Sb));
-        flo = lo1;
-        fhi = hi0;
-    }
-    const int elem_always = p->mask_kind != FA_MASK_NONE || p->alibi || !use_log2 || p->bmask;
-
-    for (int64_t r = 0; r < R; r++) {
-        int64_t h = t->hk * G + r / ni, i = t->i0 + r % ni;
+    const fa_params *p = c->p;
+    const fa_task *t = c->t;
+    const REAL qscale = (REAL)(p->scale * (c->use_log2 ? FA_LOG2E : 1.0));
+    for (int64_t r = 0; r < c->R; r++) {
+        int64_t h = t->hk * c->G + r / c->ni, i = t->i0 + r % c->ni;
         const char *src = (const char *)p->q +
-            (b * p->q_sb + h * p->q_sh + (bi.qoff + i) * p->q_sl) * (int64_t)fa_dtype_size(p->q_dtype);
-        REAL *qd = w.Qs + r * Dp;
-        if (p->q_dtype == self_dt) { /* one pass: scaled while copied */
+            (c->b * p->q_sb + h * p->q_sh + (c->bi.qoff + i) * p->q_sl) * (int64_t)fa_dtype_size(p->q_dtype);
+        REAL *qd = w->Qs + r * c->Dp;
+        if (p->q_dtype == c->self_dt) { /* one pass: scaled while copied */
             const REAL *qs = (const REAL *)src;
-            for (int64_t d = 0; d < D; d++) qd[d] = qs[d] * qscale;
+            for (int64_t d = 0; d < c->D; d++) qd[d] = qs[d] * qscale;
         } else {
-            fa_cvt_row(qd, src, p->q_dtype, D);
-            for (int64_t d = 0; d < D; d++) qd[d] *= qscale;
+            fa_cvt_row(qd, src, p->q_dtype, c->D);
+            for (int64_t d = 0; d < c->D; d++) qd[d] *= qscale;
         }
-        for (int64_t d = D; d < Dp; d++) qd[d] = 0;
-        w.m[r] = -INFINITY;
-        w.l[r] = 0;
+        for (int64_t d = c->D; d < c->Dp; d++) qd[d] = 0;
+        w->m[r] = -INFINITY;
+        w->l[r] = 0;
     }
-    memset(w.O, 0, (size_t)(R * Dvp) * sizeof(REAL));
+    memset(w->O, 0, (size_t)(c->R * c->Dvp) * sizeof(REAL));
+}
 
-    /* A single row read in place takes long tiles (FA_ROW_TN), with one prefetch
-     * stream when K and V are 16-bit (float32 rows need none, see qk_rows); TN is
-     * also the row stride of S. */
-    const int64_t nvo = Dvp / VW;
-    const int row1 = R == 1 && rowdot && kfuse && vfuse && (nvo == 4 || nvo == 8 || nvo == 12 || nvo == 16);
-    const int64_t TN = row1 ? FA_ROW_TN : FA_BLK_BN;
-    for (int64_t jt = jlo; jt < jhi; jt += TN) {
-        const int64_t nj = fa_min64(TN, jhi - jt), njp = fa_rup(nj, VW);
-        /* This tile's first K and V rows (st.k, st.v), for every path below. */
-        const fa_stream st = { kbase + jt * p->k_sl * ksz, vbase + jt * p->v_sl * vsz, p->k_sl * ksz,
-                               p->v_sl * vsz, D * ksz, Dv * vsz, nj, jhi - jt };
-        if (p->bmask) {
-            int any = 0;
-            for (int64_t g = 0; g < G && !any; g++)
-                any = fa_bmask_any(p, b, t->hk * G + g, t->i0, t->i0 + ni, jt, jt + nj);
-            if (!any) continue;
+/* The tile of nj keys at jt: its first K and V rows and the prefetch stream
+ * over them (nk: keys left from jt to the end of the task's range). */
+FA_INLINE fa_stream FA_NAME(tile_stream)(const fa_ctx *c, int64_t jt, int64_t nj)
+{
+    const fa_params *p = c->p;
+    const fa_stream st = { c->kbase + jt * p->k_sl * c->ksz, c->vbase + jt * p->v_sl * c->vsz, p->k_sl * c->ksz,
+                           p->v_sl * c->vsz, c->D * c->ksz, c->Dv * c->vsz, nj, c->jhi - jt };
+    return st;
+}
+
+/* Whether the block mask hides every key of the tile from every row. */
+FA_INLINE int FA_NAME(tile_hidden)(const fa_ctx *c, int64_t jt, int64_t nj)
+{
+    const fa_params *p = c->p;
+    if (!p->bmask) return 0;
+    int any = 0;
+    for (int64_t g = 0; g < c->G && !any; g++)
+        any = fa_bmask_any(p, c->b, c->t->hk * c->G + g, c->t->i0, c->t->i0 + c->ni, jt, jt + nj);
+    return !any;
+}
+
+/* The masks of a score tile S (R rows of stride TN, nj keys at jt), only
+ * where the tile needs them: -inf past nj up to the vector edge always; the
+ * visible range's edges when the tile is partial (causal diagonal, window);
+ * every element when a mask, ALiBi, softcap or block mask applies. */
+FA_INLINE void FA_NAME(mask_tile)(const fa_ctx *c, REAL *S, int64_t TN, int64_t jt, int64_t nj)
+{
+    const fa_params *p = c->p;
+    const fa_task *t = c->t;
+    const int64_t njp = fa_rup(nj, VW), b = c->b;
+    const int partial = jt < c->flo || jt + nj > c->fhi;
+    for (int64_t r = 0; r < c->R; r++) {
+        REAL *s = S + r * TN;
+        for (int64_t jj = nj; jj < njp; jj++) s[jj] = -INFINITY;
+        if (!(c->elem_always || partial)) continue;
+        int64_t h = t->hk * c->G + r / c->ni, i = t->i0 + r % c->ni, ip = i + c->delta, lo, hi;
+        fa_row_range(p, ip, c->bi.Sb, &lo, &hi);
+        if (!c->elem_always) { /* only the visible range to apply (causal diagonal, window edge) */
+            const int64_t a0 = fa_min64(fa_max64(lo - jt, 0), nj), a1 = fa_max64(fa_min64(hi - jt, nj), a0);
+            for (int64_t jj = 0; jj < a0; jj++) s[jj] = -INFINITY;
+            for (int64_t jj = a1; jj < nj; jj++) s[jj] = -INFINITY;
+            continue;
         }
-        /* ---- scores ---- */
-        if (rowdot) {
-            const void *kr = st.k;
-            const char *vpf = vfuse ? st.v : NULL;
-            int64_t ldk = p->k_sl;
-            int kdt = p->k_dtype;
-            if (!kfuse) {
-                FA_NAME(cvt_rows)(w.K, Dp, st.k, st.kld, p->k_dtype, D, nj);
-                kr = w.K;
-                ldk = Dp;
-                kdt = self_dt;
+        const char *mrow = p->mask ? (const char *)p->mask +
+            (b * p->m_sb + h * p->m_sh + i * p->m_sl) * (p->mask_kind == FA_MASK_BOOL ? 1 : p->mask_kind == FA_MASK_F32 ? 4 : 8) : NULL;
+        const double slope = p->alibi ? p->alibi[b * p->alibi_sb + h * p->alibi_sh] * FA_LOG2E : 0.0;
+        for (int64_t jj = 0; jj < nj; jj++) {
+            int64_t j = jt + jj;
+            if (j < lo || j >= hi) { s[jj] = -INFINITY; continue; }
+            double x = s[jj];
+            if (!c->use_log2) {
+                /* c*tanh(x/c) = x*(1 - (x/c)^2/3 + ...): for tiny x/c (which FTZ/DAZ
+                 * would flush to 0) the cap is the identity to double precision. */
+                double y = x / p->softcap;
+                x = (fabs(y) < 1e-6 ? x : p->softcap * tanh(y)) * FA_LOG2E;
             }
-#define FA_CALL_QKR(n, dt) FA_NAME(qk_rows)((n) <= FA_BLK_RD ? (n) : FA_BLK_RD, dt, w.Qs, Dp, kr, ldk, nj, w.S, TN, \
-                                                    vpf, p->v_sl * vsz, Dv * vsz, row1 ? &st : NULL)
-#define FA_CALL_QKR_DT(n) FA_DT_CASES(kdt, self_dt, FA_CALL_QKR, n)
-            FA_RD_CASES(R, FA_CALL_QKR_DT)
-#undef FA_CALL_QKR_DT
-#undef FA_CALL_QKR
-        } else {
-            const int64_t np = (nj + FA_BLK_NR - 1) / FA_BLK_NR;
-            int64_t c = 0;
-#if defined(FA_HAVE_PACK8)
-            /* Groups of 8 keys of a float32 K: 8 x 8 transposes (FA_BLK_NR is a multiple of 8). */
-            if (p->k_dtype == FA_F32)
-                for (; c + 8 <= nj; c += 8) {
-                    const float *ks = (const float *)(kbase + (jt + c) * p->k_sl * ksz);
-                    REAL *kp = w.K + (c / FA_BLK_NR) * D * FA_BLK_NR + (c % FA_BLK_NR);
-                    int64_t d = 0;
-                    for (; d + 8 <= D; d += 8) fa_pack8x8(ks + d, p->k_sl, kp + d * FA_BLK_NR, FA_BLK_NR);
-                    for (; d < D; d++)
-                        for (int u = 0; u < 8; u++) kp[d * FA_BLK_NR + u] = ks[u * p->k_sl + d];
-                }
-#endif
-            for (; c < np * FA_BLK_NR; c++) {
-                REAL *kp = w.K + (c / FA_BLK_NR) * D * FA_BLK_NR + (c % FA_BLK_NR);
-                if (c < nj) {
-                    const char *ks = kbase + (jt + c) * p->k_sl * ksz;
-                    const REAL *kr = (const REAL *)ks;
-                    if (p->k_dtype != self_dt) { fa_cvt_row(w.tmp, ks, p->k_dtype, D); kr = w.tmp; }
-                    for (int64_t d = 0; d < D; d++) kp[d * FA_BLK_NR] = kr[d];
+            /* A finite logit stays finite: an HF-style padding mask of
+             * finfo(float32).min overflows float32 once in log2 units (and
+             * finfo(float64).min overflows double), and -inf would mask the
+             * key outright (a row of only such keys gave zeros where the
+             * softmax is uniform over them).  Only -inf / NaN inputs, a False
+             * bool mask and the block mask remove a key. */
+            int fin = x - x == 0.0; /* finite (NaN and +-inf fail) */
+            if (p->alibi) x -= slope * (double)(ip > j ? ip - j : j - ip);
+            if (mrow) {
+                int64_t mo = j * p->m_ss;
+                if (p->mask_kind == FA_MASK_BOOL) {
+                    if (!((const uint8_t *)mrow)[mo]) { x = -INFINITY; fin = 0; }
                 } else {
-                    for (int64_t d = 0; d < D; d++) kp[d * FA_BLK_NR] = 0;
+                    double mv = p->mask_kind == FA_MASK_F32 ? (double)((const float *)mrow)[mo]
+                                                            : ((const double *)mrow)[mo];
+                    if (mv - mv != 0.0) fin = 0; /* -inf / +inf / NaN in the mask act as given */
+                    x += mv * FA_LOG2E;
                 }
             }
-            for (int64_t r0 = 0; r0 < R; r0 += FA_BLK_MR) {
-                int mr = (int)fa_min64(FA_BLK_MR, R - r0);
-                for (int64_t pp = 0; pp < np; pp++) {
-#define FA_CALL_QK(n) FA_NAME(qk_ukernel)(n, w.Qs + r0 * Dp, Dp, w.K + pp * D * FA_BLK_NR, D, w.S + r0 * FA_BLK_BN + pp * FA_BLK_NR, FA_BLK_BN)
-                    FA_MR_CASES(mr, FA_CALL_QK)
-#undef FA_CALL_QK
-                }
+            if (p->bmask && !fa_bmask_at(p, b, h, i, j)) { x = -INFINITY; fin = 0; }
+            if (fin) {
+                if (x < -FA_REAL_MAX) x = -FA_REAL_MAX;
+                else if (x > FA_REAL_MAX) x = FA_REAL_MAX;
             }
-        }
-        /* ---- masks, only where the tile needs them ---- */
-        const int partial = jt < flo || jt + nj > fhi;
-        for (int64_t r = 0; r < R; r++) {
-            REAL *s = w.S + r * TN;
-            for (int64_t jj = nj; jj < njp; jj++) s[jj] = -INFINITY;
-            if (!(elem_always || partial)) continue;
-            int64_t h = t->hk * G + r / ni, i = t->i0 + r % ni, ip = i + delta, lo, hi;
-            fa_row_range(p, ip, bi.Sb, &lo, &hi);
-            if (!elem_always) { /* only the visible range to apply (causal diagonal, window edge) */
-                const int64_t a0 = fa_min64(fa_max64(lo - jt, 0), nj), a1 = fa_max64(fa_min64(hi - jt, nj), a0);
-                for (int64_t jj = 0; jj < a0; jj++) s[jj] = -INFINITY;
-                for (int64_t jj = a1; jj < nj; jj++) s[jj] = -INFINITY;
-                continue;
-            }
-            const char *mrow = p->mask ? (const char *)p->mask +
-                (b * p->m_sb + h * p->m_sh + i * p->m_sl) * (p->mask_kind == FA_MASK_BOOL ? 1 : p->mask_kind == FA_MASK_F32 ? 4 : 8) : NULL;
-            const double slope = p->alibi ? p->alibi[b * p->alibi_sb + h * p->alibi_sh] * FA_LOG2E : 0.0;
-            for (int64_t jj = 0; jj < nj; jj++) {
-                int64_t j = jt + jj;
-                if (j < lo || j >= hi) { s[jj] = -INFINITY; continue; }
-                double x = s[jj];
-                if (!use_log2) {
-                    /* c*tanh(x/c) = x*(1 - (x/c)^2/3 + ...): for tiny x/c (which FTZ/DAZ
-                     * would flush to 0) the cap is the identity to double precision. */
-                    double y = x / p->softcap;
-                    x = (fabs(y) < 1e-6 ? x : p->softcap * tanh(y)) * FA_LOG2E;
-                }
-                /* A finite logit stays finite: an HF-style padding mask of
-                 * finfo(float32).min overflows float32 once in log2 units (and
-                 * finfo(float64).min overflows double), and -inf would mask the
-                 * key outright (a row of only such keys gave zeros where the
-                 * softmax is uniform over them).  Only -inf / NaN inputs, a False
-                 * bool mask and the block mask remove a key. */
-                int fin = x - x == 0.0; /* finite (NaN and +-inf fail) */
-                if (p->alibi) x -= slope * (double)(ip > j ? ip - j : j - ip);
-                if (mrow) {
-                    int64_t mo = j * p->m_ss;
-                    if (p->mask_kind == FA_MASK_BOOL) {
-                        if (!((const uint8_t *)mrow)[mo]) { x = -INFINITY; fin = 0; }
-                    } else {
-                        double mv = p->mask_kind == FA_MASK_F32 ? (double)((const float *)mrow)[mo]
-                                                                : ((const double *)mrow)[mo];
-                        if (mv - mv != 0.0) fin = 0; /* -inf / +inf / NaN in the mask act as given */
-                        x += mv * FA_LOG2E;
-                    }
-                }
-                if (p->bmask && !fa_bmask_at(p, b, h, i, j)) { x = -INFINITY; fin = 0; }
-                if (fin) {
-                    if (x < -FA_REAL_MAX) x = -FA_REAL_MAX;
-                    else if (x > FA_REAL_MAX) x = FA_REAL_MAX;
-                }
-                s[jj] = (REAL)x;
-            }
-        }
-        /* ---- online softmax ---- */
-        for (int64_t r = 0; r < R; r++) {
-            REAL *s = w.S + r * TN;
-            vf mv = vf_set1(-INFINITY);
-            for (int64_t jj = 0; jj < njp; jj += VW) mv = vf_max(mv, vf_load(s + jj));
-            REAL mx = vf_hmax(mv), mold = w.m[r];
-            REAL mnew = mx > mold ? mx : mold;
-            if (mx != mx) mnew = mx; /* NaN poisons the row */
-            if (mnew == -INFINITY) {
-                /* Nothing visible yet; NaN scores still poison the row. */
-                for (int64_t jj = 0; jj < nj; jj++) { if (s[jj] != s[jj]) w.l[r] = NAN; s[jj] = 0; }
-                continue;
-            }
-            if (mnew > mold) {
-                if (mold != -INFINITY) {
-                    REAL alpha = (REAL)exp2((double)(mold - mnew));
-                    REAL *o = w.O + r * Dvp;
-                    vf av = vf_set1(alpha);
-                    for (int64_t c = 0; c < Dvp; c += VW) vf_store(o + c, vf_mul(av, vf_load(o + c)));
-                    w.l[r] *= alpha;
-                }
-                w.m[r] = mnew;
-            }
-            vf mn = vf_set1(mnew), sum = vf_zero();
-            for (int64_t jj = 0; jj < njp; jj += VW) {
-                vf e = vf_exp2_neg(vf_sub(vf_load(s + jj), mn));
-                vf_store(s + jj, e);
-                sum = vf_add(sum, e);
-            }
-            w.l[r] += vf_hsum(sum);
-        }
-        /* ---- P.V ---- */
-        const REAL *V = (const REAL *)st.v;
-        int64_t ldv = p->v_sl;
-        if (row1) {
-#define FA_CALL_PV1R(n, dt) FA_NAME(pv_row1)(n, dt, w.S, nj, st.v, ldv, w.O, &st)
-#define FA_CALL_PV1R_DT(n) FA_DT_CASES(p->v_dtype, self_dt, FA_CALL_PV1R, n)
-            switch (nvo) { case 4: FA_CALL_PV1R_DT(4); break; case 8: FA_CALL_PV1R_DT(8); break;
-                           case 12: FA_CALL_PV1R_DT(12); break; default: FA_CALL_PV1R_DT(16); break; }
-#undef FA_CALL_PV1R_DT
-#undef FA_CALL_PV1R
-            continue;
-        }
-        if (rowdot && vfuse) {
-#define FA_CALL_PVR(n, dt) FA_NAME(pv_rows)((n) <= FA_BLK_RD ? (n) : FA_BLK_RD, dt, w.S, FA_BLK_BN, nj, st.v, ldv, w.O, Dvp)
-#define FA_CALL_PVR_DT(n) FA_DT_CASES(p->v_dtype, self_dt, FA_CALL_PVR, n)
-            FA_RD_CASES(R, FA_CALL_PVR_DT)
-#undef FA_CALL_PVR_DT
-#undef FA_CALL_PVR
-            continue;
-        }
-        if (rowdot) {
-            if (!vdirect) {
-                FA_NAME(cvt_rows)(w.V, Dvp, st.v, st.vld, p->v_dtype, Dv, nj);
-                V = w.V;
-                ldv = Dvp;
-            }
-#define FA_CALL_PVC(n) FA_NAME(pv_rows)((n) <= FA_BLK_RD ? (n) : FA_BLK_RD, self_dt, w.S, FA_BLK_BN, nj, V, ldv, w.O, Dvp)
-            FA_RD_CASES(R, FA_CALL_PVC)
-#undef FA_CALL_PVC
-            continue;
-        }
-        /* P.V reads V in column blocks of PW = FA_BLK_NVO*VW values.  Read in place, the
-         * rows of a block lie one row stride apart; with few rows per task (GQA
-         * decode with large groups) they come from DRAM that way, and with long
-         * rows (Dv > 128) a power-of-two stride maps a block to a few L1 sets that
-         * evict each other (the D = 256 profile: ~38% of samples on V loads).
-         * Then V is first copied row by row into column panels (the panel of
-         * columns [c0, c0 + wd) holds nj rows of wd values at w.V + c0 * FA_BLK_BN,
-         * wd = PW, or VW after the full panels), converted on the way.
-         * Measured (Zen 3, standalone builds in one process): B1 H16/1 S32768
-         * decode +15-20%, H128/8 +10%, D = 256 prefill +9-14% on one thread,
-         * D = 160 +4-7%; with many rows and Dv <= 128 it was mixed (-6..+8%), so
-         * those keep reading V in place. */
-        const int64_t PW = FA_BLK_NVO * VW;
-        const int vpanel = !vdirect || R <= FA_VPANEL_ROWS || Dvp > 128;
-        const int64_t Dfull = Dvp / PW * PW;
-        if (vpanel)
-            for (int64_t jj = 0; jj < nj; jj++) {
-                const REAL *src = (const REAL *)(st.v + jj * st.vld);
-                if (!vdirect) {
-                    FA_NAME(cvt_rows)(w.tmp, Dvp, st.v + jj * st.vld, 0, p->v_dtype, Dv, 1);
-                    src = w.tmp;
-                }
-                for (int64_t c0 = 0; c0 < Dfull; c0 += PW)
-                    for (int64_t c = 0; c < PW; c += VW) vf_store(w.V + c0 * FA_BLK_BN + jj * PW + c, vf_load(src + c0 + c));
-                for (int64_t c0 = Dfull; c0 < Dvp; c0 += VW) vf_store(w.V + c0 * FA_BLK_BN + jj * VW, vf_load(src + c0));
-            }
-        /* Column blocks outer: a block of V (nj x wd) stays in L1 across the row blocks. */
-        int64_t c0 = 0;
-        for (; c0 < Dfull; c0 += PW) {
-            const REAL *Vb = vpanel ? w.V + c0 * FA_BLK_BN : V + c0;
-            const int64_t ldb = vpanel ? PW : ldv;
-            for (int64_t r0 = 0; r0 < R; r0 += FA_BLK_MR) {
-                int mr = (int)fa_min64(FA_BLK_MR, R - r0);
-#define FA_CALL_PV(n) FA_NAME(pv_ukernel)(n, FA_BLK_NVO, w.S + r0 * FA_BLK_BN, FA_BLK_BN, nj, Vb, ldb, w.O + r0 * Dvp + c0, Dvp)
-                FA_MR_CASES(mr, FA_CALL_PV)
-#undef FA_CALL_PV
-            }
-        }
-        for (; c0 < Dvp; c0 += VW) {
-            const REAL *Vb = vpanel ? w.V + c0 * FA_BLK_BN : V + c0;
-            const int64_t ldb = vpanel ? VW : ldv;
-            for (int64_t r0 = 0; r0 < R; r0 += FA_BLK_MR) {
-                int mr = (int)fa_min64(FA_BLK_MR, R - r0);
-#define FA_CALL_PV1(n) FA_NAME(pv_ukernel)(n, 1, w.S + r0 * FA_BLK_BN, FA_BLK_BN, nj, Vb, ldb, w.O + r0 * Dvp + c0, Dvp)
-                FA_MR_CASES(mr, FA_CALL_PV1)
-#undef FA_CALL_PV1
-            }
+            s[jj] = (REAL)x;
         }
     }
+}
 
-    /* ---- normalise once and write (rows past L_b: zeros, LSE -inf) ---- */
+/* Online softmax of a masked score tile: S becomes P = exp2(S - m) in place
+ * (zero-padded to the vector edge by the -inf there), m and l are updated and
+ * O rescaled only when a row's max grows. */
+FA_INLINE void FA_NAME(softmax_tile)(const fa_ctx *c, const fa_ws *w, int64_t TN, int64_t nj)
+{
+    const int64_t njp = fa_rup(nj, VW), Dvp = c->Dvp;
+    for (int64_t r = 0; r < c->R; r++) {
+        REAL *s = w->S + r * TN;
+        vf mv = vf_set1(-INFINITY);
+        for (int64_t jj = 0; jj < njp; jj += VW) mv = vf_max(mv, vf_load(s + jj));
+        REAL mx = vf_hmax(mv), mold = w->m[r];
+        REAL mnew = mx > mold ? mx : mold;
+        if (mx != mx) mnew = mx; /* NaN poisons the row */
+        if (mnew == -INFINITY) {
+            /* Nothing visible yet; NaN scores still poison the row. */
+            for (int64_t jj = 0; jj < nj; jj++) { if (s[jj] != s[jj]) w->l[r] = NAN; s[jj] = 0; }
+            continue;
+        }
+        if (mnew > mold) {
+            if (mold != -INFINITY) {
+                REAL alpha = (REAL)exp2((double)(mold - mnew));
+                REAL *o = w->O + r * Dvp;
+                vf av = vf_set1(alpha);
+                for (int64_t cc = 0; cc < Dvp; cc += VW) vf_store(o + cc, vf_mul(av, vf_load(o + cc)));
+                w->l[r] *= alpha;
+            }
+            w->m[r] = mnew;
+        }
+        vf mn = vf_set1(mnew), sum = vf_zero();
+        for (int64_t jj = 0; jj < njp; jj += VW) {
+            vf e = vf_exp2_neg(vf_sub(vf_load(s + jj), mn));
+            vf_store(s + jj, e);
+            sum = vf_add(sum, e);
+        }
+        w->l[r] += vf_hsum(sum);
+    }
+}
+
+/* Normalise once and write every row of the task (rows past L_b: zeros, LSE -inf). */
+FA_INLINE void FA_NAME(write_out)(const fa_ctx *c, const fa_ws *w)
+{
+    const fa_params *p = c->p;
+    const fa_task *t = c->t;
+    const int64_t G = c->G, ni = c->ni, Dv = c->Dv, b = c->b;
     const int self_lse = sizeof(REAL) == 8 ? FA_F64 : FA_F32;
     for (int64_t r = 0; r < G * t->ni; r++) {
         int64_t g = r / t->ni, ii = r % t->ni, h = t->hk * G + g, i = t->i0 + ii;
-        if (p->cu_q && i >= bi.Lb) continue; /* packed varlen: the row belongs to the next sequence */
+        if (p->cu_q && i >= c->bi.Lb) continue; /* packed varlen: the row belongs to the next sequence */
         int64_t ra = g * ni + ii; /* row in the active block */
         double mm = -INFINITY, ll = 0.0, f = 0.0;
         const int valid = ii < ni;
         if (valid) {
-            mm = w.m[ra]; /* log2 domain */
-            ll = w.l[ra];
+            mm = w->m[ra]; /* log2 domain */
+            ll = w->l[ra];
             f = 1.0;
             /* A split task's part leaves the sink out: the merge adds it to the
              * denominator once (attention.c, fa_merge_row). */
@@ -680,21 +664,259 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
         if (t->part_o || p->lse)
             lse = ll != ll ? NAN : (mm == -INFINITY || ll == 0.0) ? -INFINITY : (mm + log2(ll)) * FA_LN2;
         double inv = ll != ll ? NAN : (valid && mm != -INFINITY && ll > 0.0) ? f / ll : 0.0;
-        const REAL *o = w.O + ra * Dvp;
+        const REAL *o = w->O + ra * c->Dvp;
         if (t->part_o) {
             FA_NAME(write_row)((REAL *)t->part_o + r * Dv, o, inv, valid, Dv);
             ((REAL *)t->part_lse)[r] = (REAL)lse;
         } else {
-            int64_t oo = b * p->o_sb + h * p->o_sh + (bi.qoff + i) * p->o_sl;
-            if (p->o_dtype == self_dt) {
+            int64_t oo = b * p->o_sb + h * p->o_sh + (c->bi.qoff + i) * p->o_sl;
+            if (p->o_dtype == c->self_dt) {
                 FA_NAME(write_row)((REAL *)p->o + oo, o, inv, valid, Dv);
             } else {
-                for (int64_t c = 0; c < Dv; c++) fa_store_elem(p->o, p->o_dtype, oo + c, valid ? o[c] * inv : 0.0);
+                for (int64_t cc = 0; cc < Dv; cc++) fa_store_elem(p->o, p->o_dtype, oo + cc, valid ? o[cc] * inv : 0.0);
             }
             if (p->lse)
-                fa_store_elem(p->lse, self_lse, b * p->lse_sb + h * p->lse_sh + (bi.qoff + i) * p->lse_sl, lse);
+                fa_store_elem(p->lse, self_lse, b * p->lse_sb + h * p->lse_sh + (c->bi.qoff + i) * p->lse_sl, lse);
         }
     }
+}
+
+/* path_row1: a single query row whose K and V are read in place (the usual
+ * decode step; kfuse && vfuse, R == 1, Dvp / VW in {4, 8, 12, 16}).  Long
+ * tiles of FA_ROW_TN keys (also the row stride of S): one pass over the
+ * tile's K rows (qk_rows), then over its V rows with the output row in
+ * registers (pv_row1); 16-bit K and V continue one prefetch stream (st)
+ * through both passes, float32 rows need none (see qk_rows). */
+FA_INLINE void FA_NAME(path_row1)(const fa_ctx *c, const fa_ws *w)
+{
+    const fa_params *p = c->p;
+    const int64_t TN = FA_ROW_TN;
+    for (int64_t jt = c->jlo; jt < c->jhi; jt += TN) {
+        const int64_t nj = fa_min64(TN, c->jhi - jt);
+        const fa_stream st = FA_NAME(tile_stream)(c, jt, nj);
+        if (FA_NAME(tile_hidden)(c, jt, nj)) continue;
+        FA_NAME(qk_rows_n)(1, p->k_dtype, c->self_dt, w->Qs, c->Dp, st.k, p->k_sl, nj, w->S, TN, st.v,
+                           p->v_sl * c->vsz, c->Dv * c->vsz, &st);
+        FA_NAME(mask_tile)(c, w->S, TN, jt, nj);
+        FA_NAME(softmax_tile)(c, w, TN, nj);
+        FA_NAME(pv_row1_n)(c->Dvp / VW, p->v_dtype, c->self_dt, w->S, nj, st.v, p->v_sl, w->O, &st);
+    }
+}
+
+/* path_rows: 1 < R <= FA_BLK_RD stacked rows (GQA decode, a few query
+ * positions) or a single row that path_row1 does not take; FA_BLK_BN-key
+ * tiles.  Q.K^T straight from the key rows (qk_rows; rows of another dtype
+ * or of a D that is not whole vectors are converted to w->K first); its
+ * software prefetch brings the tile's V rows (vpf) for P.V when V is read in
+ * place.  P.V (pv_rows) reads V in place when vfuse, else from rows converted
+ * to this kernel's dtype in w->V. */
+FA_INLINE void FA_NAME(path_rows)(const fa_ctx *c, const fa_ws *w)
+{
+    const fa_params *p = c->p;
+    const int64_t TN = FA_BLK_BN, Dp = c->Dp, Dvp = c->Dvp;
+    for (int64_t jt = c->jlo; jt < c->jhi; jt += TN) {
+        const int64_t nj = fa_min64(TN, c->jhi - jt);
+        const fa_stream st = FA_NAME(tile_stream)(c, jt, nj);
+        if (FA_NAME(tile_hidden)(c, jt, nj)) continue;
+        const void *kr = st.k;
+        const char *vpf = c->vfuse ? st.v : NULL;
+        int64_t ldk = p->k_sl;
+        int kdt = p->k_dtype;
+        if (!c->kfuse) {
+            FA_NAME(cvt_rows)(w->K, Dp, st.k, st.kld, p->k_dtype, c->D, nj);
+            kr = w->K;
+            ldk = Dp;
+            kdt = c->self_dt;
+        }
+        FA_NAME(qk_rows_n)(c->R, kdt, c->self_dt, w->Qs, Dp, kr, ldk, nj, w->S, TN, vpf, p->v_sl * c->vsz,
+                           c->Dv * c->vsz, NULL);
+        FA_NAME(mask_tile)(c, w->S, TN, jt, nj);
+        FA_NAME(softmax_tile)(c, w, TN, nj);
+        if (c->vfuse) {
+            FA_NAME(pv_rows_n)(c->R, p->v_dtype, c->self_dt, w->S, TN, nj, st.v, p->v_sl, w->O, Dvp);
+        } else { /* !vfuse implies !vdirect: V is never usable in place here */
+            FA_NAME(cvt_rows)(w->V, Dvp, st.v, st.vld, p->v_dtype, c->Dv, nj);
+            FA_NAME(pv_rows_n)(c->R, c->self_dt, c->self_dt, w->S, TN, nj, w->V, Dvp, w->O, Dvp);
+        }
+    }
+}
+
+/* Q.K^T of the prefill path for one tile: K packed into panels of FA_BLK_NR
+ * keys (w->K, converted on the way, zero past nj), then register blocks of
+ * FA_BLK_MR rows x FA_BLK_NR keys (qk_ukernel). */
+FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, int64_t nj)
+{
+    const fa_params *p = c->p;
+    const int64_t D = c->D, Dp = c->Dp, R = c->R;
+    const int64_t np = (nj + FA_BLK_NR - 1) / FA_BLK_NR;
+    int64_t cc = 0;
+#if defined(FA_HAVE_PACK8)
+    /* Groups of 8 keys of a float32 K: 8 x 8 transposes (FA_BLK_NR is a multiple of 8). */
+    if (p->k_dtype == FA_F32)
+        for (; cc + 8 <= nj; cc += 8) {
+            const float *ks = (const float *)(c->kbase + (jt + cc) * p->k_sl * c->ksz);
+            REAL *kp = w->K + (cc / FA_BLK_NR) * D * FA_BLK_NR + (cc % FA_BLK_NR);
+            int64_t d = 0;
+            for (; d + 8 <= D; d += 8) fa_pack8x8(ks + d, p->k_sl, kp + d * FA_BLK_NR, FA_BLK_NR);
+            for (; d < D; d++)
+                for (int u = 0; u < 8; u++) kp[d * FA_BLK_NR + u] = ks[u * p->k_sl + d];
+        }
+#endif
+    for (; cc < np * FA_BLK_NR; cc++) {
+        REAL *kp = w->K + (cc / FA_BLK_NR) * D * FA_BLK_NR + (cc % FA_BLK_NR);
+        if (cc < nj) {
+            const char *ks = c->kbase + (jt + cc) * p->k_sl * c->ksz;
+            const REAL *kr = (const REAL *)ks;
+            if (p->k_dtype != c->self_dt) { fa_cvt_row(w->tmp, ks, p->k_dtype, D); kr = w->tmp; }
+            for (int64_t d = 0; d < D; d++) kp[d * FA_BLK_NR] = kr[d];
+        } else {
+            for (int64_t d = 0; d < D; d++) kp[d * FA_BLK_NR] = 0;
+        }
+    }
+    for (int64_t r0 = 0; r0 < R; r0 += FA_BLK_MR) {
+        int mr = (int)fa_min64(FA_BLK_MR, R - r0);
+        for (int64_t pp = 0; pp < np; pp++)
+            FA_NAME(qk_ukernel_n)(mr, w->Qs + r0 * Dp, Dp, w->K + pp * D * FA_BLK_NR, D,
+                                  w->S + r0 * FA_BLK_BN + pp * FA_BLK_NR, FA_BLK_BN);
+    }
+}
+
+/* P.V of the prefill path for one tile (st: its V rows).
+ * P.V reads V in column blocks of PW = FA_BLK_NVO*VW values.  Read in place, the
+ * rows of a block lie one row stride apart; with few rows per task (GQA
+ * decode with large groups) they come from DRAM that way, and with long
+ * rows (Dv > 128) a power-of-two stride maps a block to a few L1 sets that
+ * evict each other (the D = 256 profile: ~38% of samples on V loads).
+ * Then V is first copied row by row into column panels (the panel of
+ * columns [c0, c0 + wd) holds nj rows of wd values at w->V + c0 * FA_BLK_BN,
+ * wd = PW, or VW after the full panels), converted on the way.
+ * Measured (Zen 3, standalone builds in one process): B1 H16/1 S32768
+ * decode +15-20%, H128/8 +10%, D = 256 prefill +9-14% on one thread,
+ * D = 160 +4-7%; with many rows and Dv <= 128 it was mixed (-6..+8%), so
+ * those keep reading V in place. */
+FA_INLINE void FA_NAME(pv_prefill)(const fa_ctx *c, const fa_ws *w, const fa_stream *st, int64_t nj)
+{
+    const fa_params *p = c->p;
+    const int64_t R = c->R, Dvp = c->Dvp, PW = FA_BLK_NVO * VW;
+    const REAL *V = (const REAL *)st->v;
+    const int64_t ldv = p->v_sl;
+    const int vpanel = !c->vdirect || R <= FA_VPANEL_ROWS || Dvp > 128;
+    const int64_t Dfull = Dvp / PW * PW;
+    if (vpanel)
+        for (int64_t jj = 0; jj < nj; jj++) {
+            const REAL *src = (const REAL *)(st->v + jj * st->vld);
+            if (!c->vdirect) {
+                FA_NAME(cvt_rows)(w->tmp, Dvp, st->v + jj * st->vld, 0, p->v_dtype, c->Dv, 1);
+                src = w->tmp;
+            }
+            for (int64_t c0 = 0; c0 < Dfull; c0 += PW)
+                for (int64_t cc = 0; cc < PW; cc += VW) vf_store(w->V + c0 * FA_BLK_BN + jj * PW + cc, vf_load(src + c0 + cc));
+            for (int64_t c0 = Dfull; c0 < Dvp; c0 += VW) vf_store(w->V + c0 * FA_BLK_BN + jj * VW, vf_load(src + c0));
+        }
+    /* Column blocks outer: a block of V (nj x wd) stays in L1 across the row blocks. */
+    int64_t c0 = 0;
+    for (; c0 < Dfull; c0 += PW) {
+        const REAL *Vb = vpanel ? w->V + c0 * FA_BLK_BN : V + c0;
+        const int64_t ldb = vpanel ? PW : ldv;
+        for (int64_t r0 = 0; r0 < R; r0 += FA_BLK_MR) {
+            int mr = (int)fa_min64(FA_BLK_MR, R - r0);
+            FA_NAME(pv_ukernel_n)(mr, FA_BLK_NVO, w->S + r0 * FA_BLK_BN, FA_BLK_BN, nj, Vb, ldb,
+                                  w->O + r0 * Dvp + c0, Dvp);
+        }
+    }
+    for (; c0 < Dvp; c0 += VW) {
+        const REAL *Vb = vpanel ? w->V + c0 * FA_BLK_BN : V + c0;
+        const int64_t ldb = vpanel ? VW : ldv;
+        for (int64_t r0 = 0; r0 < R; r0 += FA_BLK_MR) {
+            int mr = (int)fa_min64(FA_BLK_MR, R - r0);
+            FA_NAME(pv_ukernel_n)(mr, 1, w->S + r0 * FA_BLK_BN, FA_BLK_BN, nj, Vb, ldb, w->O + r0 * Dvp + c0, Dvp);
+        }
+    }
+}
+
+/* path_prefill: more than FA_BLK_RD stacked rows; FA_BLK_BN-key tiles, K
+ * packed into panels and both products register-blocked (qk_packed,
+ * pv_prefill). */
+FA_INLINE void FA_NAME(path_prefill)(const fa_ctx *c, const fa_ws *w)
+{
+    const int64_t TN = FA_BLK_BN;
+    for (int64_t jt = c->jlo; jt < c->jhi; jt += TN) {
+        const int64_t nj = fa_min64(TN, c->jhi - jt);
+        const fa_stream st = FA_NAME(tile_stream)(c, jt, nj);
+        if (FA_NAME(tile_hidden)(c, jt, nj)) continue;
+        FA_NAME(qk_packed)(c, w, jt, nj);
+        FA_NAME(mask_tile)(c, w->S, TN, jt, nj);
+        FA_NAME(softmax_tile)(c, w, TN, nj);
+        FA_NAME(pv_prefill)(c, w, &st, nj);
+    }
+}
+
+/* One task (kernel.h): derive the task's constants, load Q, run the one path
+ * that fits its rows and K/V layout over its keys, normalise and write. */
+static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
+{
+    fa_ctx c;
+    fa_ws w;
+    FA_NAME(carve)(p, t->rows, scratch, &w);
+    c.p = p;
+    c.t = t;
+    c.G = p->Hq / p->Hk;
+    c.D = p->D;
+    c.Dv = p->Dv;
+    c.b = t->b;
+    c.Dp = fa_rup(c.D, VW);
+    c.Dvp = fa_rup(c.Dv, VW);
+    c.bi = fa_batch_info(p, c.b);
+    c.delta = c.bi.Sb - c.bi.Lb;
+    c.ni = fa_min64(t->ni, c.bi.Lb - t->i0);
+    if (c.ni < 0) c.ni = 0;
+    c.R = c.G * c.ni;
+    /* Every buffer of the scratch holds cap_rows rows (attention.c checks the
+     * whole scratch with a guard zone in debug builds). */
+    FA_DEBUG_CHECK(c.G * t->ni <= FA_NAME(cap_rows)(p, t->rows), "task stacks more rows than its scratch holds");
+    c.use_log2 = p->softcap == 0.0;
+    c.ksz = (int64_t)fa_dtype_size(p->k_dtype);
+    c.vsz = (int64_t)fa_dtype_size(p->v_dtype);
+    c.kbase = (const char *)p->k + (c.b * p->k_sb + t->hk * p->k_sh + c.bi.koff * p->k_sl) * c.ksz;
+    c.vbase = (const char *)p->v + (c.b * p->v_sb + t->hk * p->v_sh + c.bi.koff * p->v_sl) * c.vsz;
+    c.self_dt = sizeof(REAL) == 8 ? FA_F64 : FA_F32;
+    const int kdirect = p->k_dtype == c.self_dt && c.D % VW == 0;
+    c.vdirect = p->v_dtype == c.self_dt && c.Dv % VW == 0;
+    /* The decode paths widen 16-bit K/V rows as they load them. */
+    const int wide16 = sizeof(REAL) == 4;
+    c.kfuse = c.D % VW == 0 && (kdirect || (wide16 && fa_dtype_16(p->k_dtype)));
+    c.vfuse = c.Dv % VW == 0 && (c.vdirect || (wide16 && fa_dtype_16(p->v_dtype)));
+
+    /* Key range any row may see, and the range every row sees (visible ranges
+     * grow with the row: the first row has the smallest lo, the last the
+     * largest hi, mask.h). */
+    c.jlo = c.jhi = c.flo = c.fhi = 0;
+    if (c.R > 0) {
+        int64_t lo0, hi0, lo1, hi1;
+        fa_row_range(p, t->i0 + c.delta, c.bi.Sb, &lo0, &hi0);
+        fa_row_range(p, t->i0 + c.ni - 1 + c.delta, c.bi.Sb, &lo1, &hi1);
+        c.jlo = fa_max64(lo0, t->j0);
+        c.jhi = fa_min64(hi1, fa_min64(t->j1, c.bi.Sb));
+        c.flo = lo1;
+        c.fhi = hi0;
+    }
+    c.elem_always = p->mask_kind != FA_MASK_NONE || p->alibi || !c.use_log2 || p->bmask;
+
+    FA_NAME(load_q)(&c, &w);
+
+    /* The path, chosen once per task.  A single row read in place takes
+     * path_row1 when its output row fits pv_row1's registers (its long tile
+     * fits the S scratch: cap_rows keeps at least FA_ROW_TN / FA_BLK_BN rows);
+     * other tasks of at most FA_BLK_RD rows take path_rows; the rest
+     * path_prefill. */
+    const int64_t nvo = c.Dvp / VW;
+    const int rows = c.R <= FA_BLK_RD;
+    const int row1 = c.R == 1 && rows && c.kfuse && c.vfuse && (nvo == 4 || nvo == 8 || nvo == 12 || nvo == 16);
+    if (row1) FA_NAME(path_row1)(&c, &w);
+    else if (rows) FA_NAME(path_rows)(&c, &w);
+    else FA_NAME(path_prefill)(&c, &w);
+
+    FA_NAME(write_out)(&c, &w);
 }
 
 #ifndef FA_BLK_BMR_SHORT
