@@ -87,11 +87,11 @@ int fa_cpu_has_amx(void);            /* AMX-BF16 usable: CPU, OS state and tile 
  * of the L1 data, L2 and L3 caches of one core (0 where unknown).
  * fa_tiles_set_rows: stacked rows per task for every later call (0: derived
  * from the L2 size, the default), -1 when rows is negative or above 4096.
- * fa_tiles_rows: the rows a call of that shape and dtype takes now. */
+ * fa_tiles_rows: the rows a call of that shape, dtype and causality takes now. */
 void fa_cache_sizes(int64_t *l1d, int64_t *l2, int64_t *l3);
 int fa_tiles_set_rows(int64_t rows);
 int64_t fa_tiles_get_rows(void);
-int64_t fa_tiles_rows(int64_t D, int64_t Dv, int64_t L, int dtype);
+int64_t fa_tiles_rows(int64_t D, int64_t Dv, int64_t L, int dtype, int causal);
 
 /* OpenMP facts (attention.c). */
 int fa_openmp_enabled(void);

@@ -26,6 +26,10 @@ typedef struct fa_kernel {
     int64_t row_multiple; /* the derived block is a multiple of this (the register or tile block) */
     /* Bytes of one stacked row's working set per key tile (tiles.c's rule). */
     int64_t (*row_bytes)(int64_t D, int64_t Dv);
+    /* Rows by which the kernel skips the masked keys of a causal or windowed
+     * tile (0: it computes the task's whole rows for every tile it visits, so
+     * tiles.c keeps banded blocks small). */
+    int64_t band_group;
 } fa_kernel;
 
 extern const fa_kernel fa_kernel_f32_scalar, fa_kernel_f64_scalar;

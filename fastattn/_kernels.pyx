@@ -246,10 +246,10 @@ def tiles_get_rows():
     return fa_tiles_get_rows()
 
 
-def tiles_rows(int64_t D, int64_t Dv, int64_t L, str dtype):
+def tiles_rows(int64_t D, int64_t Dv, int64_t L, str dtype, bint causal=False):
     """Rows per task that a call of this shape and dtype ("float32", "float64", "bfloat16") takes now."""
     cdef int dt = {"float32": FA_F32, "float64": FA_F64, "bfloat16": FA_BF16}[dtype]
-    return fa_tiles_rows(D, Dv, L, dt)
+    return fa_tiles_rows(D, Dv, L, dt, causal)
 
 
 def openmp_enabled():

@@ -106,6 +106,25 @@ def test_derived_rows_follow_the_rule(isa_name, D, Dv, L, dtype):
         fastattn.set_isa(prev)
 
 
+@pytest.mark.parametrize("isa_name", ISAS)
+@pytest.mark.parametrize("L", [1024, 2048, 4096, 16384])
+def test_causal_blocks_stay_within_a_sixteenth(isa_name, L):
+    prev = fastattn.get_isa()
+    fastattn.set_isa(isa_name)
+    try:
+        full = _kernels.tiles_rows(64, 64, L, "float32")
+        short = _kernels.tiles_rows(64, 64, 512, "float32")
+        mult = {"avx2": 6, "scalar": 4}.get(isa_name, 12)
+        band = min(full, max(short, L // 16 // mult * mult))
+        assert _kernels.tiles_rows(64, 64, L, "float32", True) == band
+        # the AMX kernel skips masked tiles per group of 32 rows: no cap
+        if isa_name in ("amx", "avx512bf16"):
+            bf = _kernels.tiles_rows(64, 64, L, "bfloat16")
+            assert _kernels.tiles_rows(64, 64, L, "bfloat16", True) == bf
+    finally:
+        fastattn.set_isa(prev)
+
+
 def test_derived_rows_grow_with_the_cache():
     # The shape of the rule: long sequences never take fewer rows than short ones,
     # and larger heads never take more (for the same kernel).
