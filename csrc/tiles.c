@@ -103,7 +103,8 @@ int64_t fa_tiles_get_rows(void) { return atomic_load_explicit(&fa_rows_override,
 
 static int64_t fa_round_down(int64_t x, int64_t m) { return x / m * m; }
 
-int64_t fa_rows_derived(const fa_kernel *k, int64_t D, int64_t Dv, int64_t L)
+/* The derived row block for head dims D, Dv and query length L (the rule above). */
+static int64_t fa_rows_derived(const fa_kernel *k, int64_t D, int64_t Dv, int64_t L)
 {
     if (L < FA_LONG_L || D > 128 || Dv > 128) return k->block_rows_short;
     int64_t l1d, l2, l3;

@@ -11,12 +11,8 @@
 /* Query length from which tasks take the long-sequence row block. */
 #define FA_LONG_L 1024
 
-static inline int64_t fa_rup64(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
 /* Rows per task of kernel k for the call p: the FASTATTN_TILES override, else
  * fa_rows_derived, at most L / 16 for causal or windowed calls. */
 int64_t fa_rows_per_task(const fa_kernel *k, const fa_params *p);
-/* The derived row block (tiles.c) for head dims D, Dv and query length L. */
-int64_t fa_rows_derived(const fa_kernel *k, int64_t D, int64_t Dv, int64_t L);
 
 #endif
