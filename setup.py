@@ -124,6 +124,7 @@ AMX_FLAGS = [
     "-mamx-bf16",
     "-mavx512f",
     "-mavx512bw",
+    "-mavx512dq",
     "-mavx512bf16",
     "-mavx2",
     "-mfma",
@@ -165,7 +166,7 @@ if AMX:
 # The AVX512-BF16 unit (csrc/kernel_bf16_avx512bf16.c: the AMX kernel's source on
 # VDPBF16PS): where the compiler knows the instruction; in any emulated AVX-512
 # build it is compiled for AVX2 with VDPBF16PS in C (vdpbf16.h).
-AVX512BF16_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512bf16", "-mavx2", "-mfma", "-mf16c"]
+AVX512BF16_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512bf16", "-mavx2", "-mfma", "-mf16c"]
 AVX512BF16 = IS_X86 and (
     EMULATE_AVX512
     or _compiler_builds(

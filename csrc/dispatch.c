@@ -31,7 +31,7 @@ static unsigned long long fa_xgetbv0(void)
 #define FA_CPU_F16C (1u << 2)
 #define FA_CPU_AVX512BF16 (1u << 3)
 #define FA_CPU_AMX (1u << 4)
-#define FA_CPU_AVX512BW (1u << 5)
+#define FA_CPU_AVX512BW (1u << 5) /* with DQ: the bf16 kernels' softmax needs both */
 #define FA_CPU_KNOWN (1u << 31)
 
 /* Linux keeps the AMX tile data (8 KiB of state) off until a process asks:
@@ -75,10 +75,10 @@ static unsigned fa_detect(void)
     int avx2 = (b >> 5) & 1, avx512f = (b >> 16) & 1;
     if (avx2 && fma && f16c) r |= FA_CPU_AVX2;
     if ((r & FA_CPU_AVX2) && avx512f && (xcr0 & 0xe6) == 0xe6) r |= FA_CPU_AVX512; /* + opmask, ZMM state */
-    const int avx512bw = (b >> 30) & 1;
+    const int avx512bw = ((b >> 30) & 1) && ((b >> 17) & 1); /* BW and DQ */
     /* AMX-BF16 (EDX bit 22) and AMX-TILE (bit 24), with XTILECFG and XTILEDATA
      * (XCR0 bits 17 and 18) enabled by the OS; the kernel's softmax needs
-     * AVX-512 BW and BF16 too (every AMX CPU has them). */
+     * AVX-512 BW, DQ and BF16 too (every AMX CPU has them). */
     const int amx_cpu = ((d >> 22) & 1) && ((d >> 24) & 1) && ((xcr0 >> 17) & 3) == 3;
     if ((r & FA_CPU_AVX512) && __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1)) r |= FA_CPU_AVX512BF16;
     if (amx_cpu && (r & FA_CPU_AVX512) && avx512bw && (r & FA_CPU_AVX512BF16) && fa_amx_permission())
@@ -119,8 +119,8 @@ int fa_cpu_has(int isa)
 #if defined(FA_HAVE_AVX512BF16) && defined(FA_EMULATE_AVX512BF16)
     if (isa == FA_ISA_AVX512BF16) return avx2; /* test-only build: VDPBF16PS emulated in C */
 #elif defined(FA_HAVE_AVX512BF16)
-    /* the kernel's softmax and packing use AVX-512 BW next to BF16 (every
-     * AVX512-BF16 CPU has it) */
+    /* the kernel's softmax and packing use AVX-512 BW and DQ next to BF16
+     * (every AVX512-BF16 CPU has them) */
     if (isa == FA_ISA_AVX512BF16) return (c & FA_CPU_AVX512BF16) && (c & FA_CPU_AVX512BW);
 #endif
 #if defined(FA_HAVE_AMX) && defined(FA_EMULATE_AMX)

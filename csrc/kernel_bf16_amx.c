@@ -173,29 +173,29 @@ static inline void amx_store_bf16x2(uint16_t *dst, vf lo, vf hi)
 #endif
 }
 
-/* 2^x for x <= 0, -inf or NaN (NaN stays NaN; x <= -127 gives 0 under the
- * kernel's FTZ), for P: 2^n * q(f), n = round(x), f = x - n in [-0.5, 0.5], q
- * the degree-4 minimax fit of 2^f (relative error 2.7e-6 in float32, below the
- * degree-5 Taylor series of simd.h's exp2 on the same range and far below the
- * bf16 rounding of P, 2^-9; the row sums l, and so the LSE, see the same
- * error).  On AVX-512 the scaling is VSCALEFPS and the rounding VRNDSCALEPS:
- * 8 vector operations instead of the 11 of the shift-and-multiply form, which
- * the emulated build keeps (same values: both are exact 2^n times q(f)). */
-#define AMX_EXP2_Q0 0.9999992847442627f
-#define AMX_EXP2_Q1 0.6931217908859253f
-#define AMX_EXP2_Q2 0.240247443318367f
-#define AMX_EXP2_Q3 0.05591783672571182f
-#define AMX_EXP2_Q4 0.009570079855620861f
+/* 2^x for x <= 0, -inf or NaN (NaN stays NaN; x < -126 gives 0 under the
+ * kernel's FTZ), for P: 2^n * q(f), n = floor(x), f = x - n in [0, 1], q the
+ * degree-4 minimax fit of 2^f on [0, 1] (relative error 2.7e-6 in float32,
+ * far below the bf16 rounding of P, 2^-9; the row sums l, and so the LSE, see
+ * the same error).  On AVX-512 f is one VREDUCEPS (x - floor(x); 0 for -inf)
+ * and the scaling one VSCALEFPS (q * 2^floor(x); 0 for -inf): 6 vector
+ * operations where the round-to-nearest form took 9 uops (clamp, VRNDSCALEPS
+ * is 2, the subtraction), measured below as the softmax's largest part.  The
+ * emulated build clamps at -127 and scales by exponent bits: the same values
+ * (FTZ takes 2^n with n <= -127 to 0 either way). */
+#define AMX_EXP2_Q0 1.0000026226043701f
+#define AMX_EXP2_Q1 0.6930038332939148f
+#define AMX_EXP2_Q2 0.24144279956817627f
+#define AMX_EXP2_Q3 0.052011482417583466f
+#define AMX_EXP2_Q4 0.013534121215343475f
 static inline vf amx_exp2_neg(vf x)
 {
-    vf xc = vf_max(vf_set1(-127.0f), x); /* max(c, NaN) is NaN: NaN stays */
 #if defined(FA_EMULATE_AVX512)
-    const vf magic = vf_set1(12583039.0f); /* 1.5 * 2^23 + 127 */
-    vf t = vf_add(xc, magic);
-    vf f = vf_sub(xc, vf_sub(t, magic));
-#else
-    vf n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf xc = vf_max(vf_set1(-127.0f), x); /* max(c, NaN) is NaN: NaN stays */
+    vf n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     vf f = vf_sub(xc, n);
+#else
+    vf f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
 #endif
     vf q = vf_set1(AMX_EXP2_Q4);
     q = vf_fma(q, f, vf_set1(AMX_EXP2_Q3));
@@ -203,9 +203,10 @@ static inline vf amx_exp2_neg(vf x)
     q = vf_fma(q, f, vf_set1(AMX_EXP2_Q1));
     q = vf_fma(q, f, vf_set1(AMX_EXP2_Q0));
 #if defined(FA_EMULATE_AVX512)
-    return vf_mul(q, vf_shl23(t));
+    /* 2^n from the exponent bits n + 127 (0 for n = -127: a zero) */
+    return vf_mul(q, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23)));
 #else
-    return _mm512_scalef_ps(q, n);
+    return _mm512_scalef_ps(q, x);
 #endif
 }
 
