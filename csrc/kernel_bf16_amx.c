@@ -49,7 +49,16 @@
 #define AMX_KERNEL fa_kernel_bf16_amx
 #endif
 
-#define AMX_BN 128        /* keys per tile (a multiple of 32) */
+/* Keys per tile (a multiple of 32).  256, not 128: each row group's O rows are
+ * loaded into and stored from the C tiles once per key tile, and each row's
+ * softmax overhead (max reduction, rescale test, lane sums) is paid once per
+ * tile, so a longer tile halves both per key.  Measured (Sapphire Rapids, 2
+ * threads, 128 and 256 builds in alternating processes, median of 6 paired
+ * rounds): L1024 D64 1.26x, L4096 D64 1.23x, L4096 causal 1.08x, L2048 D128
+ * 1.05x faster; on VDPBF16PS (same machine) 1.04-1.07x.  512 gained nothing more
+ * (0.94-1.04x: the full-tile softmax's 32 score vectors no longer fit the
+ * registers, and causal tiles are masked more coarsely). */
+#define AMX_BN 256
 #define AMX_BMR 512        /* stacked rows per task for L >= 1024 (attention.c) */
 #define AMX_BMR_SHORT 128 /* otherwise */
 #define AMX_RG 32         /* rows per group: two 16-row tiles */
@@ -497,6 +506,7 @@ static void amx_softmax_full(const amx_ws *w, int64_t g0, int64_t nr, const floa
                              float qscale, int64_t Dvq, amx_jobs *jobs)
 {
     enum { NV = AMX_BN / 16 };
+    _Static_assert(NV >= 4, "the max below starts from four score vectors");
     const vf ev = vf_set1(qscale);
     for (int64_t r = 0; r < AMX_RG; r++) {
         uint16_t *pr = P + r * AMX_BN, *pl = Pl ? Pl + r * AMX_BN : NULL;
@@ -510,7 +520,9 @@ static void amx_softmax_full(const amx_ws *w, int64_t g0, int64_t nr, const floa
         const float *s = S + r * AMX_BN;
         vf x[NV];
         for (int k = 0; k < NV; k++) x[k] = vf_load(s + 16 * k);
-        vf mv = vf_max(vf_max(vf_max(x[0], x[1]), vf_max(x[2], x[3])), vf_max(vf_max(x[4], x[5]), vf_max(x[6], x[7])));
+        vf mx4[4] = {x[0], x[1], x[2], x[3]}; /* four chains: a tree, not a sequence */
+        for (int k = 4; k < NV; k++) mx4[k & 3] = vf_max(mx4[k & 3], x[k]);
+        vf mv = vf_max(vf_max(mx4[0], mx4[1]), vf_max(mx4[2], mx4[3]));
         const float m1 = vf_hmax(mv) * qscale, mold = w->m[rr];
         float mnew = m1 > mold ? m1 : mold;
         if (m1 != m1) mnew = m1; /* NaN poisons the row */

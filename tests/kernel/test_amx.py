@@ -184,6 +184,20 @@ def test_large_scores_nan_and_inf(rng):
     assert np.all(np.isnan(o32[0, 1, 7])) and np.all(np.isfinite(np.delete(o32[0, 1], 7, axis=0)))
 
 
+@pytest.mark.parametrize("spike", [5, 130, 255, 300, 511])
+def test_row_max_anywhere_in_a_full_key_tile(rng, spike):
+    """A dominant score at any key of a full key tile (keys 0-255, 256-511): the
+    unmasked fast path's row max must see every score vector, or exp2(s - max)
+    overflows to inf and the row turns NaN."""
+    q = np.full((1, 2, 40, 16), 8.0, np.float32).astype(BF16)
+    k = rnd(rng, (1, 2, 512, 16), mag=0.1)
+    k[:, :, spike] = 8.0  # score 1024: exp2 overflows float32 unless it is the max
+    v = rnd(rng, (1, 2, 512, 16))
+    o, _ = check_contract(q, k, v, scale=1.0)
+    expected = np.broadcast_to(v[:, :, spike : spike + 1], o.shape).astype(np.float32)
+    np.testing.assert_allclose(o.astype(np.float32), expected)
+
+
 def test_thread_counts_bit_identical(rng):
     q, k, v = rnd(rng, (2, 4, 300, 64)), rnd(rng, (2, 2, 300, 64)), rnd(rng, (2, 2, 300, 64))
     a = sdpa(q, k, v, is_causal=True, enable_gqa=True, num_threads=1)
