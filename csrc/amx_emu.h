@@ -1,6 +1,6 @@
-/* amx_emu.h: the tile layer of kernel_bf16_amx.c.  FA_TILE_* name the five AMX
+/* amx_emu.h: the tile layer of kernel_bf16_amx.c.  FA_TILE_* name the AMX
  * instructions the kernel uses (ldtilecfg, tileloadd, tilestored, tilezero,
- * tdpbf16ps, plus tilerelease).  Normally they are the compiler's intrinsics;
+ * tdpbf16ps, tdpfp16ps for kernel_f16_amx.c, plus tilerelease).  Normally they are the compiler's intrinsics;
  * with FA_EMULATE_AMX (a TEST-ONLY build, setup.py FASTATTN_EMULATE_AMX=1,
  * tools/emulate_amx.sh) they are scalar C over eight thread-local tile
  * registers, so that the same kernel source (tile shapes, VNNI packing, edge
@@ -88,12 +88,41 @@ static inline void fa_emu_tdpbf16ps(int c, int a, int b)
     }
 }
 
+/* TDPFP16PS (AMX-FP16): the same pairs with float16 elements (each product
+ * of two float16 exact in fp32, subnormal inputs included). */
+static inline float fa_emu_f16_at(const uint8_t *row, int i)
+{
+    uint16_t h;
+    memcpy(&h, row + 2 * i, 2);
+    return fa_f16_to_f32(h);
+}
+
+static inline void fa_emu_tdpfp16ps(int c, int a, int b)
+{
+    const int M = fa_emu_amx.cfg.rows[c], N = fa_emu_amx.cfg.colsb[c] / 4, K = fa_emu_amx.cfg.colsb[a] / 4;
+    for (int m = 0; m < M; m++) {
+        float acc[16];
+        memcpy(acc, fa_emu_amx.t[c][m], sizeof(acc));
+        for (int k = 0; k < K; k++)
+            for (int n = 0; n < N; n++) {
+                volatile float p0 = fa_emu_f16_at(fa_emu_amx.t[a][m], 2 * k) * fa_emu_f16_at(fa_emu_amx.t[b][k], 2 * n);
+                acc[n] = acc[n] + p0;
+                volatile float p1 = fa_emu_f16_at(fa_emu_amx.t[a][m], 2 * k + 1) *
+                                    fa_emu_f16_at(fa_emu_amx.t[b][k], 2 * n + 1);
+                acc[n] = acc[n] + p1;
+            }
+        memset(fa_emu_amx.t[c][m], 0, 64);
+        memcpy(fa_emu_amx.t[c][m], acc, (size_t)N * 4);
+    }
+}
+
 #define FA_TILE_LOADCONFIG(cfg) fa_emu_ldtilecfg(cfg)
 #define FA_TILE_RELEASE() fa_emu_tilerelease()
 #define FA_TILE_ZERO(t) fa_emu_tilezero(t)
 #define FA_TILE_LOAD(t, base, stride) fa_emu_tileloadd((t), (base), (long)(stride))
 #define FA_TILE_STORE(t, base, stride) fa_emu_tilestored((t), (base), (long)(stride))
 #define FA_TILE_DPBF16(c, a, b) fa_emu_tdpbf16ps((c), (a), (b))
+#define FA_TILE_DPFP16(c, a, b) fa_emu_tdpfp16ps((c), (a), (b))
 
 #else
 #include <immintrin.h>
@@ -107,6 +136,10 @@ static inline void fa_emu_tdpbf16ps(int c, int a, int b)
 #define FA_TILE_LOAD(t, base, stride) do { FA_TILE_BARRIER(); _tile_loadd(t, base, stride); FA_TILE_BARRIER(); } while (0)
 #define FA_TILE_STORE(t, base, stride) do { _tile_stored(t, base, stride); FA_TILE_BARRIER(); } while (0)
 #define FA_TILE_DPBF16(c, a, b) _tile_dpbf16ps(c, a, b)
+/* TDPFP16PS by its mnemonic (GCC < 13 has no -mamx-fp16 intrinsic; the
+ * assembler knows it: binutils >= 2.38).  Operands as _tile_dpbf16ps: c += a.b,
+ * in AT&T order b, a, c; c, a, b are literal tile numbers. */
+#define FA_TILE_DPFP16(c, a, b) __asm__ volatile("tdpfp16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
 #endif
 
 #endif

@@ -32,6 +32,7 @@ static unsigned long long fa_xgetbv0(void)
 #define FA_CPU_AVX512BF16 (1u << 3)
 #define FA_CPU_AMX (1u << 4)
 #define FA_CPU_AVX512BW (1u << 5) /* with DQ: the bf16 kernels' softmax needs both */
+#define FA_CPU_AMXFP16 (1u << 6)  /* AMX-FP16 (TDPFP16PS) on top of FA_CPU_AMX */
 #define FA_CPU_KNOWN (1u << 31)
 
 /* Linux keeps the AMX tile data (8 KiB of state) off until a process asks:
@@ -80,9 +81,15 @@ static unsigned fa_detect(void)
      * (XCR0 bits 17 and 18) enabled by the OS; the kernel's softmax needs
      * AVX-512 BW, DQ and BF16 too (every AMX CPU has them). */
     const int amx_cpu = ((d >> 22) & 1) && ((d >> 24) & 1) && ((xcr0 >> 17) & 3) == 3;
-    if ((r & FA_CPU_AVX512) && __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1)) r |= FA_CPU_AVX512BF16;
-    if (amx_cpu && (r & FA_CPU_AVX512) && avx512bw && (r & FA_CPU_AVX512BF16) && fa_amx_permission())
+    /* Leaf 7 subleaf 1, EAX: AVX512-BF16 (bit 5), AMX-FP16 (bit 21). */
+    unsigned a1 = 0, b1, c1, d1;
+    if (!__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) a1 = 0;
+    if ((r & FA_CPU_AVX512) && ((a1 >> 5) & 1)) r |= FA_CPU_AVX512BF16;
+    const int amx_fp16 = (a1 >> 21) & 1;
+    if (amx_cpu && (r & FA_CPU_AVX512) && avx512bw && (r & FA_CPU_AVX512BF16) && fa_amx_permission()) {
         r |= FA_CPU_AMX;
+        if (amx_fp16) r |= FA_CPU_AMXFP16;
+    }
     if ((r & FA_CPU_AVX512) && avx512bw) r |= FA_CPU_AVX512BW;
     return r;
 }
@@ -136,6 +143,30 @@ int fa_cpu_has_amx(void)
 {
 #if defined(FA_HAVE_X86)
     return (fa_cpu() & FA_CPU_AMX) != 0;
+#else
+    return 0;
+#endif
+}
+
+/* float16 inputs on the tiles (kernel_f16_amx.c): AMX usable and AMX-FP16 on
+ * the CPU; in the test-only emulated build, wherever the amx path is (the
+ * instruction is emulated with the rest). */
+int fa_amx_fp16_usable(void)
+{
+#if defined(FA_HAVE_AMX_FP16) && defined(FA_EMULATE_AMX)
+    return fa_cpu_has(FA_ISA_AMX);
+#elif defined(FA_HAVE_AMX_FP16)
+    const unsigned c = fa_cpu();
+    return (c & FA_CPU_AMX) && (c & FA_CPU_AMXFP16);
+#else
+    return 0;
+#endif
+}
+
+int fa_cpu_has_amx_fp16(void)
+{
+#if defined(FA_HAVE_X86)
+    return (fa_cpu() & FA_CPU_AMXFP16) != 0;
 #else
     return 0;
 #endif
@@ -211,6 +242,12 @@ const fa_kernel *fa_select_kernel(const fa_params *p)
               (p->precision == FA_PRECISION_HIGH || p->precision == FA_PRECISION_MEDIUM))) &&
             p->L * (p->Hq / p->Hk) >= FA_AMX_MIN_ROWS)
             return &fa_kernel_bf16_amx;
+#endif
+#if defined(FA_HAVE_AMX_FP16)
+        /* float16 on AMX-FP16 only: never rounded to bf16 behind the caller's back */
+        if (p->q_dtype == FA_F16 && p->k_dtype == FA_F16 && p->v_dtype == FA_F16 &&
+            p->L * (p->Hq / p->Hk) >= FA_AMX_MIN_ROWS && fa_amx_fp16_usable())
+            return &fa_kernel_f16_amx;
 #endif
         return &fa_kernel_f32_avx512;
     case FA_ISA_AVX512BF16:

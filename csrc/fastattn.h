@@ -82,6 +82,8 @@ int fa_isa_set(int isa);             /* 0 ok, -1 when the CPU lacks it */
 int fa_cpu_has_f16c(void);
 int fa_cpu_has_avx512bf16(void);
 int fa_cpu_has_amx(void);            /* AMX-BF16 usable: CPU, OS state and tile permission */
+int fa_cpu_has_amx_fp16(void);       /* the CPU has AMX-FP16 (with AMX-BF16 usable) */
+int fa_amx_fp16_usable(void);        /* float16 inputs take the tiles where the ISA is amx */
 
 /* Caches and the forward kernels' row block (tiles.c).  fa_cache_sizes: bytes
  * of the L1 data, L2 and L3 caches of one core (0 where unknown).

@@ -44,6 +44,10 @@ void fa_exp2_avx512(const float *x, float *y, int64_t n);
 #define FA_AMX_MIN_ROWS 32
 extern const fa_kernel fa_kernel_bf16_amx;
 #endif
+#if defined(FA_HAVE_AMX_FP16)
+/* float16 q, k, v with as many rows on AMX-FP16 tiles (kernel_f16_amx.c). */
+extern const fa_kernel fa_kernel_f16_amx;
+#endif
 #if defined(FA_HAVE_AVX512BF16)
 /* The same calls on VDPBF16PS where the ISA is avx512bf16 (kernel_bf16_avx512bf16.c). */
 #ifndef FA_AMX_MIN_ROWS

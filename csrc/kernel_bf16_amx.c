@@ -44,6 +44,10 @@
 #if defined(FA_TILES_VDPBF16)
 #include "vdpbf16.h"
 #define AMX_KERNEL fa_kernel_bf16_avx512bf16
+#elif defined(FA_TILES_FP16)
+/* kernel_f16_amx.c: float16 inputs on AMX-FP16 (TDPFP16PS), P rounded to float16. */
+#include "amx_emu.h"
+#define AMX_KERNEL fa_kernel_f16_amx
 #else
 #include "amx_emu.h"
 #define AMX_KERNEL fa_kernel_bf16_amx
@@ -70,7 +74,7 @@
  * counts of the phases, one thread. */
 #if defined(FA_AMX_PROF)
 #include <x86intrin.h>
-#if defined(FA_TILES_VDPBF16) /* one definition, in the AMX unit */
+#if defined(FA_TILES_VDPBF16) || defined(FA_TILES_FP16) /* one definition, in the AMX unit */
 extern double fa_amx_prof[8];
 #else
 double fa_amx_prof[8];
@@ -179,6 +183,28 @@ static inline void amx_store_bf16x2(uint16_t *dst, vf lo, vf hi)
 #else
     __m512bh h = _mm512_cvtne2ps_pbh(hi, lo);
     memcpy(dst, &h, 64);
+#endif
+}
+
+/* 32 probabilities (lo: the first 16) rounded to the products' 16-bit type at
+ * dst: bfloat16, or float16 in the AMX-FP16 unit (never bf16 for float16
+ * inputs: their P keeps float16's 11 bits). */
+static inline void amx_store_p16x2(uint16_t *dst, vf lo, vf hi)
+{
+#if defined(FA_TILES_FP16)
+#if defined(FA_EMULATE_AVX512)
+    float t[32];
+    vf_store(t, lo);
+    vf_store(t + 16, hi);
+    for (int i = 0; i < 32; i++) dst[i] = fa_f32_to_f16(t[i]);
+#else
+    __m256i h0 = _mm512_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256i h1 = _mm512_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    memcpy(dst, &h0, 32);
+    memcpy(dst + 16, &h1, 32);
+#endif
+#else
+    amx_store_bf16x2(dst, lo, hi);
 #endif
 }
 
@@ -340,8 +366,13 @@ static inline void amx_pv_step(const uint16_t *P, const uint16_t *Pl, const uint
 /* The 2x2 block product every tile loop issues: accumulators 0-3 (rows 0-15 / 16-31 by
    columns 0-15 / 16-31) += A tiles 4, 5 times B tiles 6, 7.  A macro, not a function:
    tile numbers must be immediates. */
+#if defined(FA_TILES_FP16)
+#define AMX_TILE_DP(c, a, b) FA_TILE_DPFP16(c, a, b)
+#else
+#define AMX_TILE_DP(c, a, b) FA_TILE_DPBF16(c, a, b)
+#endif
 #define AMX_DP_2X2() \
-    do { FA_TILE_DPBF16(0, 4, 6); FA_TILE_DPBF16(1, 4, 7); FA_TILE_DPBF16(2, 5, 6); FA_TILE_DPBF16(3, 5, 7); } while (0)
+    do { AMX_TILE_DP(0, 4, 6); AMX_TILE_DP(1, 4, 7); AMX_TILE_DP(2, 5, 6); AMX_TILE_DP(3, 5, 7); } while (0)
 
 /* One step of S[0:32][0:njp] = Q[g0:g0+32] . K^T: the 32 keys of key tiles kb,
  * kb + 1 (2 x 2 C tiles).  With Ql (bf16x3, "high"): S = Qh.Kh^T + Qh.Kl^T +
@@ -554,7 +585,7 @@ static void amx_softmax_full(const amx_ws *w, int64_t g0, int64_t nr, const floa
             vf e1 = amx_exp2_neg(vf_fma(x[k + 1], ev, mn));
             sum0 = vf_add(sum0, e0);
             sum1 = vf_add(sum1, e1);
-            amx_store_bf16x2(pr + 16 * k, e0, e1);
+            amx_store_p16x2(pr + 16 * k, e0, e1);
             if (pl) { /* the low parts: e - bf16(e) */
                 vf h0 = vf_load_bf16(pr + 16 * k), h1 = vf_load_bf16(pr + 16 * k + 16);
                 amx_store_bf16x2(pl + 16 * k, vf_sub(e0, h0), vf_sub(e1, h1));
@@ -683,7 +714,7 @@ static void amx_softmax(const fa_params *p, const fa_task *t, const amx_ws *w, i
             vf e1 = amx_exp2_neg(vf_fma(vf_load(s + jj + 16), ev, mn));
             sum0 = vf_add(sum0, e0);
             sum1 = vf_add(sum1, e1);
-            amx_store_bf16x2(pr + jj, e0, e1);
+            amx_store_p16x2(pr + jj, e0, e1);
             if (pl) { /* the low parts: e - bf16(e) */
                 vf h0 = vf_load_bf16(pr + jj), h1 = vf_load_bf16(pr + jj + 16);
                 amx_store_bf16x2(pl + jj, vf_sub(e0, h0), vf_sub(e1, h1));
@@ -710,6 +741,13 @@ static void amx_write_row(void *dst, int dt, int64_t oo, const float *o, double 
         float *d = (float *)dst + oo;
         for (; c + 8 <= Dv; c += 8)
             _mm256_storeu_ps(d + c, _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(o + c)), iv)));
+    } else if (dt == FA_F16) {
+        uint16_t *d = (uint16_t *)dst + oo;
+        for (; c + 8 <= Dv; c += 8) {
+            __m128i h = _mm256_cvtps_ph(_mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(o + c)), iv)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            memcpy(d + c, &h, 16);
+        }
     } else if (dt == FA_BF16) {
         uint16_t *d = (uint16_t *)dst + oo;
         for (; c + 16 <= Dv; c += 16) {

@@ -229,6 +229,7 @@ def config() -> dict[str, Any]:
         ),
         "amx_built (compiler has AMX)": getattr(_build_config, "AMX_BUILT", False),
         "amx_emulated (FASTATTN_EMULATE_AMX, tests only)": getattr(_build_config, "EMULATE_AMX", False),
+        "amx_fp16 (float16 inputs on the tiles, isa amx)": _kernels.amx_fp16_usable(),
         "avx512bf16_built (compiler has AVX512-BF16)": getattr(_build_config, "AVX512BF16_BUILT", False),
         "avx512bf16_emulated (FASTATTN_EMULATE_AVX512BF16, tests only)": getattr(
             _build_config, "EMULATE_AVX512BF16", False

@@ -79,6 +79,8 @@ cdef extern from "fastattn.h":
     int fa_cpu_has_f16c()
     int fa_cpu_has_avx512bf16()
     int fa_cpu_has_amx()
+    int fa_cpu_has_amx_fp16()
+    int fa_amx_fp16_usable()
     int fa_openmp_enabled()
     int fa_omp_max_threads()
     void fa_cache_sizes(int64_t *l1d, int64_t *l2, int64_t *l3)

@@ -227,7 +227,12 @@ def isa_set(str isa):
 def cpu_features():
     return {"avx2": bool(fa_cpu_has(FA_ISA_AVX2)), "avx512f": bool(fa_cpu_has(FA_ISA_AVX512)),
             "f16c": bool(fa_cpu_has_f16c()), "avx512bf16": bool(fa_cpu_has_avx512bf16()),
-            "amx_bf16": bool(fa_cpu_has_amx())}
+            "amx_bf16": bool(fa_cpu_has_amx()), "amx_fp16": bool(fa_cpu_has_amx_fp16())}
+
+
+def amx_fp16_usable():
+    """Whether float16 inputs take the AMX-FP16 tile kernel where the ISA is amx."""
+    return bool(fa_amx_fp16_usable())
 
 
 def cache_sizes():

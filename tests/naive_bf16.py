@@ -18,8 +18,9 @@ from fastattn import reference as ref
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-def naive_bf16(q, k, v, **kw):
-    """(naive output, float64 reference output) for sdpa arguments in bhsd layout."""
+def naive_bf16(q, k, v, p_dtype=BF16, **kw):
+    """(naive output, float64 reference output) for sdpa arguments in bhsd layout;
+    P is rounded to ``p_dtype`` (bfloat16; float16 for the AMX-FP16 kernel)."""
     kw = dict(kw)
     kw.pop("num_threads", None)
     S = np.asarray(k).shape[-2]
@@ -28,7 +29,7 @@ def naive_bf16(q, k, v, **kw):
     eye = np.broadcast_to(np.eye(S), lead + (Hk, S, S))
     p = np.asarray(ref.scaled_dot_product_attention(q, k, eye, **kw), dtype=np.float64)  # (..., Hq, L, S)
     expected = np.asarray(ref.scaled_dot_product_attention(q, k, v, **kw), dtype=np.float64)
-    p16 = p.astype(np.float32).astype(BF16).astype(np.float32)
+    p16 = p.astype(np.float32).astype(p_dtype).astype(np.float32)
     vv = np.asarray(v).astype(np.float32)
     Hq = p.shape[-3]
     vv = np.repeat(vv, Hq // Hk, axis=-3)
@@ -37,9 +38,9 @@ def naive_bf16(q, k, v, **kw):
     return o.astype(out_dt).astype(np.float64), expected
 
 
-def naive_bf16_error(q, k, v, **kw):
+def naive_bf16_error(q, k, v, p_dtype=BF16, **kw):
     """(max |naive - reference|, reference): the error the contract scales."""
-    o, expected = naive_bf16(q, k, v, **kw)
+    o, expected = naive_bf16(q, k, v, p_dtype=p_dtype, **kw)
     fin = np.isfinite(expected)
     err = float(np.max(np.abs(o[fin] - expected[fin]), initial=0.0))
     return err, expected
