@@ -17,6 +17,7 @@ from conftest import randn
 from naive_bf16 import naive_bf16_error
 
 import fastattn
+from fastattn import _kernels
 from fastattn import reference as ref
 
 sdpa = fastattn.scaled_dot_product_attention
@@ -70,11 +71,17 @@ def bound(q, k, v, expected, out_dtype, **kw):
 
 
 def amx_path(q, k, v):
-    """True when the call runs on the tile kernel: isa "amx" (AMX tiles) or "avx512bf16" (the
-    same kernel on VDPBF16PS), all bfloat16, >= 32 stacked rows per kv head."""
+    """The 16-bit type P is rounded to when the call runs on a tile kernel, else None: isa "amx"
+    (AMX tiles) or "avx512bf16" (the same kernel on VDPBF16PS), all bfloat16, >= 32 stacked rows
+    per kv head; or isa "amx", all float16, on AMX-FP16 (real or emulated, test_amx_fp16.py)."""
     rows = q.shape[-2] * (q.shape[-3] // k.shape[-3])
-    tiles = fastattn.get_isa() in ("amx", "avx512bf16")
-    return tiles and q.dtype == k.dtype == v.dtype == BF16 and rows >= 32
+    if rows < 32 or not q.dtype == k.dtype == v.dtype:
+        return None
+    if fastattn.get_isa() in ("amx", "avx512bf16") and q.dtype == BF16:
+        return BF16
+    if fastattn.get_isa() == "amx" and q.dtype == np.float16 and _kernels.amx_fp16_usable():
+        return np.dtype(np.float16)
+    return None
 
 
 def check_half(rng, B, Hq, Hk, L, S, D, kv_dtype, q_dtype, *, Dv=None, mag=1.0, **kw):
@@ -90,8 +97,10 @@ def check_half(rng, B, Hq, Hk, L, S, D, kv_dtype, q_dtype, *, Dv=None, mag=1.0, 
     assert np.all(np.isfinite(o.astype(np.float64)))
     err = np.abs(o.astype(np.float64) - ro)
     allowed = bound(q, k, v, ro, np.dtype(q_dtype), **kw)
-    if amx_path(q, k, v):  # bf16 products, P rounded to bf16: the naive bf16 contract (test_amx.py)
-        allowed = np.maximum(allowed, 2 * naive_bf16_error(q, k, v, enable_gqa=Hq != Hk, **kw)[0])
+    p16 = amx_path(q, k, v)
+    if p16 is not None:  # 16-bit products, P rounded to 16 bits: the naive contract (test_amx.py)
+        naive = naive_bf16_error(q, k, v, p_dtype=p16, enable_gqa=Hq != Hk, **kw)[0]
+        allowed = np.maximum(allowed, 2 * naive)
     assert np.all(err <= allowed), f"max excess {np.max(err - allowed):.3e}, max error {err.max():.3e}"
     # The LSE is float32 whatever the inputs: compare at float32 precision of its magnitude.
     np.testing.assert_allclose(lse, rlse, rtol=1e-5, atol=1e-4)
