@@ -61,14 +61,17 @@ static inline void fa_emu_tilestored(int t, void *base, long stride)
     for (int r = 0; r < rows; r++) memcpy((char *)base + (long)r * stride, fa_emu_amx.t[t][r], (size_t)colsb);
 }
 
-static inline float fa_emu_bf16_at(const uint8_t *row, int i)
+/* Element i of a tile row of 16-bit values: bfloat16, or float16 (f16). */
+static inline float fa_emu_p16_at(const uint8_t *row, int i, int f16)
 {
     uint16_t h;
     memcpy(&h, row + 2 * i, 2);
-    return fa_bf16_to_f32(h);
+    return f16 ? fa_f16_to_f32(h) : fa_bf16_to_f32(h);
 }
 
-static inline void fa_emu_tdpbf16ps(int c, int a, int b)
+/* TDPBF16PS, or with f16 TDPFP16PS (AMX-FP16: the same pairs of float16
+ * elements, each product exact in fp32, subnormal inputs included). */
+static inline void fa_emu_tdp16ps(int c, int a, int b, int f16)
 {
     const int M = fa_emu_amx.cfg.rows[c], N = fa_emu_amx.cfg.colsb[c] / 4, K = fa_emu_amx.cfg.colsb[a] / 4;
     for (int m = 0; m < M; m++) {
@@ -76,39 +79,11 @@ static inline void fa_emu_tdpbf16ps(int c, int a, int b)
         memcpy(acc, fa_emu_amx.t[c][m], sizeof(acc));
         for (int k = 0; k < K; k++)
             for (int n = 0; n < N; n++) {
-                volatile float p0 = fa_emu_bf16_at(fa_emu_amx.t[a][m], 2 * k) *
-                                    fa_emu_bf16_at(fa_emu_amx.t[b][k], 2 * n);
+                volatile float p0 = fa_emu_p16_at(fa_emu_amx.t[a][m], 2 * k, f16) *
+                                    fa_emu_p16_at(fa_emu_amx.t[b][k], 2 * n, f16);
                 acc[n] = acc[n] + p0;
-                volatile float p1 = fa_emu_bf16_at(fa_emu_amx.t[a][m], 2 * k + 1) *
-                                    fa_emu_bf16_at(fa_emu_amx.t[b][k], 2 * n + 1);
-                acc[n] = acc[n] + p1;
-            }
-        memset(fa_emu_amx.t[c][m], 0, 64);
-        memcpy(fa_emu_amx.t[c][m], acc, (size_t)N * 4);
-    }
-}
-
-/* TDPFP16PS (AMX-FP16): the same pairs with float16 elements (each product
- * of two float16 exact in fp32, subnormal inputs included). */
-static inline float fa_emu_f16_at(const uint8_t *row, int i)
-{
-    uint16_t h;
-    memcpy(&h, row + 2 * i, 2);
-    return fa_f16_to_f32(h);
-}
-
-static inline void fa_emu_tdpfp16ps(int c, int a, int b)
-{
-    const int M = fa_emu_amx.cfg.rows[c], N = fa_emu_amx.cfg.colsb[c] / 4, K = fa_emu_amx.cfg.colsb[a] / 4;
-    for (int m = 0; m < M; m++) {
-        float acc[16];
-        memcpy(acc, fa_emu_amx.t[c][m], sizeof(acc));
-        for (int k = 0; k < K; k++)
-            for (int n = 0; n < N; n++) {
-                volatile float p0 = fa_emu_f16_at(fa_emu_amx.t[a][m], 2 * k) * fa_emu_f16_at(fa_emu_amx.t[b][k], 2 * n);
-                acc[n] = acc[n] + p0;
-                volatile float p1 = fa_emu_f16_at(fa_emu_amx.t[a][m], 2 * k + 1) *
-                                    fa_emu_f16_at(fa_emu_amx.t[b][k], 2 * n + 1);
+                volatile float p1 = fa_emu_p16_at(fa_emu_amx.t[a][m], 2 * k + 1, f16) *
+                                    fa_emu_p16_at(fa_emu_amx.t[b][k], 2 * n + 1, f16);
                 acc[n] = acc[n] + p1;
             }
         memset(fa_emu_amx.t[c][m], 0, 64);
@@ -121,8 +96,8 @@ static inline void fa_emu_tdpfp16ps(int c, int a, int b)
 #define FA_TILE_ZERO(t) fa_emu_tilezero(t)
 #define FA_TILE_LOAD(t, base, stride) fa_emu_tileloadd((t), (base), (long)(stride))
 #define FA_TILE_STORE(t, base, stride) fa_emu_tilestored((t), (base), (long)(stride))
-#define FA_TILE_DPBF16(c, a, b) fa_emu_tdpbf16ps((c), (a), (b))
-#define FA_TILE_DPFP16(c, a, b) fa_emu_tdpfp16ps((c), (a), (b))
+#define FA_TILE_DPBF16(c, a, b) fa_emu_tdp16ps((c), (a), (b), 0)
+#define FA_TILE_DPFP16(c, a, b) fa_emu_tdp16ps((c), (a), (b), 1)
 
 #else
 #include <immintrin.h>

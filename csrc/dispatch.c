@@ -156,8 +156,7 @@ int fa_amx_fp16_usable(void)
 #if defined(FA_HAVE_AMX_FP16) && defined(FA_EMULATE_AMX)
     return fa_cpu_has(FA_ISA_AMX);
 #elif defined(FA_HAVE_AMX_FP16)
-    const unsigned c = fa_cpu();
-    return (c & FA_CPU_AMX) && (c & FA_CPU_AMXFP16);
+    return fa_cpu_has_amx_fp16(); /* fa_detect sets AMX-FP16 only with AMX usable */
 #else
     return 0;
 #endif

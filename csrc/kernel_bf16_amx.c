@@ -44,13 +44,13 @@
 #if defined(FA_TILES_VDPBF16)
 #include "vdpbf16.h"
 #define AMX_KERNEL fa_kernel_bf16_avx512bf16
-#elif defined(FA_TILES_FP16)
-/* kernel_f16_amx.c: float16 inputs on AMX-FP16 (TDPFP16PS), P rounded to float16. */
-#include "amx_emu.h"
-#define AMX_KERNEL fa_kernel_f16_amx
 #else
 #include "amx_emu.h"
+#if defined(FA_TILES_FP16) /* kernel_f16_amx.c: float16 on AMX-FP16 (TDPFP16PS), P rounded to float16 */
+#define AMX_KERNEL fa_kernel_f16_amx
+#else
 #define AMX_KERNEL fa_kernel_bf16_amx
+#endif
 #endif
 
 /* Keys per tile (a multiple of 32).  256, not 128: each row group's O rows are

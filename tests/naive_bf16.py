@@ -44,3 +44,23 @@ def naive_bf16_error(q, k, v, p_dtype=BF16, **kw):
     fin = np.isfinite(expected)
     err = float(np.max(np.abs(o[fin] - expected[fin]), initial=0.0))
     return err, expected
+
+
+def check_naive_contract(sdpa, q, k, v, *, p_dtype=BF16, factor=2.0, **kw):
+    """``sdpa``'s output within ``factor`` x the naive error with P in ``p_dtype`` (plus
+    float32 slack), NaN where the reference is NaN, inputs unmodified; (output, reference)."""
+    copies = [a.copy() for a in (q, k, v)]
+    o = sdpa(q, k, v, **kw)
+    naive_err, expected = naive_bf16_error(q, k, v, p_dtype=p_dtype, **kw)
+    assert o.dtype == q.dtype and o.shape == expected.shape
+    o64 = o.astype(np.float64)
+    fin = np.isfinite(expected)
+    np.testing.assert_array_equal(np.isnan(o64), np.isnan(expected))
+    err = float(np.max(np.abs(o64[fin] - expected[fin]), initial=0.0))
+    scale = max(1.0, float(np.abs(expected[fin]).max(initial=0.0)))
+    allowed = factor * naive_err + 1e-5 * scale
+    name = "bf16" if np.dtype(p_dtype) == BF16 else str(np.dtype(p_dtype))
+    assert err <= allowed, f"error {err:.3e} > {factor} x naive {name} error {naive_err:.3e}"
+    for a, c in zip((q, k, v), copies):
+        np.testing.assert_array_equal(a, c)
+    return o, expected

@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import ISAS
-from naive_bf16 import naive_bf16_error
+from naive_bf16 import check_naive_contract, naive_bf16_error
 
 import fastattn
 
@@ -46,20 +46,7 @@ def rnd(rng, shape, dtype=BF16, mag=1.0):
 
 def check_contract(q, k, v, *, factor=2.0, **kw):
     """Kernel output within ``factor`` x the naive bf16 error (plus float32 slack)."""
-    copies = [a.copy() for a in (q, k, v)]
-    o = sdpa(q, k, v, **kw)
-    naive_err, expected = naive_bf16_error(q, k, v, **kw)
-    assert o.dtype == q.dtype and o.shape == expected.shape
-    o64 = o.astype(np.float64)
-    fin = np.isfinite(expected)
-    np.testing.assert_array_equal(np.isnan(o64), np.isnan(expected))
-    err = float(np.max(np.abs(o64[fin] - expected[fin]), initial=0.0))
-    scale = max(1.0, float(np.abs(expected[fin]).max(initial=0.0)))
-    allowed = factor * naive_err + 1e-5 * scale
-    assert err <= allowed, f"error {err:.3e} > {factor} x naive bf16 error {naive_err:.3e}"
-    for a, c in zip((q, k, v), copies):
-        np.testing.assert_array_equal(a, c)
-    return o, expected
+    return check_naive_contract(sdpa, q, k, v, factor=factor, **kw)
 
 
 LS = [
