@@ -74,6 +74,9 @@ typedef struct fa_ws {
 } fa_ws;
 
 #define FA_ALIGN 64
+/* Values past the last query row in w->Qs that load_q_packed's 8-wide stores
+ * may write (never read). */
+#define FA_QS_SLACK 8
 static inline size_t fa_al(size_t n) { return (n + FA_ALIGN - 1) / FA_ALIGN * FA_ALIGN; }
 
 /* Rows of scratch per task.  The driver gives a task max(1, rows / G)
@@ -103,7 +106,7 @@ static size_t FA_NAME(scratch_bytes)(const fa_params *p, int64_t rows)
 {
     int64_t Dp = fa_rup(p->D, VW), Dvp = fa_rup(p->Dv, VW), W = Dp > Dvp ? Dp : Dvp;
     const size_t e = sizeof(REAL), R = (size_t)FA_NAME(cap_rows)(p, rows);
-    return fa_al(R * Dp * e) + fa_al(FA_BLK_BN * Dp * e) + fa_al(FA_BLK_BN * Dvp * e) + fa_al(R * FA_BLK_BN * e) +
+    return fa_al((R * Dp + FA_QS_SLACK) * e) + fa_al(FA_BLK_BN * Dp * e) + fa_al(FA_BLK_BN * Dvp * e) + fa_al(R * FA_BLK_BN * e) +
            fa_al(R * Dvp * e) + 2 * fa_al(R * e) + fa_al(W * e) + FA_ALIGN;
 }
 
@@ -112,7 +115,7 @@ static void FA_NAME(carve)(const fa_params *p, int64_t rows, void *scratch, fa_w
     int64_t Dp = fa_rup(p->D, VW), Dvp = fa_rup(p->Dv, VW);
     const size_t e = sizeof(REAL), R = (size_t)FA_NAME(cap_rows)(p, rows);
     char *c = (char *)(((uintptr_t)scratch + FA_ALIGN - 1) / FA_ALIGN * FA_ALIGN);
-    w->Qs = (REAL *)c; c += fa_al(R * Dp * e);
+    w->Qs = (REAL *)c; c += fa_al((R * Dp + FA_QS_SLACK) * e);
     w->K = (REAL *)c; c += fa_al(FA_BLK_BN * Dp * e);
     w->V = (REAL *)c; c += fa_al(FA_BLK_BN * Dvp * e);
     w->S = (REAL *)c; c += fa_al(R * FA_BLK_BN * e);
@@ -170,16 +173,85 @@ typedef struct fa_ctx {
     int vdirect;                     /* V rows are whole vectors of REAL: usable as they lie */
 } fa_ctx;
 
-/* Pre-scaled, zero-padded query rows in w->Qs, m = -inf, l = 0, O = 0. */
-FA_INLINE void FA_NAME(load_q)(const fa_ctx *c, const fa_ws *w)
+/* The prefill products take R rows in nb = ceil(R / FA_BLK_MR) register
+ * blocks of near-equal size, block kb = rows [R kb / nb, R (kb + 1) / nb):
+ * a full-size run with a short last block (16 rows as 12 + 4) leaves the
+ * short block's few accumulator chains waiting on the FMA latency.  Each
+ * row's sums do not depend on the blocking. */
+FA_INLINE int64_t FA_NAME(row_nblocks)(int64_t R) { return (R + FA_BLK_MR - 1) / FA_BLK_MR; }
+
+/* Row r of the task in the query operand: head hk*G + r/ni at position i0 + r%ni. */
+FA_INLINE const char *FA_NAME(q_row)(const fa_ctx *c, int64_t g, int64_t ii)
 {
     const fa_params *p = c->p;
-    const fa_task *t = c->t;
+    const int64_t h = c->t->hk * c->G + g, i = c->t->i0 + ii;
+    return (const char *)p->q +
+        (c->b * p->q_sb + h * p->q_sh + (c->bi.qoff + i) * p->q_sl) * (int64_t)fa_dtype_size(p->q_dtype);
+}
+
+/* The prefill path's query operand: each register block of mr rows (at row
+ * r0) packed d-major at w->Qs + r0 * Dp, element (r, d) at d * mr + r - r0,
+ * pre-scaled and zero past D (qk_ukernel's Qp).  Float32 rows are transposed
+ * 8 x 8 straight from the input, then the block is scaled in one pass (the
+ * same single product per element as the row-major copy). */
+FA_INLINE void FA_NAME(load_q_packed)(const fa_ctx *c, const fa_ws *w, REAL qscale)
+{
+    const fa_params *p = c->p;
+    const int64_t R = c->R, D = c->D, Dp = c->Dp, nb = FA_NAME(row_nblocks)(R);
+    for (int64_t kb = 0; kb < nb; kb++) {
+        const int64_t r0 = R * kb / nb, mr = R * (kb + 1) / nb - r0;
+        REAL *qb = w->Qs + r0 * Dp;
+        const char *src[FA_BLK_MR] = { 0 };
+        for (int64_t r = 0; r < mr; r++) src[r] = FA_NAME(q_row)(c, (r0 + r) / c->ni, (r0 + r) % c->ni);
+        if (p->q_dtype == c->self_dt) {
+            int64_t d8 = 0; /* d below this is transposed 8 x 8 */
+#if defined(FA_HAVE_PACK8)
+            /* Groups of 8 rows (columns r..r+7 of the block), the last group
+             * first: a group of n < 8 rows repeats its last row pointer, and
+             * each of its 8-wide stores runs past its n columns into the
+             * next d's first columns, which the full groups, stored after
+             * it, overwrite (as the next d stores the group's own tail).
+             * Past the block's end the run lands on later d (the scalar d
+             * below), the padding, the next block or the buffer's slack
+             * (carve), all written later or never read. */
+            d8 = D / 8 * 8;
+            for (int64_t r = (mr - 1) / 8 * 8; r >= 0; r -= 8) {
+                const char *g[8];
+                for (int64_t u = 0; u < 8; u++) g[u] = src[r + u < mr ? r + u : mr - 1];
+                for (int64_t d = 0; d < d8; d += 8) fa_pack8x8_rows((const float *const *)g, d, qb + d * mr + r, mr);
+            }
+#endif
+            for (int64_t r = 0; r < mr; r++)
+                for (int64_t d = d8; d < D; d++) qb[d * mr + r] = ((const REAL *)src[r])[d];
+            int64_t e = 0;
+            for (const vf qv = vf_set1(qscale); e + VW <= D * mr; e += VW) vf_store(qb + e, vf_mul(vf_load(qb + e), qv));
+            for (; e < D * mr; e++) qb[e] *= qscale;
+        } else {
+            for (int64_t r = 0; r < mr; r++) {
+                fa_cvt_row(w->tmp, src[r], p->q_dtype, D);
+                for (int64_t d = 0; d < D; d++) qb[d * mr + r] = w->tmp[d] * qscale;
+            }
+        }
+        for (int64_t e = D * mr; e < Dp * mr; e++) qb[e] = 0;
+    }
+}
+
+/* Pre-scaled, zero-padded query rows in w->Qs (row-major with stride Dp for
+ * the decode paths, packed by register block for the prefill path), m = -inf,
+ * l = 0, O = 0. */
+FA_INLINE void FA_NAME(load_q)(const fa_ctx *c, const fa_ws *w, int packed)
+{
+    const fa_params *p = c->p;
     const REAL qscale = (REAL)(p->scale * (c->use_log2 ? FA_LOG2E : 1.0));
-    for (int64_t r = 0; r < c->R; r++) {
-        int64_t h = t->hk * c->G + r / c->ni, i = t->i0 + r % c->ni;
-        const char *src = (const char *)p->q +
-            (c->b * p->q_sb + h * p->q_sh + (c->bi.qoff + i) * p->q_sl) * (int64_t)fa_dtype_size(p->q_dtype);
+    if (packed) FA_NAME(load_q_packed)(c, w, qscale);
+    /* (g, ii) loops rather than r / ni and r % ni per row: two integer
+     * divisions were a visible part of small calls. */
+    for (int64_t g = 0, r = 0; g < c->G; g++)
+    for (int64_t ii = 0; ii < c->ni; ii++, r++) {
+        w->m[r] = -INFINITY;
+        w->l[r] = 0;
+        if (packed) continue;
+        const char *src = FA_NAME(q_row)(c, g, ii);
         REAL *qd = w->Qs + r * c->Dp;
         if (p->q_dtype == c->self_dt) { /* one pass: scaled while copied */
             const REAL *qs = (const REAL *)src;
@@ -191,8 +263,6 @@ FA_INLINE void FA_NAME(load_q)(const fa_ctx *c, const fa_ws *w)
             for (int64_t d = 0; d < c->D; d++) qd[d] *= qscale;
         }
         for (int64_t d = c->D; d < c->Dp; d++) qd[d] = 0;
-        w->m[r] = -INFINITY;
-        w->l[r] = 0;
     }
     memset(w->O, 0, (size_t)(c->R * c->Dvp) * sizeof(REAL));
 }
@@ -327,8 +397,9 @@ FA_INLINE void FA_NAME(write_out)(const fa_ctx *c, const fa_ws *w)
     const fa_task *t = c->t;
     const int64_t G = c->G, ni = c->ni, Dv = c->Dv, b = c->b;
     const int self_lse = sizeof(REAL) == 8 ? FA_F64 : FA_F32;
-    for (int64_t r = 0; r < G * t->ni; r++) {
-        int64_t g = r / t->ni, ii = r % t->ni, h = t->hk * G + g, i = t->i0 + ii;
+    for (int64_t g = 0, r = 0; g < G; g++)
+    for (int64_t ii = 0; ii < t->ni; ii++, r++) {
+        int64_t h = t->hk * G + g, i = t->i0 + ii;
         if (p->cu_q && i >= c->bi.Lb) continue; /* packed varlen: the row belongs to the next sequence */
         int64_t ra = g * ni + ii; /* row in the active block */
         double mm = -INFINITY, ll = 0.0, f = 0.0;
@@ -427,43 +498,59 @@ FA_INLINE void FA_NAME(path_rows)(const fa_ctx *c, const fa_ws *w)
     }
 }
 
+/* Where key cc of a tile goes in the packed K (panels of FA_BLK_NR keys from
+ * K, the last one, from key jl, wl keys wide), and that panel's row stride. */
+FA_INLINE REAL *FA_NAME(panel_at)(REAL *K, int64_t D, int64_t jl, int64_t wl, int64_t cc, int64_t *ld)
+{
+    *ld = cc < jl ? FA_BLK_NR : wl;
+    return cc < jl ? K + (cc / FA_BLK_NR) * D * FA_BLK_NR + cc % FA_BLK_NR : K + jl * D + (cc - jl);
+}
+
 /* Q.K^T of the prefill path for one tile: K packed into panels of FA_BLK_NR
- * keys (w->K, converted on the way, zero past nj), then register blocks of
- * FA_BLK_MR rows x FA_BLK_NR keys (qk_ukernel). */
+ * keys (w->K, converted on the way), then register blocks of FA_BLK_MR rows x
+ * one panel (qk_ukernel).  The last panel is only as wide as its keys rounded
+ * up to whole vectors (wl): a 16-key tile of a 32-key panel kernel computed
+ * twice its products and cleared a panel of padding (on (1, 8, 16, 64) the
+ * padded half was an eighth of the call).  Its lanes past nj are zeros. */
 FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, int64_t nj)
 {
     const fa_params *p = c->p;
     const int64_t D = c->D, Dp = c->Dp, R = c->R;
-    const int64_t np = (nj + FA_BLK_NR - 1) / FA_BLK_NR;
+    const int64_t np = (nj + FA_BLK_NR - 1) / FA_BLK_NR, jl = (np - 1) * FA_BLK_NR;
+    const int64_t wl = fa_rup(nj - jl, VW); /* the last panel's width: VW <= wl <= FA_BLK_NR */
+    REAL *const klast = w->K + jl * D;
+    /* Lanes past nj within the last vector are cleared by one memset (a store
+     * per element, a panel row apart, was a fifth of a small call's time). */
+    if (nj - jl < wl) memset(klast, 0, (size_t)(D * wl) * sizeof(REAL));
     int64_t cc = 0;
-    /* A last panel with keys past nj is cleared whole first, so that those
-     * keys are zeros (one memset; a store per element, a panel row apart, was
-     * a fifth of a (1, 8, 16, 64) call's time). */
-    if (nj % FA_BLK_NR) memset(w->K + (np - 1) * D * FA_BLK_NR, 0, (size_t)(D * FA_BLK_NR) * sizeof(REAL));
 #if defined(FA_HAVE_PACK8)
-    /* Groups of 8 keys of a float32 K: 8 x 8 transposes (FA_BLK_NR is a multiple of 8). */
+    /* Groups of 8 keys of a float32 K: 8 x 8 transposes (panel widths are
+     * multiples of VW, so a group never straddles two panels). */
     if (p->k_dtype == FA_F32)
         for (; cc + 8 <= nj; cc += 8) {
             const float *ks = (const float *)(c->kbase + (jt + cc) * p->k_sl * c->ksz);
-            REAL *kp = w->K + (cc / FA_BLK_NR) * D * FA_BLK_NR + (cc % FA_BLK_NR);
+            int64_t ld;
+            REAL *kp = FA_NAME(panel_at)(w->K, D, jl, wl, cc, &ld);
             int64_t d = 0;
-            for (; d + 8 <= D; d += 8) fa_pack8x8(ks + d, p->k_sl, kp + d * FA_BLK_NR, FA_BLK_NR);
+            for (; d + 8 <= D; d += 8) fa_pack8x8(ks + d, p->k_sl, kp + d * ld, ld);
             for (; d < D; d++)
-                for (int u = 0; u < 8; u++) kp[d * FA_BLK_NR + u] = ks[u * p->k_sl + d];
+                for (int u = 0; u < 8; u++) kp[d * ld + u] = ks[u * p->k_sl + d];
         }
 #endif
     for (; cc < nj; cc++) {
-        REAL *kp = w->K + (cc / FA_BLK_NR) * D * FA_BLK_NR + (cc % FA_BLK_NR);
+        int64_t ld;
+        REAL *kp = FA_NAME(panel_at)(w->K, D, jl, wl, cc, &ld);
         const char *ks = c->kbase + (jt + cc) * p->k_sl * c->ksz;
         const REAL *kr = (const REAL *)ks;
         if (p->k_dtype != c->self_dt) { fa_cvt_row(w->tmp, ks, p->k_dtype, D); kr = w->tmp; }
-        for (int64_t d = 0; d < D; d++) kp[d * FA_BLK_NR] = kr[d];
+        for (int64_t d = 0; d < D; d++) kp[d * ld] = kr[d];
     }
-    for (int64_t r0 = 0; r0 < R; r0 += FA_BLK_MR) {
-        int mr = (int)fa_min64(FA_BLK_MR, R - r0);
+    for (int64_t kb = 0, nb = FA_NAME(row_nblocks)(R); kb < nb; kb++) {
+        const int64_t r0 = R * kb / nb;
+        const int mr = (int)(R * (kb + 1) / nb - r0);
         for (int64_t pp = 0; pp < np; pp++)
-            FA_NAME(qk_ukernel_n)(mr, w->Qs + r0 * Dp, Dp, w->K + pp * D * FA_BLK_NR, D,
-                                  w->S + r0 * FA_BLK_BN + pp * FA_BLK_NR, FA_BLK_BN);
+            FA_NAME(qk_ukernel_n)(mr, pp < np - 1 ? FA_BLK_NV : (int)(wl / VW), w->Qs + r0 * Dp,
+                                  w->K + pp * D * FA_BLK_NR, D, w->S + r0 * FA_BLK_BN + pp * FA_BLK_NR, FA_BLK_BN);
     }
 }
 
@@ -504,8 +591,9 @@ FA_INLINE void FA_NAME(pv_prefill)(const fa_ctx *c, const fa_ws *w, const fa_str
     for (; c0 < Dfull; c0 += PW) {
         const REAL *Vb = vpanel ? w->V + c0 * FA_BLK_BN : V + c0;
         const int64_t ldb = vpanel ? PW : ldv;
-        for (int64_t r0 = 0; r0 < R; r0 += FA_BLK_MR) {
-            int mr = (int)fa_min64(FA_BLK_MR, R - r0);
+        for (int64_t kb = 0, nb = FA_NAME(row_nblocks)(R); kb < nb; kb++) {
+            const int64_t r0 = R * kb / nb;
+            const int mr = (int)(R * (kb + 1) / nb - r0);
             FA_NAME(pv_ukernel_n)(mr, FA_BLK_NVO, w->S + r0 * FA_BLK_BN, FA_BLK_BN, nj, Vb, ldb,
                                   w->O + r0 * Dvp + c0, Dvp);
         }
@@ -513,8 +601,9 @@ FA_INLINE void FA_NAME(pv_prefill)(const fa_ctx *c, const fa_ws *w, const fa_str
     for (; c0 < Dvp; c0 += VW) {
         const REAL *Vb = vpanel ? w->V + c0 * FA_BLK_BN : V + c0;
         const int64_t ldb = vpanel ? VW : ldv;
-        for (int64_t r0 = 0; r0 < R; r0 += FA_BLK_MR) {
-            int mr = (int)fa_min64(FA_BLK_MR, R - r0);
+        for (int64_t kb = 0, nb = FA_NAME(row_nblocks)(R); kb < nb; kb++) {
+            const int64_t r0 = R * kb / nb;
+            const int mr = (int)(R * (kb + 1) / nb - r0);
             FA_NAME(pv_ukernel_n)(mr, 1, w->S + r0 * FA_BLK_BN, FA_BLK_BN, nj, Vb, ldb, w->O + r0 * Dvp + c0, Dvp);
         }
     }
@@ -588,8 +677,6 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
     }
     c.elem_always = p->mask_kind != FA_MASK_NONE || p->alibi || !c.use_log2 || p->bmask;
 
-    FA_NAME(load_q)(&c, &w);
-
     /* The path, chosen once per task.  A single row read in place takes
      * path_row1 when its output row fits pv_row1's registers (its long tile
      * fits the S scratch: cap_rows keeps at least FA_ROW_TN / FA_BLK_BN rows);
@@ -598,6 +685,7 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
     const int64_t nvo = c.Dvp / VW;
     const int rows = c.R <= FA_BLK_RD;
     const int row1 = c.R == 1 && rows && c.kfuse && c.vfuse && (nvo == 4 || nvo == 8 || nvo == 12 || nvo == 16);
+    FA_NAME(load_q)(&c, &w, !rows); /* path_prefill's Q is packed by register block */
     if (row1) FA_NAME(path_row1)(&c, &w);
     else if (rows) FA_NAME(path_rows)(&c, &w);
     else FA_NAME(path_prefill)(&c, &w);

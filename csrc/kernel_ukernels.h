@@ -7,23 +7,28 @@
  * dtype into compile-time constants (the *_n and *_dt functions), so that each
  * specialisation is its own unrolled code.  Nothing here is sized by the
  * sequence length. */
-/* S[i][0:FA_BLK_NR] = sum_d Q[i][d] * Kp[d][0:FA_BLK_NR] for mr rows (register blocked). */
-FA_INLINE void FA_NAME(qk_ukernel)(int mr, const REAL *Q, int64_t ldq, const REAL *Kp,
-                                   int64_t D, REAL *S, int64_t lds)
+/* S[i][0:nv*VW] = sum_d Qp[d][i] * Kp[d][0:nv*VW] for mr rows (register
+ * blocked).  Both operands are packed d-major: Qp holds the block's mr query
+ * rows as columns (load_q), Kp a panel of nv*VW keys (nv <= FA_BLK_NV), so
+ * every broadcast is at an immediate offset from one pointer.  (With the rows
+ * a stride apart, the 12-row AVX-512 block needed 11 index registers, and
+ * the spills that followed small changes elsewhere in the task cost 5%.) */
+FA_INLINE void FA_NAME(qk_ukernel)(int mr, int nv, const REAL *Qp, const REAL *Kp, int64_t D, REAL *S,
+                                   int64_t lds)
 {
     vf acc[FA_BLK_MR][FA_BLK_NV];
     for (int i = 0; i < mr; i++)
-        for (int v = 0; v < FA_BLK_NV; v++) acc[i][v] = vf_zero();
+        for (int v = 0; v < nv; v++) acc[i][v] = vf_zero();
     for (int64_t d = 0; d < D; d++) {
         vf kv[FA_BLK_NV];
-        for (int v = 0; v < FA_BLK_NV; v++) kv[v] = vf_load(Kp + d * FA_BLK_NR + v * VW);
+        for (int v = 0; v < nv; v++) kv[v] = vf_load(Kp + d * nv * VW + v * VW);
         for (int i = 0; i < mr; i++) {
-            vf a = vf_set1(Q[i * ldq + d]);
-            for (int v = 0; v < FA_BLK_NV; v++) acc[i][v] = vf_fma(a, kv[v], acc[i][v]);
+            vf a = vf_set1(Qp[d * mr + i]);
+            for (int v = 0; v < nv; v++) acc[i][v] = vf_fma(a, kv[v], acc[i][v]);
         }
     }
     for (int i = 0; i < mr; i++)
-        for (int v = 0; v < FA_BLK_NV; v++) vf_store(S + i * lds + v * VW, acc[i][v]);
+        for (int v = 0; v < nv; v++) vf_store(S + i * lds + v * VW, acc[i][v]);
 }
 
 /* O[i][0:nv*VW] += sum_j P[i][j] * V[j][0:nv*VW] for mr rows, nj keys. */
@@ -291,23 +296,39 @@ FA_INLINE void FA_NAME(pv_row1_n)(int64_t nvo, int vdt, int self_dt, const REAL 
     }
 }
 
-/* qk_ukernel for mr = 1..FA_BLK_MR rows (mr a constant per case). */
-FA_INLINE void FA_NAME(qk_ukernel_n)(int mr, const REAL *Q, int64_t ldq, const REAL *Kp, int64_t D, REAL *S,
+/* A vector count clamped to the panel width (as FA_RD / FA_MR). */
+#define FA_NV(n) ((n) <= FA_BLK_NV ? (n) : FA_BLK_NV)
+
+/* qk_ukernel for mr (a constant) rows and a panel of nv = 1..FA_BLK_NV vectors
+ * (the full panels take FA_BLK_NV; a tile's last, narrower panel fewer). */
+FA_INLINE void FA_NAME(qk_ukernel_nv)(int mr, int nv, const REAL *Qp, const REAL *Kp, int64_t D, REAL *S,
+                                      int64_t lds)
+{
+    switch (nv) {
+    case 1: FA_NAME(qk_ukernel)(mr, 1, Qp, Kp, D, S, lds); break;
+    case 2: FA_NAME(qk_ukernel)(mr, FA_NV(2), Qp, Kp, D, S, lds); break;
+    case 3: FA_NAME(qk_ukernel)(mr, FA_NV(3), Qp, Kp, D, S, lds); break;
+    default: FA_NAME(qk_ukernel)(mr, FA_BLK_NV, Qp, Kp, D, S, lds); break;
+    }
+}
+
+/* qk_ukernel for mr = 1..FA_BLK_MR rows (mr a constant per case), nv vectors. */
+FA_INLINE void FA_NAME(qk_ukernel_n)(int mr, int nv, const REAL *Qp, const REAL *Kp, int64_t D, REAL *S,
                                      int64_t lds)
 {
     switch (mr) {
-    case 1: FA_NAME(qk_ukernel)(1, Q, ldq, Kp, D, S, lds); break;
-    case 2: FA_NAME(qk_ukernel)(2, Q, ldq, Kp, D, S, lds); break;
-    case 3: FA_NAME(qk_ukernel)(3, Q, ldq, Kp, D, S, lds); break;
-    case 4: FA_NAME(qk_ukernel)(4, Q, ldq, Kp, D, S, lds); break;
-    case 5: FA_NAME(qk_ukernel)(FA_MR(5), Q, ldq, Kp, D, S, lds); break;
-    case 6: FA_NAME(qk_ukernel)(FA_MR(6), Q, ldq, Kp, D, S, lds); break;
-    case 7: FA_NAME(qk_ukernel)(FA_MR(7), Q, ldq, Kp, D, S, lds); break;
-    case 8: FA_NAME(qk_ukernel)(FA_MR(8), Q, ldq, Kp, D, S, lds); break;
-    case 9: FA_NAME(qk_ukernel)(FA_MR(9), Q, ldq, Kp, D, S, lds); break;
-    case 10: FA_NAME(qk_ukernel)(FA_MR(10), Q, ldq, Kp, D, S, lds); break;
-    case 11: FA_NAME(qk_ukernel)(FA_MR(11), Q, ldq, Kp, D, S, lds); break;
-    default: FA_NAME(qk_ukernel)(FA_BLK_MR, Q, ldq, Kp, D, S, lds); break;
+    case 1: FA_NAME(qk_ukernel_nv)(1, nv, Qp, Kp, D, S, lds); break;
+    case 2: FA_NAME(qk_ukernel_nv)(2, nv, Qp, Kp, D, S, lds); break;
+    case 3: FA_NAME(qk_ukernel_nv)(3, nv, Qp, Kp, D, S, lds); break;
+    case 4: FA_NAME(qk_ukernel_nv)(4, nv, Qp, Kp, D, S, lds); break;
+    case 5: FA_NAME(qk_ukernel_nv)(FA_MR(5), nv, Qp, Kp, D, S, lds); break;
+    case 6: FA_NAME(qk_ukernel_nv)(FA_MR(6), nv, Qp, Kp, D, S, lds); break;
+    case 7: FA_NAME(qk_ukernel_nv)(FA_MR(7), nv, Qp, Kp, D, S, lds); break;
+    case 8: FA_NAME(qk_ukernel_nv)(FA_MR(8), nv, Qp, Kp, D, S, lds); break;
+    case 9: FA_NAME(qk_ukernel_nv)(FA_MR(9), nv, Qp, Kp, D, S, lds); break;
+    case 10: FA_NAME(qk_ukernel_nv)(FA_MR(10), nv, Qp, Kp, D, S, lds); break;
+    case 11: FA_NAME(qk_ukernel_nv)(FA_MR(11), nv, Qp, Kp, D, S, lds); break;
+    default: FA_NAME(qk_ukernel_nv)(FA_BLK_MR, nv, Qp, Kp, D, S, lds); break;
     }
 }
 

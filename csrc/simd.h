@@ -217,12 +217,9 @@ FA_INLINE vf vf_exp2_neg(vf x)
  * in 256-bit registers (both vector units have AVX2), used to pack K panels
  * (rows of keys -> columns of a panel) without a scalar loop. */
 #define FA_HAVE_PACK8 1
-FA_INLINE void fa_pack8x8(const float *src, int64_t lds, float *dst, int64_t ldd)
+FA_INLINE void fa_pack8x8_m256(__m256 r0, __m256 r1, __m256 r2, __m256 r3, __m256 r4, __m256 r5, __m256 r6,
+                               __m256 r7, float *dst, int64_t ldd)
 {
-    __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + lds);
-    __m256 r2 = _mm256_loadu_ps(src + 2 * lds), r3 = _mm256_loadu_ps(src + 3 * lds);
-    __m256 r4 = _mm256_loadu_ps(src + 4 * lds), r5 = _mm256_loadu_ps(src + 5 * lds);
-    __m256 r6 = _mm256_loadu_ps(src + 6 * lds), r7 = _mm256_loadu_ps(src + 7 * lds);
     /* pairs of rows interleaved, then quads: u_c holds columns c (low half) and c + 4 (high half) */
     __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
     __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
@@ -244,6 +241,22 @@ FA_INLINE void fa_pack8x8(const float *src, int64_t lds, float *dst, int64_t ldd
     _mm256_storeu_ps(dst + 5 * ldd, _mm256_permute2f128_ps(u1, u5, 0x31));
     _mm256_storeu_ps(dst + 6 * ldd, _mm256_permute2f128_ps(u2, u6, 0x31));
     _mm256_storeu_ps(dst + 7 * ldd, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+
+FA_INLINE void fa_pack8x8(const float *src, int64_t lds, float *dst, int64_t ldd)
+{
+    fa_pack8x8_m256(_mm256_loadu_ps(src), _mm256_loadu_ps(src + lds), _mm256_loadu_ps(src + 2 * lds),
+                    _mm256_loadu_ps(src + 3 * lds), _mm256_loadu_ps(src + 4 * lds), _mm256_loadu_ps(src + 5 * lds),
+                    _mm256_loadu_ps(src + 6 * lds), _mm256_loadu_ps(src + 7 * lds), dst, ldd);
+}
+
+/* The same transpose from eight rows that need not be evenly spaced:
+ * dst[t * ldd + r] = src[r][off + t]. */
+FA_INLINE void fa_pack8x8_rows(const float *const *src, int64_t off, float *dst, int64_t ldd)
+{
+    fa_pack8x8_m256(_mm256_loadu_ps(src[0] + off), _mm256_loadu_ps(src[1] + off), _mm256_loadu_ps(src[2] + off),
+                    _mm256_loadu_ps(src[3] + off), _mm256_loadu_ps(src[4] + off), _mm256_loadu_ps(src[5] + off),
+                    _mm256_loadu_ps(src[6] + off), _mm256_loadu_ps(src[7] + off), dst, ldd);
 }
 #endif
 
