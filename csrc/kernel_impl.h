@@ -202,7 +202,10 @@ FA_INLINE void FA_NAME(load_q_packed)(const fa_ctx *c, const fa_ws *w, REAL qsca
         const int64_t r0 = R * kb / nb, mr = R * (kb + 1) / nb - r0;
         REAL *qb = w->Qs + r0 * Dp;
         const char *src[FA_BLK_MR] = { 0 };
-        for (int64_t r = 0; r < mr; r++) src[r] = FA_NAME(q_row)(c, (r0 + r) / c->ni, (r0 + r) % c->ni);
+        for (int64_t r = 0, g = r0 / c->ni, ii = r0 % c->ni; r < mr; r++) { /* row r0 + r = g * ni + ii */
+            src[r] = FA_NAME(q_row)(c, g, ii);
+            if (++ii == c->ni) { ii = 0; g++; }
+        }
         if (p->q_dtype == c->self_dt) {
             int64_t d8 = 0; /* d below this is transposed 8 x 8 */
 #if defined(FA_HAVE_PACK8)
