@@ -1,0 +1,96 @@
+"""A/B two builds of fastattn's kernels inside one process.
+
+On a shared machine the same call's time moves by 2x within minutes, so
+timing builds in separate processes (or one after the other) cannot resolve
+a 5% change.  This loads ``fastattn/_kernels*.so`` from two source trees
+(each built in place: ``python setup.py build_ext --inplace``) into one
+process and alternates short bursts of calls between them, so that the host's
+noise hits both alike; it reports the median of the paired time ratios with
+its interquartile range.  The outputs of the two builds are compared first
+(bit for bit, or within 1e-5 relative when the change alters rounding).
+
+    python tools/ab_builds.py OLD_TREE NEW_TREE 1x8x1024x64 [--threads 1] [--bursts 40] [--causal]
+
+SHAPE is BxHxLxD or BxHxLxDxS (float32, bhsd).  One thread is timed as thread
+CPU time, more as wall time.  A ratio above 1 means NEW is faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import time
+from types import ModuleType
+
+import numpy as np
+
+
+def load_kernels(tree: str) -> ModuleType:
+    """The compiled ``fastattn._kernels`` of a source tree, as a module of its own."""
+    found = glob.glob(os.path.join(tree, "fastattn", "_kernels*.so"))
+    if not found:
+        raise SystemExit(f"{tree}: no fastattn/_kernels*.so (build it in place first)")
+    loader = importlib.machinery.ExtensionFileLoader("fastattn._kernels", found[0])
+    spec = importlib.util.spec_from_file_location("fastattn._kernels", found[0], loader=loader)
+    assert spec is not None
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("old")
+    ap.add_argument("new")
+    ap.add_argument("shape", help="BxHxLxD or BxHxLxDxS")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--bursts", type=int, default=40)
+    ap.add_argument("--causal", action="store_true")
+    a = ap.parse_args()
+    sys.path.insert(0, a.old)  # the Plan record (pure Python) of the old tree
+    from fastattn._plan import Plan
+
+    old, new = load_kernels(a.old), load_kernels(a.new)
+    dims = [int(x) for x in a.shape.split("x")]
+    B, H, L, D = dims[:4]
+    S = dims[4] if len(dims) > 4 else L
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((B, H, L, D), dtype=np.float32)
+    k = rng.standard_normal((B, H, S, D), dtype=np.float32)
+    v = rng.standard_normal((B, H, S, D), dtype=np.float32)
+    o_old, o_new = np.empty_like(q), np.empty_like(q)
+    # Plan(q, k, v, o, scale, L, S, num_threads, precision, causal), as fastattn.functional's fast path.
+    p_old = Plan(q, k, v, o_old, D**-0.5, L, S, a.threads, 0, a.causal)
+    p_new = Plan(q, k, v, o_new, D**-0.5, L, S, a.threads, 0, a.causal)
+    for _ in range(3):
+        old.attention(p_old)
+        new.attention(p_new)
+    same = bool(np.array_equal(o_old, o_new))
+    if not same and np.abs(o_old - o_new).max() > 1e-5 * np.abs(o_old).max() + 1e-6:
+        raise SystemExit("the two builds give different results")
+    calls = max(1, int(2e7 / (B * H * L * S * D)))  # ~ the same work per burst for every shape
+    clock = time.thread_time if a.threads == 1 else time.perf_counter
+    t_old: list[float] = []
+    t_new: list[float] = []
+    runs = ((old, p_old, t_old), (new, p_new, t_new))
+    for i in range(a.bursts):
+        for mod, plan, acc in runs if i % 2 == 0 else runs[::-1]:
+            t0 = clock()
+            for _ in range(calls):
+                mod.attention(plan)
+            acc.append((clock() - t0) / calls)
+    r = np.array(t_old) / np.array(t_new)
+    print(
+        f"{a.shape} threads={a.threads}{' causal' if a.causal else ''}: old {np.median(t_old) * 1e6:.1f} us, "
+        f"new {np.median(t_new) * 1e6:.1f} us, old/new {np.median(r):.3f} "
+        f"[{np.percentile(r, 25):.3f}-{np.percentile(r, 75):.3f}] ({calls} calls per burst, "
+        f"{'same bits' if same else 'not the same bits'})"
+    )
+
+
+if __name__ == "__main__":
+    main()
