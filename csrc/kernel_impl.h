@@ -180,6 +180,15 @@ typedef struct fa_ctx {
  * row's sums do not depend on the blocking. */
 FA_INLINE int64_t FA_NAME(row_nblocks)(int64_t R) { return (R + FA_BLK_MR - 1) / FA_BLK_MR; }
 
+/* Block kb of the nb blocks of R rows: its first row (*r0) and its row count.
+ * load_q_packed lays the query out by these blocks and the products read it
+ * by the same ones. */
+FA_INLINE int FA_NAME(row_block)(int64_t R, int64_t nb, int64_t kb, int64_t *r0)
+{
+    *r0 = R * kb / nb;
+    return (int)(R * (kb + 1) / nb - *r0);
+}
+
 /* Row r of the task in the query operand: head hk*G + r/ni at position i0 + r%ni. */
 FA_INLINE const char *FA_NAME(q_row)(const fa_ctx *c, int64_t g, int64_t ii)
 {
@@ -199,7 +208,8 @@ FA_INLINE void FA_NAME(load_q_packed)(const fa_ctx *c, const fa_ws *w, REAL qsca
     const fa_params *p = c->p;
     const int64_t R = c->R, D = c->D, Dp = c->Dp, nb = FA_NAME(row_nblocks)(R);
     for (int64_t kb = 0; kb < nb; kb++) {
-        const int64_t r0 = R * kb / nb, mr = R * (kb + 1) / nb - r0;
+        int64_t r0;
+        const int64_t mr = FA_NAME(row_block)(R, nb, kb, &r0);
         REAL *qb = w->Qs + r0 * Dp;
         const char *src[FA_BLK_MR] = { 0 };
         for (int64_t r = 0, g = r0 / c->ni, ii = r0 % c->ni; r < mr; r++) { /* row r0 + r = g * ni + ii */
@@ -246,14 +256,19 @@ FA_INLINE void FA_NAME(load_q)(const fa_ctx *c, const fa_ws *w, int packed)
 {
     const fa_params *p = c->p;
     const REAL qscale = (REAL)(p->scale * (c->use_log2 ? FA_LOG2E : 1.0));
-    if (packed) FA_NAME(load_q_packed)(c, w, qscale);
+    for (int64_t r = 0; r < c->R; r++) {
+        w->m[r] = -INFINITY;
+        w->l[r] = 0;
+    }
+    memset(w->O, 0, (size_t)(c->R * c->Dvp) * sizeof(REAL));
+    if (packed) {
+        FA_NAME(load_q_packed)(c, w, qscale);
+        return;
+    }
     /* (g, ii) loops rather than r / ni and r % ni per row: two integer
      * divisions were a visible part of small calls. */
     for (int64_t g = 0, r = 0; g < c->G; g++)
     for (int64_t ii = 0; ii < c->ni; ii++, r++) {
-        w->m[r] = -INFINITY;
-        w->l[r] = 0;
-        if (packed) continue;
         const char *src = FA_NAME(q_row)(c, g, ii);
         REAL *qd = w->Qs + r * c->Dp;
         if (p->q_dtype == c->self_dt) { /* one pass: scaled while copied */
@@ -267,7 +282,6 @@ FA_INLINE void FA_NAME(load_q)(const fa_ctx *c, const fa_ws *w, int packed)
         }
         for (int64_t d = c->D; d < c->Dp; d++) qd[d] = 0;
     }
-    memset(w->O, 0, (size_t)(c->R * c->Dvp) * sizeof(REAL));
 }
 
 /* The tile of nj keys at jt: its first K and V rows and the prefetch stream
@@ -521,10 +535,9 @@ FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, i
     const int64_t D = c->D, Dp = c->Dp, R = c->R;
     const int64_t np = (nj + FA_BLK_NR - 1) / FA_BLK_NR, jl = (np - 1) * FA_BLK_NR;
     const int64_t wl = fa_rup(nj - jl, VW); /* the last panel's width: VW <= wl <= FA_BLK_NR */
-    REAL *const klast = w->K + jl * D;
     /* Lanes past nj within the last vector are cleared by one memset (a store
      * per element, a panel row apart, was a fifth of a small call's time). */
-    if (nj - jl < wl) memset(klast, 0, (size_t)(D * wl) * sizeof(REAL));
+    if (nj - jl < wl) memset(w->K + jl * D, 0, (size_t)(D * wl) * sizeof(REAL));
     int64_t cc = 0;
 #if defined(FA_HAVE_PACK8)
     /* Groups of 8 keys of a float32 K: 8 x 8 transposes (panel widths are
@@ -549,8 +562,8 @@ FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, i
         for (int64_t d = 0; d < D; d++) kp[d * ld] = kr[d];
     }
     for (int64_t kb = 0, nb = FA_NAME(row_nblocks)(R); kb < nb; kb++) {
-        const int64_t r0 = R * kb / nb;
-        const int mr = (int)(R * (kb + 1) / nb - r0);
+        int64_t r0;
+        const int mr = FA_NAME(row_block)(R, nb, kb, &r0);
         for (int64_t pp = 0; pp < np; pp++)
             FA_NAME(qk_ukernel_n)(mr, pp < np - 1 ? FA_BLK_NV : (int)(wl / VW), w->Qs + r0 * Dp,
                                   w->K + pp * D * FA_BLK_NR, D, w->S + r0 * FA_BLK_BN + pp * FA_BLK_NR, FA_BLK_BN);
@@ -595,8 +608,8 @@ FA_INLINE void FA_NAME(pv_prefill)(const fa_ctx *c, const fa_ws *w, const fa_str
         const REAL *Vb = vpanel ? w->V + c0 * FA_BLK_BN : V + c0;
         const int64_t ldb = vpanel ? PW : ldv;
         for (int64_t kb = 0, nb = FA_NAME(row_nblocks)(R); kb < nb; kb++) {
-            const int64_t r0 = R * kb / nb;
-            const int mr = (int)(R * (kb + 1) / nb - r0);
+            int64_t r0;
+            const int mr = FA_NAME(row_block)(R, nb, kb, &r0);
             FA_NAME(pv_ukernel_n)(mr, FA_BLK_NVO, w->S + r0 * FA_BLK_BN, FA_BLK_BN, nj, Vb, ldb,
                                   w->O + r0 * Dvp + c0, Dvp);
         }
@@ -605,8 +618,8 @@ FA_INLINE void FA_NAME(pv_prefill)(const fa_ctx *c, const fa_ws *w, const fa_str
         const REAL *Vb = vpanel ? w->V + c0 * FA_BLK_BN : V + c0;
         const int64_t ldb = vpanel ? VW : ldv;
         for (int64_t kb = 0, nb = FA_NAME(row_nblocks)(R); kb < nb; kb++) {
-            const int64_t r0 = R * kb / nb;
-            const int mr = (int)(R * (kb + 1) / nb - r0);
+            int64_t r0;
+            const int mr = FA_NAME(row_block)(R, nb, kb, &r0);
             FA_NAME(pv_ukernel_n)(mr, 1, w->S + r0 * FA_BLK_BN, FA_BLK_BN, nj, Vb, ldb, w->O + r0 * Dvp + c0, Dvp);
         }
     }
