@@ -304,6 +304,10 @@ int fa_attention(const fa_params *p)
     if (bmq < 1) bmq = 1;
     if (bmq > p->L) bmq = p->L > 0 ? p->L : 1;
     const int64_t nqb = (p->L + bmq - 1) / bmq;
+    /* Near-equal query blocks: a short last block (L512 at 252 rows: 252 +
+     * 252 + 8) is a task of its own with little work per K/V pass, and one
+     * of at most FA_BLK_RD rows takes the decode path. */
+    bmq = (p->L + nqb - 1) / nqb;
     const int64_t base = p->B * p->Hk * nqb;
     if (base == 0) return FA_OK;
 

@@ -26,11 +26,15 @@ typedef struct fa_kernel {
     int64_t row_multiple; /* the derived block is a multiple of this (the register or tile block) */
     /* Bytes of one stacked row's working set per key tile (tiles.c's rule). */
     int64_t (*row_bytes)(int64_t D, int64_t Dv);
-    /* Rows by which the kernel skips the masked keys of a causal or windowed
-     * tile (0: it computes the task's whole rows for every tile it visits, so
-     * tiles.c keeps banded blocks small). */
-    int64_t band_group;
+    /* The row block of causal and windowed calls (tiles.c): FA_BAND_PLAIN, the
+     * rule of every call (the AMX kernel, which skips masked tiles per 32-row
+     * group, measured best at its plain blocks); FA_BAND_L2, the L2 rule at
+     * every L, at most L / 2 (kernel_impl.h, whose register blocks skip the
+     * masked keys of a diagonal tile: block_keys). */
+    int band_rule;
 } fa_kernel;
+
+enum { FA_BAND_PLAIN = 0, FA_BAND_L2 = 1 };
 
 extern const fa_kernel fa_kernel_f32_scalar, fa_kernel_f64_scalar;
 #if defined(__x86_64__) || defined(_M_X64)

@@ -198,6 +198,28 @@ FA_INLINE const char *FA_NAME(q_row)(const fa_ctx *c, int64_t g, int64_t ii)
         (c->b * p->q_sb + h * p->q_sh + (c->bi.qoff + i) * p->q_sl) * (int64_t)fa_dtype_size(p->q_dtype);
 }
 
+/* Keys [*a, *b) of a tile (nj keys at jt) that some row of the register
+ * block at row r0 (mr rows) may see, 0 <= *a <= *b <= nj: the whole tile
+ * unless the tile is partial (the causal diagonal, a window's edge, a key
+ * length inside it).  Visible ranges grow with the position (mask.h), so the
+ * block's union runs from its first position's lo to its last position's hi;
+ * a block that spans two heads of the GQA group covers every position.  The
+ * products skip the keys outside it: mask_tile sets their scores to -inf
+ * (every one is outside each row's own range), so they add exact zeros. */
+FA_INLINE void FA_NAME(block_keys)(const fa_ctx *c, int partial, int64_t r0, int64_t mr, int64_t jt, int64_t nj,
+                                   int64_t *a, int64_t *b)
+{
+    *a = 0;
+    *b = nj;
+    if (!partial) return;
+    int64_t p0 = r0 % c->ni, p1 = (r0 + mr - 1) % c->ni, lo, hi, lo1, hi1;
+    if (p1 < p0 || mr > c->ni) { p0 = 0; p1 = c->ni - 1; }
+    fa_row_range(c->p, c->t->i0 + p0 + c->delta, c->bi.Sb, &lo, &hi);
+    fa_row_range(c->p, c->t->i0 + p1 + c->delta, c->bi.Sb, &lo1, &hi1);
+    *a = fa_min64(fa_max64(lo - jt, 0), nj);
+    *b = fa_max64(fa_min64(hi1 - jt, nj), *a);
+}
+
 /* The prefill path's query operand: each register block of mr rows (at row
  * r0) packed d-major at w->Qs + r0 * Dp, element (r, d) at d * mr + r - r0,
  * pre-scaled and zero past D (qk_ukernel's Qp).  Float32 rows are transposed
@@ -305,6 +327,13 @@ FA_INLINE int FA_NAME(tile_hidden)(const fa_ctx *c, int64_t jt, int64_t nj)
     return !any;
 }
 
+/* Whether some row of the task sees only part of the tile of nj keys at jt
+ * (the causal diagonal, a window's edge, a key length inside it). */
+FA_INLINE int FA_NAME(tile_partial)(const fa_ctx *c, int64_t jt, int64_t nj)
+{
+    return jt < c->flo || jt + nj > c->fhi;
+}
+
 /* The masks of a score tile S (R rows of stride TN, nj keys at jt), only
  * where the tile needs them: -inf past nj up to the vector edge always; the
  * visible range's edges when the tile is partial (causal diagonal, window);
@@ -314,7 +343,7 @@ FA_INLINE void FA_NAME(mask_tile)(const fa_ctx *c, REAL *S, int64_t TN, int64_t 
     const fa_params *p = c->p;
     const fa_task *t = c->t;
     const int64_t njp = fa_rup(nj, VW), b = c->b;
-    const int partial = jt < c->flo || jt + nj > c->fhi;
+    const int partial = FA_NAME(tile_partial)(c, jt, nj);
     for (int64_t r = 0; r < c->R; r++) {
         REAL *s = S + r * TN;
         for (int64_t jj = nj; jj < njp; jj++) s[jj] = -INFINITY;
@@ -369,42 +398,50 @@ FA_INLINE void FA_NAME(mask_tile)(const fa_ctx *c, REAL *S, int64_t TN, int64_t 
     }
 }
 
-/* Online softmax of a masked score tile: S becomes P = exp2(S - m) in place
- * (zero-padded to the vector edge by the -inf there), m and l are updated and
- * O rescaled only when a row's max grows. */
+/* Online softmax of row r of a masked score tile over the vectors of keys
+ * [j0, j1) (multiples of VW, j1 <= the tile's padded width; the row's keys
+ * outside them are -inf, so they add nothing): they become P = exp2(S - m) in
+ * place (zero past nj by the -inf there), m and l are updated and O rescaled
+ * only when the row's max grows. */
+FA_INLINE void FA_NAME(softmax_row)(const fa_ctx *c, const fa_ws *w, int64_t TN, int64_t r, int64_t j0, int64_t j1,
+                                    int64_t nj)
+{
+    const int64_t Dvp = c->Dvp;
+    REAL *s = w->S + r * TN;
+    vf mv = vf_set1(-INFINITY);
+    for (int64_t jj = j0; jj < j1; jj += VW) mv = vf_max(mv, vf_load(s + jj));
+    REAL mx = vf_hmax(mv), mold = w->m[r];
+    REAL mnew = mx > mold ? mx : mold;
+    if (mx != mx) mnew = mx; /* NaN poisons the row */
+    if (mnew == -INFINITY) {
+        /* Nothing visible yet; NaN scores still poison the row. */
+        for (int64_t jj = j0, je = fa_min64(j1, nj); jj < je; jj++) { if (s[jj] != s[jj]) w->l[r] = NAN; s[jj] = 0; }
+        return;
+    }
+    if (mnew > mold) {
+        if (mold != -INFINITY) {
+            REAL alpha = (REAL)exp2((double)(mold - mnew));
+            REAL *o = w->O + r * Dvp;
+            vf av = vf_set1(alpha);
+            for (int64_t cc = 0; cc < Dvp; cc += VW) vf_store(o + cc, vf_mul(av, vf_load(o + cc)));
+            w->l[r] *= alpha;
+        }
+        w->m[r] = mnew;
+    }
+    vf mn = vf_set1(mnew), sum = vf_zero();
+    for (int64_t jj = j0; jj < j1; jj += VW) {
+        vf e = vf_exp2_neg(vf_sub(vf_load(s + jj), mn));
+        vf_store(s + jj, e);
+        sum = vf_add(sum, e);
+    }
+    w->l[r] += vf_hsum(sum);
+}
+
+/* The online softmax of every row of a masked score tile (nj keys). */
 FA_INLINE void FA_NAME(softmax_tile)(const fa_ctx *c, const fa_ws *w, int64_t TN, int64_t nj)
 {
-    const int64_t njp = fa_rup(nj, VW), Dvp = c->Dvp;
-    for (int64_t r = 0; r < c->R; r++) {
-        REAL *s = w->S + r * TN;
-        vf mv = vf_set1(-INFINITY);
-        for (int64_t jj = 0; jj < njp; jj += VW) mv = vf_max(mv, vf_load(s + jj));
-        REAL mx = vf_hmax(mv), mold = w->m[r];
-        REAL mnew = mx > mold ? mx : mold;
-        if (mx != mx) mnew = mx; /* NaN poisons the row */
-        if (mnew == -INFINITY) {
-            /* Nothing visible yet; NaN scores still poison the row. */
-            for (int64_t jj = 0; jj < nj; jj++) { if (s[jj] != s[jj]) w->l[r] = NAN; s[jj] = 0; }
-            continue;
-        }
-        if (mnew > mold) {
-            if (mold != -INFINITY) {
-                REAL alpha = (REAL)exp2((double)(mold - mnew));
-                REAL *o = w->O + r * Dvp;
-                vf av = vf_set1(alpha);
-                for (int64_t cc = 0; cc < Dvp; cc += VW) vf_store(o + cc, vf_mul(av, vf_load(o + cc)));
-                w->l[r] *= alpha;
-            }
-            w->m[r] = mnew;
-        }
-        vf mn = vf_set1(mnew), sum = vf_zero();
-        for (int64_t jj = 0; jj < njp; jj += VW) {
-            vf e = vf_exp2_neg(vf_sub(vf_load(s + jj), mn));
-            vf_store(s + jj, e);
-            sum = vf_add(sum, e);
-        }
-        w->l[r] += vf_hsum(sum);
-    }
+    const int64_t njp = fa_rup(nj, VW);
+    for (int64_t r = 0; r < c->R; r++) FA_NAME(softmax_row)(c, w, TN, r, 0, njp, nj);
 }
 
 /* Normalise once and write every row of the task (rows past L_b: zeros, LSE -inf). */
@@ -528,8 +565,10 @@ FA_INLINE REAL *FA_NAME(panel_at)(REAL *K, int64_t D, int64_t jl, int64_t wl, in
  * one panel (qk_ukernel).  The last panel is only as wide as its keys rounded
  * up to whole vectors (wl): a 16-key tile of a 32-key panel kernel computed
  * twice its products and cleared a panel of padding (on (1, 8, 16, 64) the
- * padded half was an eighth of the call).  Its lanes past nj are zeros. */
-FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, int64_t nj)
+ * padded half was an eighth of the call).  Its lanes past nj are zeros.
+ * On a partial tile each block computes only the panels of its keys
+ * (block_keys); the rest of its scores are left for mask_tile's -inf. */
+FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, int64_t nj, int partial)
 {
     const fa_params *p = c->p;
     const int64_t D = c->D, Dp = c->Dp, R = c->R;
@@ -562,9 +601,10 @@ FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, i
         for (int64_t d = 0; d < D; d++) kp[d * ld] = kr[d];
     }
     for (int64_t kb = 0, nb = FA_NAME(row_nblocks)(R); kb < nb; kb++) {
-        int64_t r0;
+        int64_t r0, a, b;
         const int mr = FA_NAME(row_block)(R, nb, kb, &r0);
-        for (int64_t pp = 0; pp < np; pp++)
+        FA_NAME(block_keys)(c, partial, r0, mr, jt, nj, &a, &b);
+        for (int64_t pp = a / FA_BLK_NR; pp * FA_BLK_NR < b; pp++) /* the panels that hold keys [a, b) */
             FA_NAME(qk_ukernel_n)(mr, pp < np - 1 ? FA_BLK_NV : (int)(wl / VW), w->Qs + r0 * Dp,
                                   w->K + pp * D * FA_BLK_NR, D, w->S + r0 * FA_BLK_BN + pp * FA_BLK_NR, FA_BLK_BN);
     }
@@ -583,7 +623,8 @@ FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, i
  * decode +15-20%, H128/8 +10%, D = 256 prefill +9-14% on one thread,
  * D = 160 +4-7%; with many rows and Dv <= 128 it was mixed (-6..+8%), so
  * those keep reading V in place. */
-FA_INLINE void FA_NAME(pv_prefill)(const fa_ctx *c, const fa_ws *w, const fa_stream *st, int64_t nj)
+FA_INLINE void FA_NAME(pv_prefill)(const fa_ctx *c, const fa_ws *w, const fa_stream *st, int64_t jt, int64_t nj,
+                                    int partial)
 {
     const fa_params *p = c->p;
     const int64_t R = c->R, Dvp = c->Dvp, PW = FA_BLK_NVO * VW;
@@ -608,9 +649,10 @@ FA_INLINE void FA_NAME(pv_prefill)(const fa_ctx *c, const fa_ws *w, const fa_str
         const REAL *Vb = vpanel ? w->V + c0 * FA_BLK_BN : V + c0;
         const int64_t ldb = vpanel ? PW : ldv;
         for (int64_t kb = 0, nb = FA_NAME(row_nblocks)(R); kb < nb; kb++) {
-            int64_t r0;
+            int64_t r0, a, b;
             const int mr = FA_NAME(row_block)(R, nb, kb, &r0);
-            FA_NAME(pv_ukernel_n)(mr, FA_BLK_NVO, w->S + r0 * FA_BLK_BN, FA_BLK_BN, nj, Vb, ldb,
+            FA_NAME(block_keys)(c, partial, r0, mr, jt, nj, &a, &b);
+            FA_NAME(pv_ukernel_n)(mr, FA_BLK_NVO, w->S + r0 * FA_BLK_BN + a, FA_BLK_BN, b - a, Vb + a * ldb, ldb,
                                   w->O + r0 * Dvp + c0, Dvp);
         }
     }
@@ -618,9 +660,11 @@ FA_INLINE void FA_NAME(pv_prefill)(const fa_ctx *c, const fa_ws *w, const fa_str
         const REAL *Vb = vpanel ? w->V + c0 * FA_BLK_BN : V + c0;
         const int64_t ldb = vpanel ? VW : ldv;
         for (int64_t kb = 0, nb = FA_NAME(row_nblocks)(R); kb < nb; kb++) {
-            int64_t r0;
+            int64_t r0, a, b;
             const int mr = FA_NAME(row_block)(R, nb, kb, &r0);
-            FA_NAME(pv_ukernel_n)(mr, 1, w->S + r0 * FA_BLK_BN, FA_BLK_BN, nj, Vb, ldb, w->O + r0 * Dvp + c0, Dvp);
+            FA_NAME(block_keys)(c, partial, r0, mr, jt, nj, &a, &b);
+            FA_NAME(pv_ukernel_n)(mr, 1, w->S + r0 * FA_BLK_BN + a, FA_BLK_BN, b - a, Vb + a * ldb, ldb,
+                                  w->O + r0 * Dvp + c0, Dvp);
         }
     }
 }
@@ -635,10 +679,21 @@ FA_INLINE void FA_NAME(path_prefill)(const fa_ctx *c, const fa_ws *w)
         const int64_t nj = fa_min64(TN, c->jhi - jt);
         const fa_stream st = FA_NAME(tile_stream)(c, jt, nj);
         if (FA_NAME(tile_hidden)(c, jt, nj)) continue;
-        FA_NAME(qk_packed)(c, w, jt, nj);
+        const int partial = FA_NAME(tile_partial)(c, jt, nj);
+        FA_NAME(qk_packed)(c, w, jt, nj, partial);
         FA_NAME(mask_tile)(c, w->S, TN, jt, nj);
-        FA_NAME(softmax_tile)(c, w, TN, nj);
-        FA_NAME(pv_prefill)(c, w, &st, nj);
+        if (!partial) {
+            FA_NAME(softmax_tile)(c, w, TN, nj);
+        } else { /* each register block's rows over the vectors of its keys */
+            for (int64_t kb = 0, nb = FA_NAME(row_nblocks)(c->R); kb < nb; kb++) {
+                int64_t r0, a, b;
+                const int mr = FA_NAME(row_block)(c->R, nb, kb, &r0);
+                FA_NAME(block_keys)(c, partial, r0, mr, jt, nj, &a, &b);
+                for (int64_t r = r0; r < r0 + mr && a < b; r++)
+                    FA_NAME(softmax_row)(c, w, TN, r, a / VW * VW, fa_rup(b, VW), nj);
+            }
+        }
+        FA_NAME(pv_prefill)(c, w, &st, jt, nj, partial);
     }
 }
 
@@ -716,7 +771,7 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
 #define FA_BLK_ROWS_MAX 1024
 #endif
 const fa_kernel FA_NAME(fa_kernel) = { FA_NAME(scratch_bytes), FA_NAME(run), FA_BLK_BMR, FA_BLK_BMR_SHORT, FA_BLK_BN,
-                                       FA_BLK_ROWS_MAX, FA_BLK_MR, FA_NAME(row_bytes), 0 };
+                                       FA_BLK_ROWS_MAX, FA_BLK_MR, FA_NAME(row_bytes), FA_BAND_L2 };
 
 #if defined(FA_ISA_SUFFIX)
 /* Test hook: the vectorised exp2 of this ISA over n values. */

@@ -19,7 +19,8 @@
  * BN = 64, D = 64: 0.28 * 512 KiB / 768 B = 191 -> 192 measured best, +13-20%
  * on L4096 against 96).  Short sequences (L < FA_LONG_L) and D > 128 keep the
  * kernel's short block (balance over threads and tasks, not cache, decides
- * there).  FASTATTN_TILES (fastattn._config) overrides R for measurement.
+ * there); causal and windowed calls follow their own rule (fa_rows_per_task).
+ * FASTATTN_TILES (fastattn._config) overrides R for measurement.
  *
  * Cache sizes: cpuid's deterministic cache parameters (leaf 4 on Intel,
  * 0x8000001D on AMD), read once; 0 where unknown (then the kernel's compiled
@@ -103,13 +104,13 @@ int64_t fa_tiles_get_rows(void) { return atomic_load_explicit(&fa_rows_override,
 
 static int64_t fa_round_down(int64_t x, int64_t m) { return x / m * m; }
 
-/* The derived row block for head dims D, Dv and query length L (the rule above). */
-static int64_t fa_rows_derived(const fa_kernel *k, int64_t D, int64_t Dv, int64_t L)
+/* The L2 rule's block for head dims D, Dv (the rule above; the compiled
+ * constant where the L2 size is unknown). */
+static int64_t fa_rows_l2(const fa_kernel *k, int64_t D, int64_t Dv)
 {
-    if (L < FA_LONG_L || D > 128 || Dv > 128) return k->block_rows_short;
     int64_t l1d, l2, l3;
     fa_cache_sizes(&l1d, &l2, &l3);
-    if (l2 <= 0) return k->block_rows; /* unknown cache: the compiled constant */
+    if (l2 <= 0) return k->block_rows;
     int64_t r = fa_round_down((int64_t)(FA_L2_SHARE * (double)l2) / k->row_bytes(D, Dv), k->row_multiple);
     if (r < k->block_rows_short) r = k->block_rows_short;
     if (r > k->rows_max) r = k->rows_max;
@@ -120,22 +121,30 @@ int64_t fa_rows_per_task(const fa_kernel *k, const fa_params *p)
 {
     const int64_t o = fa_tiles_get_rows();
     if (o > 0) return o < k->rows_max ? o : k->rows_max;
-    int64_t r = fa_rows_derived(k, p->D, p->Dv, p->L);
-    /* Causal and windowed rows see a band: a block of R rows computes the
-     * R x R diagonal region whole (masked per row), a share of about R / L of
-     * the useful work, and gains little from fewer K/V re-reads (each task
-     * reads only its band).  So the block stays within L / 16 there (about 6%
-     * wasted), never below the short block.  Measured on a Sapphire Rapids
-     * (2 threads, median of 7 interleaved rounds, GFLOP/s): B1 H8 L2048 D64
-     * causal 96 rows 96, 192 rows 103, 564 rows 99; L4096 causal 96: 100,
-     * 256: 96, 564: 99; B4 L1024 causal 96: 84, 564: 76 (noise about 10%). */
+    if (p->D > 128 || p->Dv > 128) return k->block_rows_short;
+    /* Causal and windowed rows see a band.  The kernel_impl.h kernels skip
+     * the masked keys of a diagonal tile per register block (block_keys), so
+     * a block of R rows wastes about FA_BLK_MR / 2 keys per row rather than
+     * R / 2 (they computed the R x R diagonal region whole before, and this
+     * rule kept R within L / 16), and a larger block reads the band's K/V
+     * fewer times, also for short sequences.  So they take the L2 rule at
+     * every L, at most L / 2 (at least two tasks per head: the triangle's
+     * last task holds the most work).  Measured on a Sapphire Rapids, float32
+     * D64 causal, blocks alternated in one process (medians of 6-30 rounds,
+     * ratio over the L / 16 rule's block, 2 threads / 1 thread): B4 H8 L512
+     * 252 rows 1.055 / 1.10 (120 rows: 1.01); B1 H8 L1024 564 rows 1.07
+     * (252: 1.01-1.05); L2048 504 rows 1.03 / 1.12; L4096 564 rows 1.03
+     * (1020: 1.01).  The AMX kernel keeps its plain rule: bf16 B4 L512 causal
+     * ran 0.91 / 0.94 at 256 rows against its 128, B1 L1024 0.96-0.98 at 256
+     * against its 512. */
     const int band = p->causal || p->window_left >= 0 || p->window_right >= 0;
-    if (band && k->band_group == 0) { /* (the AMX kernel skips masked tiles per 32-row group) */
-        const int64_t cap = fa_round_down(p->L / 16, k->row_multiple);
-        const int64_t lim = cap > k->block_rows_short ? cap : k->block_rows_short;
-        if (r > lim) r = lim;
+    if (band && k->band_rule == FA_BAND_L2) {
+        int64_t r = fa_rows_l2(k, p->D, p->Dv);
+        const int64_t cap = fa_round_down(p->L / 2, k->row_multiple);
+        if (r > cap) r = cap;
+        return r > k->block_rows_short ? r : k->block_rows_short;
     }
-    return r;
+    return p->L < FA_LONG_L ? k->block_rows_short : fa_rows_l2(k, p->D, p->Dv);
 }
 
 int64_t fa_tiles_rows(int64_t D, int64_t Dv, int64_t L, int dtype, int causal)

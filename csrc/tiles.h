@@ -12,7 +12,8 @@
 #define FA_LONG_L 1024
 
 /* Rows per task of kernel k for the call p: the FASTATTN_TILES override, else
- * fa_rows_derived, at most L / 16 for causal or windowed calls. */
+ * the L2 rule (for causal or windowed calls of most kernels: at every L, at
+ * most L / 2). */
 int64_t fa_rows_per_task(const fa_kernel *k, const fa_params *p);
 
 #endif

@@ -160,10 +160,12 @@ def set_tiles(rows: int | None) -> None:
     """Force the forward kernels' row block (stacked query rows per task) for later calls.
 
     By default (``None``) it is derived from the core's L2 size for query lengths
-    >= 1024 with head dims <= 128, and is the kernel's short block otherwise (see
-    docs/performance.md, "Tiles from the cache").  A number is for measurement: every
-    forward call takes that many rows per task (clamped to the kernel's maximum,
-    at least a GQA group).  Results do not depend on the thread count either way,
+    >= 1024 with head dims <= 128 (for causal and windowed calls of the float32 and
+    float64 kernels at every length, at most half the query length), and is the
+    kernel's short block otherwise (see docs/performance.md, "Tiles from the cache").
+    A number is for measurement: every forward call takes at most that many rows per
+    task (clamped to the kernel's maximum, at least a GQA group), the query length cut
+    into near-equal blocks of at most that size.  Results do not depend on the thread count either way,
     but they may differ in the last bits between row blocks.  The environment
     variable ``FASTATTN_TILES`` (an integer, read at import) sets the same.
     """

@@ -106,21 +106,32 @@ def test_derived_rows_follow_the_rule(isa_name, D, Dv, L, dtype):
         fastattn.set_isa(prev)
 
 
+def _expected_band_rows(isa: str, D: int, Dv: int, L: int, dtype: str) -> int:
+    """The causal/windowed rule of csrc/tiles.c (float32 and float64 kernels):
+    the L2 rule at every L, at most L / 2, at least the short block."""
+    short = _expected_rows(isa, D, Dv, 1, dtype)
+    if D > 128 or Dv > 128:
+        return short
+    mult = {"avx2": 6, "scalar": 4}.get(isa, 12) if dtype == "float32" else 4
+    r = min(_expected_rows(isa, D, Dv, 1 << 20, dtype), L // 2 // mult * mult)
+    return max(r, short)
+
+
 @pytest.mark.parametrize("isa_name", ISAS)
-@pytest.mark.parametrize("L", [1024, 2048, 4096, 16384])
-def test_causal_blocks_stay_within_a_sixteenth(isa_name, L):
+@pytest.mark.parametrize("L", [100, 512, 1024, 2048, 4096, 16384])
+@pytest.mark.parametrize("D", [64, 128, 160])
+def test_causal_blocks_follow_the_band_rule(isa_name, L, D):
     prev = fastattn.get_isa()
     fastattn.set_isa(isa_name)
     try:
-        full = _kernels.tiles_rows(64, 64, L, "float32")
-        short = _kernels.tiles_rows(64, 64, 512, "float32")
-        mult = {"avx2": 6, "scalar": 4}.get(isa_name, 12)
-        band = min(full, max(short, L // 16 // mult * mult))
-        assert _kernels.tiles_rows(64, 64, L, "float32", True) == band
-        # the AMX kernel skips masked tiles per group of 32 rows: no cap
-        if isa_name in ("amx", "avx512bf16"):
-            bf = _kernels.tiles_rows(64, 64, L, "bfloat16")
-            assert _kernels.tiles_rows(64, 64, L, "bfloat16", True) == bf
+        for dtype in ("float32", "float64"):
+            band = _expected_band_rows(isa_name, D, D, L, dtype)
+            assert _kernels.tiles_rows(D, D, L, dtype, True) == band
+        # the AMX kernel skips masked tiles per group of 32 rows and keeps its
+        # plain rule for causal calls
+        if isa_name in ("amx", "avx512bf16") and L >= 32:
+            bf = _kernels.tiles_rows(D, D, L, "bfloat16")
+            assert _kernels.tiles_rows(D, D, L, "bfloat16", True) == bf
     finally:
         fastattn.set_isa(prev)
 
