@@ -83,3 +83,58 @@ def test_thread_counts_bit_identical(isa, rng):
     ref = sdpa(q, k, v, num_threads=1)
     for nt in (2, 3):
         np.testing.assert_array_equal(sdpa(q, k, v, num_threads=nt), ref)
+
+
+# Partial tiles (the causal diagonal, a window's edge, a key length inside the
+# tile): each register block computes only the keys some row of it may see
+# (block_keys in kernel_impl.h) and leaves the rest to the mask.  A block whose
+# span is too narrow drops visible keys; these cases put block edges, panel
+# edges and tile edges at many offsets from the band's edges.
+
+
+@pytest.fixture(params=[None, 24, 40, 100])
+def rows(request):
+    # the default row block and forced ones (several blocks per task, tasks
+    # that start inside a tile)
+    fastattn.set_tiles(request.param)
+    yield request.param
+    fastattn.set_tiles(None)
+
+
+@pytest.mark.parametrize("L,S", [(37, 37), (130, 130), (50, 63), (63, 50), (140, 300), (12, 200)])
+def test_causal_diagonal_blocks(isa, rng, rows, L, S):
+    q = randn(rng, (1, 2, L, 24))
+    k = randn(rng, (1, 2, S, 24))
+    v = randn(rng, (1, 2, S, 40))
+    check_sdpa(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("window", [(0, 0), (5, 3), (17, -1), (-1, 9), (40, 40), (130, 2)])
+def test_window_edge_blocks(isa, rng, rows, window):
+    q = randn(rng, (1, 2, 150, 16))
+    k = randn(rng, (1, 2, 170, 16))
+    v = randn(rng, (1, 2, 170, 16))
+    check_sdpa(q, k, v, window=window)
+
+
+@pytest.mark.parametrize("G,L", [(2, 7), (3, 13), (5, 30)])
+def test_diagonal_blocks_across_grouped_heads(isa, rng, rows, G, L):
+    # A block that spans two heads covers every position of the task.
+    q = randn(rng, (2, 2 * G, L, 32))
+    k = randn(rng, (2, 2, L + 5, 32))
+    v = randn(rng, (2, 2, L + 5, 32))
+    check_sdpa(q, k, v, is_causal=True, enable_gqa=True)
+    check_sdpa(q, k, v, window=(6, 2), enable_gqa=True)
+
+
+def test_key_lengths_and_masks_on_partial_tiles(isa, rng, rows):
+    # Key lengths end inside a tile; with a float mask or ALiBi every element
+    # is masked on its own, and causal still makes the diagonal tiles partial.
+    q = randn(rng, (3, 2, 90, 32))
+    k = randn(rng, (3, 2, 150, 32))
+    v = randn(rng, (3, 2, 150, 32))
+    lens = np.array([150, 77, 131])
+    check_sdpa(q, k, v, is_causal=True, key_lengths=lens)
+    mask = randn(rng, (3, 2, 90, 150))
+    check_sdpa(q, k, v, attn_mask=mask, is_causal=True)
+    check_sdpa(q, k, v, is_causal=True, alibi_slopes=np.array([0.5, 0.125]), window=(33, 0))
