@@ -228,44 +228,97 @@ FA_INLINE void FB_NAME(fb_ukr_sdp_n)(int64_t mr, const int nv, int64_t D, int64_
     }
 }
 
+/* fb_ukr_sdp_n for nv = 1..FB_NV vectors (a constant per case): the blocks
+ * of a partial tile that see fewer than FB_NV vectors of its keys. */
+#define FB_NVC(n) ((n) <= FB_NV ? (n) : FB_NV)
+FA_INLINE void FB_NAME(fb_ukr_sdp_nv)(int64_t mr, int64_t nv, int64_t D, int64_t Dv, const REAL *Q, int64_t qs,
+                                      const REAL *Kt, const REAL *dO, int64_t os, const REAL *Vt, int64_t ldb,
+                                      const REAL *l2, const REAL *di, vf c1v, REAL *P, REAL *dS, int64_t ldc)
+{
+    switch (nv) {
+    case 1: FB_NAME(fb_ukr_sdp_n)(mr, 1, D, Dv, Q, qs, Kt, dO, os, Vt, ldb, l2, di, c1v, P, dS, ldc); break;
+    case 2: FB_NAME(fb_ukr_sdp_n)(mr, FB_NVC(2), D, Dv, Q, qs, Kt, dO, os, Vt, ldb, l2, di, c1v, P, dS, ldc); break;
+    case 3: FB_NAME(fb_ukr_sdp_n)(mr, FB_NVC(3), D, Dv, Q, qs, Kt, dO, os, Vt, ldb, l2, di, c1v, P, dS, ldc); break;
+    default: FB_NAME(fb_ukr_sdp_n)(mr, FB_NV, D, Dv, Q, qs, Kt, dO, os, Vt, ldb, l2, di, c1v, P, dS, ldc); break;
+    }
+}
+
 /* C (M x N, ldc) (+)= A (M x K, element (i, k) at A[i*ai + k*ak]) . B (K x N, ldb);
  * N is a multiple of VW.  Column blocks outer, so that a block of B stays in
- * L1 across the row blocks. */
+ * L1 across the row blocks.  With klo/khi (non-decreasing in i; NULL: all of
+ * K), row i's A is zero outside [klo[i], khi[i]), and a block of rows sums
+ * only over the union of its rows' ranges: on a partial tile (the causal
+ * diagonal, a window edge) the terms left out are exact zeros. */
 static void FB_NAME(fb_gemm)(int64_t M, int64_t N, int64_t K, const REAL *A, int64_t ai, int64_t ak,
-                             const REAL *B, int64_t ldb, REAL *C, int64_t ldc, int load)
+                             const REAL *B, int64_t ldb, REAL *C, int64_t ldc, int load, const int32_t *klo,
+                             const int32_t *khi)
 {
     int64_t c0 = 0;
-    for (; c0 + FB_NV * VW <= N; c0 += FB_NV * VW)
+    for (; c0 < N; ) {
+        const int nv = c0 + FB_NV * VW <= N ? FB_NV : 1;
         for (int64_t r0 = 0; r0 < M; r0 += FB_MR) {
             const int64_t mr = M - r0 < FB_MR ? M - r0 : FB_MR;
-            FB_NAME(fb_ukr_n)(mr, FB_NV, K, A + r0 * ai, ai, ak, B + c0, ldb, C + r0 * ldc + c0, ldc, load);
+            const int64_t kb = klo ? klo[r0] : 0, ke = khi ? khi[r0 + mr - 1] : K;
+            if (ke <= kb && load) continue; /* no term: C stays */
+            const int64_t nk = ke > kb ? ke - kb : 0;
+            if (nv == FB_NV)
+                FB_NAME(fb_ukr_n)(mr, FB_NV, nk, A + r0 * ai + kb * ak, ai, ak, B + kb * ldb + c0, ldb,
+                                  C + r0 * ldc + c0, ldc, load);
+            else
+                FB_NAME(fb_ukr_n)(mr, 1, nk, A + r0 * ai + kb * ak, ai, ak, B + kb * ldb + c0, ldb,
+                                  C + r0 * ldc + c0, ldc, load);
         }
-    for (int64_t u = 0, nt = (N - c0) / VW; u < nt; u++, c0 += VW)
-        for (int64_t r0 = 0; r0 < M; r0 += FB_MR) {
-            const int64_t mr = M - r0 < FB_MR ? M - r0 : FB_MR;
-            FB_NAME(fb_ukr_n)(mr, 1, K, A + r0 * ai, ai, ak, B + c0, ldb, C + r0 * ldc + c0, ldc, load);
-        }
+        c0 += nv * VW;
+    }
 }
 
 /* P and dS of a query tile (nq rows) against one key tile (FB_BK keys) by
  * fb_ukr_sdp: row blocks outer, so that the S block a dS block reads back was
- * stored a moment before. */
+ * stored a moment before.  With a0/a1 (a partial tile: row r sees keys
+ * [a0[r], a1[r]) of the tile, both non-decreasing), a block of rows computes
+ * only the vectors that hold keys some row of it sees, and nothing when it
+ * sees none; fb_edge then clears what it left (every value outside a row's
+ * range). */
 static void FB_NAME(fb_sdp)(int64_t nq, int64_t D, int64_t Dv, const REAL *Q, int64_t qs, const REAL *Kt,
                             const REAL *dO, int64_t os, const REAL *Vt, const REAL *l2, const REAL *di, REAL c1,
-                            REAL *P, REAL *dS)
+                            REAL *P, REAL *dS, const int32_t *a0, const int32_t *a1)
 {
     const vf c1v = vf_set1(c1);
     for (int64_t r0 = 0; r0 < nq; r0 += FB_MR) {
         const int64_t mr = nq - r0 < FB_MR ? nq - r0 : FB_MR;
-        int64_t c0 = 0;
-        for (; c0 + FB_NV * VW <= FB_BK; c0 += FB_NV * VW) {
-            FB_NAME(fb_ukr_sdp_n)(mr, FB_NV, D, Dv, Q + r0 * qs, qs, Kt + c0, dO + r0 * os, os, Vt + c0, FB_BK,
-                                  l2 + r0, di + r0, c1v, P + r0 * FB_BK + c0, dS + r0 * FB_BK + c0, FB_BK);
+        int64_t v = 0, ve = FB_BK / VW; /* vectors [v, ve) of the tile */
+        if (a0) {
+            if (a1[r0 + mr - 1] <= a0[r0]) continue;
+            v = a0[r0] / VW;
+            ve = (a1[r0 + mr - 1] + VW - 1) / VW;
         }
-        for (; c0 < FB_BK; c0 += VW) {
-            FB_NAME(fb_ukr_sdp_n)(mr, 1, D, Dv, Q + r0 * qs, qs, Kt + c0, dO + r0 * os, os, Vt + c0, FB_BK,
-                                  l2 + r0, di + r0, c1v, P + r0 * FB_BK + c0, dS + r0 * FB_BK + c0, FB_BK);
+        while (v < ve) {
+            const int64_t nv = ve - v < FB_NV ? ve - v : FB_NV, c0 = v * VW;
+            FB_NAME(fb_ukr_sdp_nv)(mr, nv, D, Dv, Q + r0 * qs, qs, Kt + c0, dO + r0 * os, os, Vt + c0, FB_BK,
+                                   l2 + r0, di + r0, c1v, P + r0 * FB_BK + c0, dS + r0 * FB_BK + c0, FB_BK);
+            v += nv;
         }
+    }
+}
+
+/* The keys [a0[r], a1[r]) of a key tile (at jt, nk keys) that row r of a
+ * query tile (nq rows from i0) sees, and the rows [qlo[j], qhi[j]) that see
+ * key j of it: intervals, all four non-decreasing, because visible ranges
+ * grow with the position (mask.h). */
+static void FB_NAME(fb_ranges)(const fa_params *p, int64_t i0, int64_t nq, int64_t delta, int64_t Sb, int64_t jt,
+                               int64_t nk, int32_t *a0, int32_t *a1, int32_t *qlo, int32_t *qhi)
+{
+    for (int64_t r = 0; r < nq; r++) {
+        int64_t lo, hi;
+        fa_row_range(p, i0 + r + delta, Sb, &lo, &hi);
+        a0[r] = (int32_t)fa_min64(fa_max64(lo - jt, 0), nk);
+        a1[r] = (int32_t)fa_max64(fa_min64(hi - jt, nk), a0[r]);
+    }
+    for (int64_t j = 0, rl = 0, rh = 0; j < nk; j++) {
+        while (rl < nq && a1[rl] <= j) rl++; /* first row whose range ends past j */
+        while (rh < nq && a0[rh] <= j) rh++; /* first row whose range starts past j */
+        qlo[j] = (int32_t)rl;
+        qhi[j] = (int32_t)(rh > rl ? rh : rl);
     }
 }
 
@@ -366,14 +419,19 @@ static void FB_NAME(fb_run)(const fa_bwd_params *bp, const fa_bwd_task *t, void 
                     const REAL *Kt = w.Kt + u * Dp * FB_BK, *Vt = w.Vt + u * Dvp * FB_BK;
                     const REAL *Kr = w.Kr + u * FB_BK * Dp;
 
+                    /* A partial tile: each row's keys and each key's rows, so that
+                     * the products skip the blocks' zeros (fb_sdp, fb_gemm). */
+                    int32_t a0[FB_BQ], a1[FB_BQ], qlo[FB_BK], qhi[FB_BK];
+                    if (!full) FB_NAME(fb_ranges)(p, i0, nq, delta, bi.Sb, jt, nk, a0, a1, qlo, qhi);
                     if (!elem_always) {
                         /* ---- P and dS in one pass (fb_sdp) ---- */
-                        FB_NAME(fb_sdp)(nq, D, Dv, qt, qst, Kt, ot, ost, Vt, l2t, dit, c1, w.S, w.dP);
+                        FB_NAME(fb_sdp)(nq, D, Dv, qt, qst, Kt, ot, ost, Vt, l2t, dit, c1, w.S, w.dP,
+                                        full ? NULL : a0, full ? NULL : a1);
                         if (!full) FB_NAME(fb_edge)(p, i0, nq, delta, bi.Sb, jt, nk, w.S, w.dP);
                     } else {
                         /* ---- S = Q.K^T and dP = dO.V^T ---- */
-                        FB_NAME(fb_gemm)(nq, FB_BK, D, qt, qst, 1, Kt, FB_BK, w.S, FB_BK, 0);
-                        FB_NAME(fb_gemm)(nq, FB_BK, Dv, ot, ost, 1, Vt, FB_BK, w.dP, FB_BK, 0);
+                        FB_NAME(fb_gemm)(nq, FB_BK, D, qt, qst, 1, Kt, FB_BK, w.S, FB_BK, 0, NULL, NULL);
+                        FB_NAME(fb_gemm)(nq, FB_BK, Dv, ot, ost, 1, Vt, FB_BK, w.dP, FB_BK, 0, NULL, NULL);
 
                         /* ---- the forward's transforms, only where the tile needs them:
                          * S becomes the log2-domain logit (-inf where not seen) ---- */
@@ -433,9 +491,11 @@ static void FB_NAME(fb_run)(const fa_bwd_params *bp, const fa_bwd_task *t, void 
                         }
                     }
                     /* ---- dV += P^T.dO, dK += dS^T.Q, dQ += dS.K ---- */
-                    FB_NAME(fb_gemm)(nk, Dvp, nq, w.S, 1, FB_BK, ot, ost, w.dV + u * FB_BK * Dvp, Dvp, 1);
-                    FB_NAME(fb_gemm)(nk, Dp, nq, w.dP, 1, FB_BK, qt, qst, w.dK + u * FB_BK * Dp, Dp, 1);
-                    FB_NAME(fb_gemm)(nq, Dp, nk, w.dP, FB_BK, 1, Kr, Dp, dq + i0 * Dp, Dp, 1);
+                    const int32_t *kl = full ? NULL : qlo, *kh = full ? NULL : qhi; /* rows per key */
+                    const int32_t *rl = full ? NULL : a0, *rh = full ? NULL : a1;   /* keys per row */
+                    FB_NAME(fb_gemm)(nk, Dvp, nq, w.S, 1, FB_BK, ot, ost, w.dV + u * FB_BK * Dvp, Dvp, 1, kl, kh);
+                    FB_NAME(fb_gemm)(nk, Dp, nq, w.dP, 1, FB_BK, qt, qst, w.dK + u * FB_BK * Dp, Dp, 1, kl, kh);
+                    FB_NAME(fb_gemm)(nq, Dp, nk, w.dP, FB_BK, 1, Kr, Dp, dq + i0 * Dp, Dp, 1, rl, rh);
                 }
             }
         }

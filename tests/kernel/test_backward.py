@@ -53,6 +53,26 @@ def test_tiles_every_isa(isa, rng, L, S, causal):
     check_bwd(*qkv(rng, 1, 2, 2, L, S, 40, 24), rng=rng, is_causal=causal)
 
 
+# Partial tiles: the products of a register block sum only over the keys (or
+# query rows) some row (key) of it sees (fb_ranges); causal diagonals with
+# L = S, L < S and L > S, window edges on both sides, D a multiple of the
+# vector and not (the fused score pass and the separate products).
+@pytest.mark.parametrize(
+    "L,S,kw",
+    [
+        (200, 200, {"is_causal": True}),
+        (130, 300, {"is_causal": True}),
+        (300, 130, {"is_causal": True}),
+        (250, 260, {"window": (37, 5)}),
+        (250, 260, {"window": (-1, 20)}),
+        (250, 260, {"window": (70, 0), "alibi_slopes": np.array([0.2, 0.05])}),
+    ],
+)
+@pytest.mark.parametrize("D", [32, 20])
+def test_partial_tiles_every_isa(isa, rng, L, S, kw, D):
+    check_bwd(*qkv(rng, 1, 2, 2, L, S, D, D), rng=rng, **kw)
+
+
 @pytest.mark.parametrize("D,Dv", [(1, 1), (3, 5), (16, 16), (17, 33), (64, 64), (128, 80)])
 def test_head_dims(isa, rng, D, Dv):
     check_bwd(*qkv(rng, 1, 2, 2, 50, 70, D, Dv), rng=rng, is_causal=True)
