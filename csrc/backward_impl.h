@@ -243,6 +243,15 @@ FA_INLINE void FB_NAME(fb_ukr_sdp_nv)(int64_t mr, int64_t nv, int64_t D, int64_t
     }
 }
 
+/* The reduction range [*kb, *kb + n) of the rows [r0, r0 + mr) (fb_gemm). */
+FA_INLINE int64_t FB_NAME(fb_krange)(const int32_t *klo, const int32_t *khi, int64_t r0, int64_t mr, int64_t K,
+                                     int64_t *kb)
+{
+    *kb = klo ? klo[r0] : 0;
+    const int64_t ke = khi ? khi[r0 + mr - 1] : K;
+    return ke > *kb ? ke - *kb : 0;
+}
+
 /* C (M x N, ldc) (+)= A (M x K, element (i, k) at A[i*ai + k*ak]) . B (K x N, ldb);
  * N is a multiple of VW.  Column blocks outer, so that a block of B stays in
  * L1 across the row blocks.  With klo/khi (non-decreasing in i; NULL: all of
@@ -253,23 +262,21 @@ static void FB_NAME(fb_gemm)(int64_t M, int64_t N, int64_t K, const REAL *A, int
                              const REAL *B, int64_t ldb, REAL *C, int64_t ldc, int load, const int32_t *klo,
                              const int32_t *khi)
 {
-    int64_t c0 = 0;
-    for (; c0 < N; ) {
-        const int nv = c0 + FB_NV * VW <= N ? FB_NV : 1;
+    int64_t c0 = 0, kb;
+    for (; c0 + FB_NV * VW <= N; c0 += FB_NV * VW)
         for (int64_t r0 = 0; r0 < M; r0 += FB_MR) {
-            const int64_t mr = M - r0 < FB_MR ? M - r0 : FB_MR;
-            const int64_t kb = klo ? klo[r0] : 0, ke = khi ? khi[r0 + mr - 1] : K;
-            if (ke <= kb && load) continue; /* no term: C stays */
-            const int64_t nk = ke > kb ? ke - kb : 0;
-            if (nv == FB_NV)
-                FB_NAME(fb_ukr_n)(mr, FB_NV, nk, A + r0 * ai + kb * ak, ai, ak, B + kb * ldb + c0, ldb,
-                                  C + r0 * ldc + c0, ldc, load);
-            else
-                FB_NAME(fb_ukr_n)(mr, 1, nk, A + r0 * ai + kb * ak, ai, ak, B + kb * ldb + c0, ldb,
-                                  C + r0 * ldc + c0, ldc, load);
+            const int64_t mr = M - r0 < FB_MR ? M - r0 : FB_MR, nk = FB_NAME(fb_krange)(klo, khi, r0, mr, K, &kb);
+            if (nk == 0 && load) continue; /* no term: C stays */
+            FB_NAME(fb_ukr_n)(mr, FB_NV, nk, A + r0 * ai + kb * ak, ai, ak, B + kb * ldb + c0, ldb,
+                              C + r0 * ldc + c0, ldc, load);
         }
-        c0 += nv * VW;
-    }
+    for (; c0 < N; c0 += VW)
+        for (int64_t r0 = 0; r0 < M; r0 += FB_MR) {
+            const int64_t mr = M - r0 < FB_MR ? M - r0 : FB_MR, nk = FB_NAME(fb_krange)(klo, khi, r0, mr, K, &kb);
+            if (nk == 0 && load) continue;
+            FB_NAME(fb_ukr_n)(mr, 1, nk, A + r0 * ai + kb * ak, ai, ak, B + kb * ldb + c0, ldb,
+                              C + r0 * ldc + c0, ldc, load);
+        }
 }
 
 /* P and dS of a query tile (nq rows) against one key tile (FB_BK keys) by
