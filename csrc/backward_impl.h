@@ -270,7 +270,7 @@ static void FB_NAME(fb_gemm)(int64_t M, int64_t N, int64_t K, const REAL *A, int
             FB_NAME(fb_ukr_n)(mr, FB_NV, nk, A + r0 * ai + kb * ak, ai, ak, B + kb * ldb + c0, ldb,
                               C + r0 * ldc + c0, ldc, load);
         }
-    for (; c0 < N; c0 += VW)
+    for (int64_t u = 0, nt = (N - c0) / VW; u < nt; u++, c0 += VW) /* (this form: no GCC loop warning) */
         for (int64_t r0 = 0; r0 < M; r0 += FB_MR) {
             const int64_t mr = M - r0 < FB_MR ? M - r0 : FB_MR, nk = FB_NAME(fb_krange)(klo, khi, r0, mr, K, &kb);
             if (nk == 0 && load) continue;
@@ -329,20 +329,16 @@ static void FB_NAME(fb_ranges)(const fa_params *p, int64_t i0, int64_t nq, int64
     }
 }
 
-/* Clears P and dS outside each row's visible keys [lo, hi) within a key tile
- * at jt of nk keys (and past nk): the causal diagonal, a window edge, the
- * last tile's tail.  The values there came from zero-padded or unseen keys. */
-static void FB_NAME(fb_edge)(const fa_params *p, int64_t i0, int64_t nq, int64_t delta, int64_t Sb, int64_t jt,
-                             int64_t nk, REAL *S, REAL *dP)
+/* Clears P and dS outside each row's visible keys [a0[r], a1[r]) of a key
+ * tile (fb_ranges; past its nk keys too): the causal diagonal, a window edge,
+ * the last tile's tail.  The values there came from zero-padded or unseen
+ * keys, or were not computed (fb_sdp). */
+static void FB_NAME(fb_edge)(int64_t nq, const int32_t *a0, const int32_t *a1, REAL *S, REAL *dP)
 {
     for (int64_t r = 0; r < nq; r++) {
         REAL *s = S + r * FB_BK, *dp = dP + r * FB_BK;
-        int64_t lo, hi;
-        fa_row_range(p, i0 + r + delta, Sb, &lo, &hi);
-        const int64_t a0 = fa_min64(fa_max64(lo - jt, 0), nk);
-        const int64_t a1 = fa_max64(fa_min64(hi - jt, nk), a0);
-        for (int64_t jj = 0; jj < a0; jj++) s[jj] = dp[jj] = 0;
-        for (int64_t jj = a1; jj < FB_BK; jj++) s[jj] = dp[jj] = 0;
+        for (int64_t jj = 0; jj < a0[r]; jj++) s[jj] = dp[jj] = 0;
+        for (int64_t jj = a1[r]; jj < FB_BK; jj++) s[jj] = dp[jj] = 0;
     }
 }
 
@@ -430,11 +426,12 @@ static void FB_NAME(fb_run)(const fa_bwd_params *bp, const fa_bwd_task *t, void 
                      * the products skip the blocks' zeros (fb_sdp, fb_gemm). */
                     int32_t a0[FB_BQ], a1[FB_BQ], qlo[FB_BK], qhi[FB_BK];
                     if (!full) FB_NAME(fb_ranges)(p, i0, nq, delta, bi.Sb, jt, nk, a0, a1, qlo, qhi);
+                    const int32_t *rl = full ? NULL : a0, *rh = full ? NULL : a1;   /* keys per row */
+                    const int32_t *kl = full ? NULL : qlo, *kh = full ? NULL : qhi; /* rows per key */
                     if (!elem_always) {
                         /* ---- P and dS in one pass (fb_sdp) ---- */
-                        FB_NAME(fb_sdp)(nq, D, Dv, qt, qst, Kt, ot, ost, Vt, l2t, dit, c1, w.S, w.dP,
-                                        full ? NULL : a0, full ? NULL : a1);
-                        if (!full) FB_NAME(fb_edge)(p, i0, nq, delta, bi.Sb, jt, nk, w.S, w.dP);
+                        FB_NAME(fb_sdp)(nq, D, Dv, qt, qst, Kt, ot, ost, Vt, l2t, dit, c1, w.S, w.dP, rl, rh);
+                        if (!full) FB_NAME(fb_edge)(nq, a0, a1, w.S, w.dP);
                     } else {
                         /* ---- S = Q.K^T and dP = dO.V^T ---- */
                         FB_NAME(fb_gemm)(nq, FB_BK, D, qt, qst, 1, Kt, FB_BK, w.S, FB_BK, 0, NULL, NULL);
@@ -498,8 +495,6 @@ static void FB_NAME(fb_run)(const fa_bwd_params *bp, const fa_bwd_task *t, void 
                         }
                     }
                     /* ---- dV += P^T.dO, dK += dS^T.Q, dQ += dS.K ---- */
-                    const int32_t *kl = full ? NULL : qlo, *kh = full ? NULL : qhi; /* rows per key */
-                    const int32_t *rl = full ? NULL : a0, *rh = full ? NULL : a1;   /* keys per row */
                     FB_NAME(fb_gemm)(nk, Dvp, nq, w.S, 1, FB_BK, ot, ost, w.dV + u * FB_BK * Dvp, Dvp, 1, kl, kh);
                     FB_NAME(fb_gemm)(nk, Dp, nq, w.dP, 1, FB_BK, qt, qst, w.dK + u * FB_BK * Dp, Dp, 1, kl, kh);
                     FB_NAME(fb_gemm)(nq, Dp, nk, w.dP, FB_BK, 1, Kr, Dp, dq + i0 * Dp, Dp, 1, rl, rh);
