@@ -59,6 +59,17 @@ static inline float fa_emu_reduce_max_ps(fa_emu_ps x)
 }
 #define fa_emu_roundscale_ps(x, imm) \
     ((fa_emu_ps){ _mm256_round_ps((x).lo, (imm)), _mm256_round_ps((x).hi, (imm)) })
+/* vscalefps over the domain the kernels use it on (vf_exp2_neg: n integral
+ * in [-127, 0], FTZ set): p times 2^n built in the exponent field, n = -127
+ * giving 0 as the hardware's flushed result. */
+static inline fa_emu_ps fa_emu_scalef_ps(fa_emu_ps p, fa_emu_ps n)
+{
+    const __m256i bias = _mm256_set1_epi32(127);
+    __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n.lo), bias), 23));
+    __m256 hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n.hi), bias), 23));
+    fa_emu_ps r = { _mm256_mul_ps(p.lo, lo), _mm256_mul_ps(p.hi, hi) };
+    return r;
+}
 static inline fa_emu_si fa_emu_cvtps_epi32(fa_emu_ps x) { fa_emu_si r = { _mm256_cvtps_epi32(x.lo), _mm256_cvtps_epi32(x.hi) }; return r; }
 #define fa_emu_srai_epi32(x, k) ((fa_emu_si){ _mm256_srai_epi32((x).lo, (k)), _mm256_srai_epi32((x).hi, (k)) })
 #define fa_emu_slli_epi32(x, k) ((fa_emu_si){ _mm256_slli_epi32((x).lo, (k)), _mm256_slli_epi32((x).hi, (k)) })
@@ -91,6 +102,7 @@ static inline fa_emu_si fa_emu_cvtepu16_epi32(__m256i h)
 #define _mm512_reduce_add_ps fa_emu_reduce_add_ps
 #define _mm512_reduce_max_ps fa_emu_reduce_max_ps
 #define _mm512_roundscale_ps fa_emu_roundscale_ps
+#define _mm512_scalef_ps fa_emu_scalef_ps
 #define _mm512_cvtps_epi32 fa_emu_cvtps_epi32
 #define _mm512_srai_epi32 fa_emu_srai_epi32
 #define _mm512_slli_epi32 fa_emu_slli_epi32
