@@ -70,7 +70,11 @@ typedef struct fa_ws {
     REAL *V;    /* FA_BLK_BN x Dvp   converted V rows (when not read in place)  */
     REAL *S;    /* FA_BLK_BMR x FA_BLK_BN   scores, then probabilities                 */
     REAL *O;    /* FA_BLK_BMR x Dvp  unnormalised output accumulator            */
-    REAL *m, *l, *tmp;
+    REAL *m;    /* FA_BLK_BMR        running row maxima (log2 domain)          */
+    REAL *l;    /* FA_BLK_BMR x VW   running row sums, VW partial sums per row:
+                 * the lanes are added once, in write_out (a horizontal sum per
+                 * row and tile was 7% of a (1, 8, 16, 64) call)             */
+    REAL *tmp;
 } fa_ws;
 
 #define FA_ALIGN 64
@@ -107,7 +111,7 @@ static size_t FA_NAME(scratch_bytes)(const fa_params *p, int64_t rows)
     int64_t Dp = fa_rup(p->D, VW), Dvp = fa_rup(p->Dv, VW), W = Dp > Dvp ? Dp : Dvp;
     const size_t e = sizeof(REAL), R = (size_t)FA_NAME(cap_rows)(p, rows);
     return fa_al((R * Dp + FA_QS_SLACK) * e) + fa_al(FA_BLK_BN * Dp * e) + fa_al(FA_BLK_BN * Dvp * e) + fa_al(R * FA_BLK_BN * e) +
-           fa_al(R * Dvp * e) + 2 * fa_al(R * e) + fa_al(W * e) + FA_ALIGN;
+           fa_al(R * Dvp * e) + fa_al(R * e) + fa_al(R * VW * e) + fa_al(W * e) + FA_ALIGN;
 }
 
 static void FA_NAME(carve)(const fa_params *p, int64_t rows, void *scratch, fa_ws *w)
@@ -121,7 +125,7 @@ static void FA_NAME(carve)(const fa_params *p, int64_t rows, void *scratch, fa_w
     w->S = (REAL *)c; c += fa_al(R * FA_BLK_BN * e);
     w->O = (REAL *)c; c += fa_al(R * Dvp * e);
     w->m = (REAL *)c; c += fa_al(R * e);
-    w->l = (REAL *)c; c += fa_al(R * e);
+    w->l = (REAL *)c; c += fa_al(R * VW * e);
     w->tmp = (REAL *)c;
 }
 
@@ -279,7 +283,7 @@ FA_INLINE void FA_NAME(load_q)(const fa_ctx *c, const fa_ws *w, int packed)
     const REAL qscale = (REAL)(p->scale * (c->use_log2 ? FA_LOG2E : 1.0));
     for (int64_t r = 0; r < c->R; r++) {
         w->m[r] = -INFINITY;
-        w->l[r] = 0;
+        vf_store(w->l + r * VW, vf_zero());
     }
     memset(w->O, 0, (size_t)(c->R * c->Dvp) * sizeof(REAL));
     if (packed) {
@@ -407,14 +411,20 @@ FA_INLINE void FA_NAME(softmax_row)(const fa_ctx *c, const fa_ws *w, int64_t TN,
 {
     const int64_t Dvp = c->Dvp;
     REAL *s = w->S + r * TN;
-    vf mv = vf_set1(-INFINITY);
-    for (int64_t jj = j0; jj < j1; jj += VW) mv = vf_max(mv, vf_load(s + jj));
-    REAL mx = vf_hmax(mv), mold = w->m[r];
+    /* Two max chains (max is exact in any order: the same row max). */
+    vf mv = vf_set1(-INFINITY), mv1 = mv;
+    int64_t jj = j0;
+    for (; jj + VW < j1; jj += 2 * VW) {
+        mv = vf_max(mv, vf_load(s + jj));
+        mv1 = vf_max(mv1, vf_load(s + jj + VW));
+    }
+    if (jj < j1) mv = vf_max(mv, vf_load(s + jj));
+    REAL mx = vf_hmax(vf_max(mv, mv1)), mold = w->m[r];
     REAL mnew = mx > mold ? mx : mold;
     if (mx != mx) mnew = mx; /* NaN poisons the row */
     if (mnew == -INFINITY) {
         /* Nothing visible yet; NaN scores still poison the row. */
-        for (int64_t jj = j0, je = fa_min64(j1, nj); jj < je; jj++) { if (s[jj] != s[jj]) w->l[r] = NAN; s[jj] = 0; }
+        for (int64_t j = j0, je = fa_min64(j1, nj); j < je; j++) { if (s[j] != s[j]) w->l[r * VW] = NAN; s[j] = 0; }
         return;
     }
     if (mnew > mold) {
@@ -423,17 +433,17 @@ FA_INLINE void FA_NAME(softmax_row)(const fa_ctx *c, const fa_ws *w, int64_t TN,
             REAL *o = w->O + r * Dvp;
             vf av = vf_set1(alpha);
             for (int64_t cc = 0; cc < Dvp; cc += VW) vf_store(o + cc, vf_mul(av, vf_load(o + cc)));
-            w->l[r] *= alpha;
+            vf_store(w->l + r * VW, vf_mul(av, vf_load(w->l + r * VW)));
         }
         w->m[r] = mnew;
     }
-    vf mn = vf_set1(mnew), sum = vf_zero();
-    for (int64_t jj = j0; jj < j1; jj += VW) {
-        vf e = vf_exp2_neg(vf_sub(vf_load(s + jj), mn));
-        vf_store(s + jj, e);
+    vf mn = vf_set1(mnew), sum = vf_load(w->l + r * VW);
+    for (int64_t j = j0; j < j1; j += VW) {
+        vf e = vf_exp2_neg(vf_sub(vf_load(s + j), mn));
+        vf_store(s + j, e);
         sum = vf_add(sum, e);
     }
-    w->l[r] += vf_hsum(sum);
+    vf_store(w->l + r * VW, sum);
 }
 
 /* The online softmax of every row of a masked score tile (nj keys). */
@@ -459,7 +469,7 @@ FA_INLINE void FA_NAME(write_out)(const fa_ctx *c, const fa_ws *w)
         const int valid = ii < ni;
         if (valid) {
             mm = w->m[ra]; /* log2 domain */
-            ll = w->l[ra];
+            ll = vf_hsum(vf_load(w->l + ra * VW));
             f = 1.0;
             /* A split task's part leaves the sink out: the merge adds it to the
              * denominator once (attention.c, fa_merge_row). */
