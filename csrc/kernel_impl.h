@@ -577,7 +577,8 @@ FA_INLINE REAL *FA_NAME(panel_at)(REAL *K, int64_t D, int64_t jl, int64_t wl, in
  * padded half was an eighth of the call).  Its lanes past nj are zeros.
  * On a partial tile each block computes only the panels of its keys
  * (block_keys); the rest of its scores are left for mask_tile's -inf. */
-FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, int64_t nj, int partial)
+FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, int64_t nj, int partial,
+                                   const fa_stream *next)
 {
     const fa_params *p = c->p;
     const int64_t D = c->D, Dp = c->Dp, R = c->R;
@@ -613,6 +614,11 @@ FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, i
         int64_t r0, a, b;
         const int mr = FA_NAME(row_block)(R, nb, kb, &r0);
         FA_NAME(block_keys)(c, partial, r0, mr, jt, nj, &a, &b);
+        if (next) /* block kb's share of the next tile's K and V rows, towards L2 */
+            for (int64_t t = next->nj * kb / nb, te = next->nj * (kb + 1) / nb; t < te; t++) {
+                FA_PREFETCH_ROW(next->k + t * next->kld, next->krow, 2);
+                FA_PREFETCH_ROW(next->v + t * next->vld, next->vrow, 2);
+            }
         for (int64_t pp = a / FA_BLK_NR; pp * FA_BLK_NR < b; pp++) /* the panels that hold keys [a, b) */
             FA_NAME(qk_ukernel_n)(mr, pp < np - 1 ? FA_BLK_NV : (int)(wl / VW), w->Qs + r0 * Dp,
                                   w->K + pp * D * FA_BLK_NR, D, w->S + r0 * FA_BLK_BN + pp * FA_BLK_NR, FA_BLK_BN);
@@ -689,7 +695,19 @@ FA_INLINE void FA_NAME(path_prefill)(const fa_ctx *c, const fa_ws *w)
         const fa_stream st = FA_NAME(tile_stream)(c, jt, nj);
         if (FA_NAME(tile_hidden)(c, jt, nj)) continue;
         const int partial = FA_NAME(tile_partial)(c, jt, nj);
-        FA_NAME(qk_packed)(c, w, jt, nj, partial);
+        /* The next tile's K and V rows are prefetched while this tile's
+         * products run (spread over the register blocks of Q.K^T): a task
+         * reads each K and V row once from beyond L2, and the transposes
+         * that pack K (and P.V reading V in place) waited on those loads
+         * (B4 H8 L512 causal, perf: the K packing 6.6% of the samples for
+         * ~2% of the operations). */
+        fa_stream next;
+        const fa_stream *nx = NULL;
+        if (jt + TN < c->jhi) {
+            next = FA_NAME(tile_stream)(c, jt + TN, fa_min64(TN, c->jhi - jt - TN));
+            nx = &next;
+        }
+        FA_NAME(qk_packed)(c, w, jt, nj, partial, nx);
         FA_NAME(mask_tile)(c, w->S, TN, jt, nj);
         if (!partial) {
             FA_NAME(softmax_tile)(c, w, TN, nj);
