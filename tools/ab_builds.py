@@ -10,9 +10,12 @@ its interquartile range.  The outputs of the two builds are compared first
 (bit for bit, or within 1e-5 relative when the change alters rounding).
 
     python tools/ab_builds.py OLD_TREE NEW_TREE 1x8x1024x64 [--threads 1] [--bursts 40] [--causal]
+                              [--isa avx2]
 
 SHAPE is BxHxLxD or BxHxLxDxS (float32, bhsd).  One thread is timed as thread
-CPU time, more as wall time.  A ratio above 1 means NEW is faster.
+CPU time, more as wall time.  A ratio above 1 means NEW is faster.  --isa
+times another ISA path of both builds (``avx2`` on an AVX-512 machine: the
+path AVX2-only CPUs take).
 """
 
 from __future__ import annotations
@@ -50,11 +53,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--bursts", type=int, default=40)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--isa", default=None, help="ISA path of both builds (fastattn.set_isa names)")
     a = ap.parse_args()
     sys.path.insert(0, a.old)  # the Plan record (pure Python) of the old tree
     from fastattn._plan import Plan
 
     old, new = load_kernels(a.old), load_kernels(a.new)
+    if a.isa is not None:
+        for mod in (old, new):
+            if not mod.isa_set(a.isa):
+                raise SystemExit(f"this CPU cannot run the {a.isa!r} path")
     dims = [int(x) for x in a.shape.split("x")]
     B, H, L, D = dims[:4]
     S = dims[4] if len(dims) > 4 else L
@@ -84,8 +92,9 @@ def main() -> None:
                 mod.attention(plan)
             acc.append((clock() - t0) / calls)
     r = np.array(t_old) / np.array(t_new)
+    tag = (" causal" if a.causal else "") + (f" isa={a.isa}" if a.isa else "")
     print(
-        f"{a.shape} threads={a.threads}{' causal' if a.causal else ''}: old {np.median(t_old) * 1e6:.1f} us, "
+        f"{a.shape} threads={a.threads}{tag}: old {np.median(t_old) * 1e6:.1f} us, "
         f"new {np.median(t_new) * 1e6:.1f} us, old/new {np.median(r):.3f} "
         f"[{np.percentile(r, 25):.3f}-{np.percentile(r, 75):.3f}] ({calls} calls per burst, "
         f"{'same bits' if same else 'not the same bits'})"
