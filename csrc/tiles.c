@@ -17,9 +17,17 @@
  * The kernels' long-sequence constants were measured before this rule; the
  * share reproduces them where they were measured (Zen 3, 512 KiB L2, AVX2,
  * BN = 64, D = 64: 0.28 * 512 KiB / 768 B = 191 -> 192 measured best, +13-20%
- * on L4096 against 96).  Short sequences (L < FA_LONG_L) and D > 128 keep the
- * kernel's short block (balance over threads and tasks, not cache, decides
- * there); causal and windowed calls follow their own rule (fa_rows_per_task).
+ * on L4096 against 96).  Short sequences (L < FA_LONG_L) keep the kernel's
+ * short block (balance over threads and tasks, not cache, decides there);
+ * causal and windowed calls follow their own rule (fa_rows_per_task).  Head
+ * dims above 128 follow the same rule: their rows are larger, so a small L2
+ * gives the short block anyway (Zen 3, D = 256: 62 rows -> 96), and a large
+ * one more (Sapphire Rapids, 2 MiB: 228 rows for float32 D = 256, 264 for
+ * D = 160, 256 for bf16 D = 256).  Measured there, the blocks alternated in one
+ * process, 2 threads, ratio over the short block (96 rows float32, 128 bf16)
+ * the rule kept for D > 128 before: float32 B1 H8 L1024 D256 1.10, B1 H4
+ * L2048 D256 1.16, B1 H8 L1024 D160 1.13; causal L1024 D256 1.08, L2048 D160
+ * 1.11; bf16 (AMX) L1024 D256 1.22, L2048 D160 1.14.
  * FASTATTN_TILES (fastattn._config) overrides R for measurement.
  *
  * Cache sizes: cpuid's deterministic cache parameters (leaf 4 on Intel,
@@ -121,7 +129,6 @@ int64_t fa_rows_per_task(const fa_kernel *k, const fa_params *p)
 {
     const int64_t o = fa_tiles_get_rows();
     if (o > 0) return o < k->rows_max ? o : k->rows_max;
-    if (p->D > 128 || p->Dv > 128) return k->block_rows_short;
     /* Causal and windowed rows see a band.  The kernel_impl.h kernels skip
      * the masked keys of a diagonal tile per register block (block_keys), so
      * a block of R rows wastes about FA_BLK_MR / 2 keys per row rather than

@@ -160,7 +160,7 @@ def set_tiles(rows: int | None) -> None:
     """Force the forward kernels' row block (stacked query rows per task) for later calls.
 
     By default (``None``) it is derived from the core's L2 size for query lengths
-    >= 1024 with head dims <= 128 (for causal and windowed calls of the float32 and
+    >= 1024 (for causal and windowed calls of the float32 and
     float64 kernels at every length, at most half the query length), and is the
     kernel's short block otherwise (see docs/performance.md, "Tiles from the cache").
     A number is for measurement: every forward call takes at most that many rows per

@@ -75,7 +75,7 @@ def _expected_rows(isa: str, D: int, Dv: int, L: int, dtype: str) -> int:
             vw, bn, short, mult, longr = 1, 64, 32, 4, 32
         rows_max = 1024
         row = (-(-D // vw) * vw + bn + -(-Dv // vw) * vw) * (8 if dtype == "float64" else 4)
-    if L < 1024 or D > 128 or Dv > 128:
+    if L < 1024:
         return short
     if l2 <= 0:
         return longr
@@ -110,8 +110,6 @@ def _expected_band_rows(isa: str, D: int, Dv: int, L: int, dtype: str) -> int:
     """The causal/windowed rule of csrc/tiles.c (float32 and float64 kernels):
     the L2 rule at every L, at most L / 2, at least the short block."""
     short = _expected_rows(isa, D, Dv, 1, dtype)
-    if D > 128 or Dv > 128:
-        return short
     mult = {"avx2": 6, "scalar": 4}.get(isa, 12) if dtype == "float32" else 4
     r = min(_expected_rows(isa, D, Dv, 1 << 20, dtype), L // 2 // mult * mult)
     return max(r, short)
@@ -179,6 +177,29 @@ def test_bfloat16_forced_rows(rng):
         out = sdpa(q, k, v, is_causal=True).astype(np.float64)
         ref = fastattn.reference.scaled_dot_product_attention(
             q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), is_causal=True
+        )
+        # bf16 contract (tests/kernel/test_amx.py): well within the bf16 rounding of P and the output
+        assert np.max(np.abs(out - ref)) < 2e-2
+
+
+@pytest.mark.parametrize("D", [160, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_large_head_dims_at_the_derived_block(isa, rng, D, causal):
+    # D > 128 takes the L2 rule at L >= 1024 (more rows than the short block
+    # where L2 is large); the block's last rows and the partial last key tile
+    # (1050 = 8 * 128 + 26) included.
+    q, k, v = randn(rng, (1, 2, 1050, D)), randn(rng, (1, 2, 1050, D)), randn(rng, (1, 2, 1050, D))
+    check_sdpa(q, k, v, is_causal=causal)
+
+
+@pytest.mark.parametrize("D", [160, 256])
+def test_bfloat16_large_head_dims_at_the_derived_block(rng, D):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    q, k, v = (randn(rng, (1, 2, 1050, D)).astype(ml_dtypes.bfloat16) for _ in range(3))
+    for causal in (False, True):
+        out = sdpa(q, k, v, is_causal=causal).astype(np.float64)
+        ref = fastattn.reference.scaled_dot_product_attention(
+            q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), is_causal=causal
         )
         # bf16 contract (tests/kernel/test_amx.py): well within the bf16 rounding of P and the output
         assert np.max(np.abs(out - ref)) < 2e-2
