@@ -337,67 +337,87 @@ FA_INLINE int FA_NAME(tile_partial)(const fa_ctx *c, int64_t jt, int64_t nj)
     return jt < c->flo || jt + nj > c->fhi;
 }
 
-/* The masks of a score tile S (R rows of stride TN, nj keys at jt), only
- * where the tile needs them: -inf past nj up to the vector edge always; the
- * visible range's edges when the tile is partial (causal diagonal, window);
- * every element when a mask, ALiBi, softcap or block mask applies. */
-FA_INLINE void FA_NAME(mask_tile)(const fa_ctx *c, REAL *S, int64_t TN, int64_t jt, int64_t nj)
+/* The masks of row r's scores s (a tile of nj keys at jt), over the tile
+ * columns [ja, jb) only (jb <= the padded width), where the tile needs them:
+ * -inf past nj up to the vector edge always; the visible range's edges when
+ * the tile is partial (causal diagonal, window); every element when a mask,
+ * ALiBi, softcap or block mask applies. */
+FA_INLINE void FA_NAME(mask_row)(const fa_ctx *c, REAL *s, int64_t r, int64_t jt, int64_t nj, int64_t ja,
+                                 int64_t jb, int partial)
 {
     const fa_params *p = c->p;
     const fa_task *t = c->t;
-    const int64_t njp = fa_rup(nj, VW), b = c->b;
+    const int64_t b = c->b, je = fa_min64(jb, nj);
+    for (int64_t jj = fa_max64(nj, ja); jj < jb; jj++) s[jj] = -INFINITY;
+    if (!(c->elem_always || partial)) return;
+    int64_t h = t->hk * c->G + r / c->ni, i = t->i0 + r % c->ni, ip = i + c->delta, lo, hi;
+    fa_row_range(p, ip, c->bi.Sb, &lo, &hi);
+    if (!c->elem_always) { /* only the visible range to apply (causal diagonal, window edge) */
+        const int64_t a0 = fa_min64(fa_max64(lo - jt, 0), nj), a1 = fa_max64(fa_min64(hi - jt, nj), a0);
+        for (int64_t jj = ja; jj < a0; jj++) s[jj] = -INFINITY;
+        for (int64_t jj = fa_max64(a1, ja); jj < je; jj++) s[jj] = -INFINITY;
+        return;
+    }
+    const char *mrow = p->mask ? (const char *)p->mask +
+        (b * p->m_sb + h * p->m_sh + i * p->m_sl) * (p->mask_kind == FA_MASK_BOOL ? 1 : p->mask_kind == FA_MASK_F32 ? 4 : 8) : NULL;
+    const double slope = p->alibi ? p->alibi[b * p->alibi_sb + h * p->alibi_sh] * FA_LOG2E : 0.0;
+    for (int64_t jj = ja; jj < je; jj++) {
+        int64_t j = jt + jj;
+        if (j < lo || j >= hi) { s[jj] = -INFINITY; continue; }
+        double x = s[jj];
+        if (!c->use_log2) {
+            /* c*tanh(x/c) = x*(1 - (x/c)^2/3 + ...): for tiny x/c (which FTZ/DAZ
+             * would flush to 0) the cap is the identity to double precision. */
+            double y = x / p->softcap;
+            x = (fabs(y) < 1e-6 ? x : p->softcap * tanh(y)) * FA_LOG2E;
+        }
+        /* A finite logit stays finite: an HF-style padding mask of
+         * finfo(float32).min overflows float32 once in log2 units (and
+         * finfo(float64).min overflows double), and -inf would mask the
+         * key outright (a row of only such keys gave zeros where the
+         * softmax is uniform over them).  Only -inf / NaN inputs, a False
+         * bool mask and the block mask remove a key. */
+        int fin = x - x == 0.0; /* finite (NaN and +-inf fail) */
+        if (p->alibi) x -= slope * (double)(ip > j ? ip - j : j - ip);
+        if (mrow) {
+            int64_t mo = j * p->m_ss;
+            if (p->mask_kind == FA_MASK_BOOL) {
+                if (!((const uint8_t *)mrow)[mo]) { x = -INFINITY; fin = 0; }
+            } else {
+                double mv = p->mask_kind == FA_MASK_F32 ? (double)((const float *)mrow)[mo]
+                                                        : ((const double *)mrow)[mo];
+                if (mv - mv != 0.0) fin = 0; /* -inf / +inf / NaN in the mask act as given */
+                x += mv * FA_LOG2E;
+            }
+        }
+        if (p->bmask && !fa_bmask_at(p, b, h, i, j)) { x = -INFINITY; fin = 0; }
+        if (fin) {
+            if (x < -FA_REAL_MAX) x = -FA_REAL_MAX;
+            else if (x > FA_REAL_MAX) x = FA_REAL_MAX;
+        }
+        s[jj] = (REAL)x;
+    }
+}
+
+/* The masks of a score tile S (R rows of stride TN, nj keys at jt): every
+ * row over the tile's padded width, or, with blocked on a partial tile (the
+ * prefill path), each register block's rows over the vectors of its keys
+ * (block_keys), the only scores its softmax and P.V read (the rest of a
+ * causal diagonal's masking was 3.9% of a B4 H8 L512 causal call). */
+FA_INLINE void FA_NAME(mask_tile)(const fa_ctx *c, REAL *S, int64_t TN, int64_t jt, int64_t nj, int blocked)
+{
+    const int64_t njp = fa_rup(nj, VW);
     const int partial = FA_NAME(tile_partial)(c, jt, nj);
-    for (int64_t r = 0; r < c->R; r++) {
-        REAL *s = S + r * TN;
-        for (int64_t jj = nj; jj < njp; jj++) s[jj] = -INFINITY;
-        if (!(c->elem_always || partial)) continue;
-        int64_t h = t->hk * c->G + r / c->ni, i = t->i0 + r % c->ni, ip = i + c->delta, lo, hi;
-        fa_row_range(p, ip, c->bi.Sb, &lo, &hi);
-        if (!c->elem_always) { /* only the visible range to apply (causal diagonal, window edge) */
-            const int64_t a0 = fa_min64(fa_max64(lo - jt, 0), nj), a1 = fa_max64(fa_min64(hi - jt, nj), a0);
-            for (int64_t jj = 0; jj < a0; jj++) s[jj] = -INFINITY;
-            for (int64_t jj = a1; jj < nj; jj++) s[jj] = -INFINITY;
-            continue;
-        }
-        const char *mrow = p->mask ? (const char *)p->mask +
-            (b * p->m_sb + h * p->m_sh + i * p->m_sl) * (p->mask_kind == FA_MASK_BOOL ? 1 : p->mask_kind == FA_MASK_F32 ? 4 : 8) : NULL;
-        const double slope = p->alibi ? p->alibi[b * p->alibi_sb + h * p->alibi_sh] * FA_LOG2E : 0.0;
-        for (int64_t jj = 0; jj < nj; jj++) {
-            int64_t j = jt + jj;
-            if (j < lo || j >= hi) { s[jj] = -INFINITY; continue; }
-            double x = s[jj];
-            if (!c->use_log2) {
-                /* c*tanh(x/c) = x*(1 - (x/c)^2/3 + ...): for tiny x/c (which FTZ/DAZ
-                 * would flush to 0) the cap is the identity to double precision. */
-                double y = x / p->softcap;
-                x = (fabs(y) < 1e-6 ? x : p->softcap * tanh(y)) * FA_LOG2E;
-            }
-            /* A finite logit stays finite: an HF-style padding mask of
-             * finfo(float32).min overflows float32 once in log2 units (and
-             * finfo(float64).min overflows double), and -inf would mask the
-             * key outright (a row of only such keys gave zeros where the
-             * softmax is uniform over them).  Only -inf / NaN inputs, a False
-             * bool mask and the block mask remove a key. */
-            int fin = x - x == 0.0; /* finite (NaN and +-inf fail) */
-            if (p->alibi) x -= slope * (double)(ip > j ? ip - j : j - ip);
-            if (mrow) {
-                int64_t mo = j * p->m_ss;
-                if (p->mask_kind == FA_MASK_BOOL) {
-                    if (!((const uint8_t *)mrow)[mo]) { x = -INFINITY; fin = 0; }
-                } else {
-                    double mv = p->mask_kind == FA_MASK_F32 ? (double)((const float *)mrow)[mo]
-                                                            : ((const double *)mrow)[mo];
-                    if (mv - mv != 0.0) fin = 0; /* -inf / +inf / NaN in the mask act as given */
-                    x += mv * FA_LOG2E;
-                }
-            }
-            if (p->bmask && !fa_bmask_at(p, b, h, i, j)) { x = -INFINITY; fin = 0; }
-            if (fin) {
-                if (x < -FA_REAL_MAX) x = -FA_REAL_MAX;
-                else if (x > FA_REAL_MAX) x = FA_REAL_MAX;
-            }
-            s[jj] = (REAL)x;
-        }
+    if (!(blocked && partial)) {
+        for (int64_t r = 0; r < c->R; r++) FA_NAME(mask_row)(c, S + r * TN, r, jt, nj, 0, njp, partial);
+        return;
+    }
+    for (int64_t kb = 0, nb = FA_NAME(row_nblocks)(c->R); kb < nb; kb++) {
+        int64_t r0, a, b;
+        const int mr = FA_NAME(row_block)(c->R, nb, kb, &r0);
+        FA_NAME(block_keys)(c, partial, r0, mr, jt, nj, &a, &b);
+        for (int64_t r = r0; r < r0 + mr && a < b; r++)
+            FA_NAME(mask_row)(c, S + r * TN, r, jt, nj, a / VW * VW, fa_rup(b, VW), partial);
     }
 }
 
@@ -517,7 +537,7 @@ FA_INLINE void FA_NAME(path_row1)(const fa_ctx *c, const fa_ws *w)
         if (FA_NAME(tile_hidden)(c, jt, nj)) continue;
         FA_NAME(qk_rows_n)(1, p->k_dtype, c->self_dt, w->Qs, c->Dp, st.k, p->k_sl, nj, w->S, TN, st.v,
                            p->v_sl * c->vsz, c->Dv * c->vsz, &st);
-        FA_NAME(mask_tile)(c, w->S, TN, jt, nj);
+        FA_NAME(mask_tile)(c, w->S, TN, jt, nj, 0);
         FA_NAME(softmax_tile)(c, w, TN, nj);
         FA_NAME(pv_row1_n)(c->Dvp / VW, p->v_dtype, c->self_dt, w->S, nj, st.v, p->v_sl, w->O, &st);
     }
@@ -550,7 +570,7 @@ FA_INLINE void FA_NAME(path_rows)(const fa_ctx *c, const fa_ws *w)
         }
         FA_NAME(qk_rows_n)(c->R, kdt, c->self_dt, w->Qs, Dp, kr, ldk, nj, w->S, TN, vpf, p->v_sl * c->vsz,
                            c->Dv * c->vsz, NULL);
-        FA_NAME(mask_tile)(c, w->S, TN, jt, nj);
+        FA_NAME(mask_tile)(c, w->S, TN, jt, nj, 0);
         FA_NAME(softmax_tile)(c, w, TN, nj);
         if (c->vfuse) {
             FA_NAME(pv_rows_n)(c->R, p->v_dtype, c->self_dt, w->S, TN, nj, st.v, p->v_sl, w->O, Dvp);
@@ -708,7 +728,7 @@ FA_INLINE void FA_NAME(path_prefill)(const fa_ctx *c, const fa_ws *w)
             nx = &next;
         }
         FA_NAME(qk_packed)(c, w, jt, nj, partial, nx);
-        FA_NAME(mask_tile)(c, w->S, TN, jt, nj);
+        FA_NAME(mask_tile)(c, w->S, TN, jt, nj, 1);
         if (!partial) {
             FA_NAME(softmax_tile)(c, w, TN, nj);
         } else { /* each register block's rows over the vectors of its keys */
