@@ -93,7 +93,7 @@ int fa_amx_fp16_usable(void);        /* float16 inputs take the tiles where the 
 void fa_cache_sizes(int64_t *l1d, int64_t *l2, int64_t *l3);
 int fa_tiles_set_rows(int64_t rows);
 int64_t fa_tiles_get_rows(void);
-int64_t fa_tiles_rows(int64_t D, int64_t Dv, int64_t L, int dtype, int causal);
+int64_t fa_tiles_rows(int64_t D, int64_t Dv, int64_t L, int dtype, int causal, int64_t heads);
 
 /* OpenMP facts (attention.c). */
 int fa_openmp_enabled(void);

@@ -20,7 +20,7 @@ typedef struct fa_kernel {
     size_t (*scratch_bytes)(const fa_params *p, int64_t rows);
     void (*run)(const fa_params *p, const fa_task *t, void *scratch);
     int64_t block_rows;  /* stacked rows (heads x positions) per task when the L2 size is unknown */
-    int64_t block_rows_short; /* rows per task for L < FA_LONG_L or D > 128, and the least derived */
+    int64_t block_rows_short; /* rows per task for short calls (tiles.c), and the least derived */
     int64_t block_keys;  /* keys per tile; split points are multiples of it */
     int64_t rows_max;    /* the most rows the derived block may take (tiles.c) */
     int64_t row_multiple; /* the derived block is a multiple of this (the register or tile block) */
@@ -32,6 +32,11 @@ typedef struct fa_kernel {
      * every L, at most L / 2 (kernel_impl.h, whose register blocks skip the
      * masked keys of a diagonal tile: block_keys). */
     int band_rule;
+    /* Calls with L < FA_LONG_L (not causal or windowed): 1, the L2 rule while
+     * the call keeps at least FA_MIN_TASKS tasks (kernel_impl.h); 0, the
+     * short block (the AMX kernel: bf16 B4 H8 L512 ran 0.995 / 1.05 at 256 /
+     * 512 rows against its 128, not adopted). */
+    int short_l2;
 } fa_kernel;
 
 enum { FA_BAND_PLAIN = 0, FA_BAND_L2 = 1 };

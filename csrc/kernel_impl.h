@@ -818,7 +818,7 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
 #define FA_BLK_ROWS_MAX 1024
 #endif
 const fa_kernel FA_NAME(fa_kernel) = { FA_NAME(scratch_bytes), FA_NAME(run), FA_BLK_BMR, FA_BLK_BMR_SHORT, FA_BLK_BN,
-                                       FA_BLK_ROWS_MAX, FA_BLK_MR, FA_NAME(row_bytes), FA_BAND_L2 };
+                                       FA_BLK_ROWS_MAX, FA_BLK_MR, FA_NAME(row_bytes), FA_BAND_L2, 1 };
 
 #if defined(FA_ISA_SUFFIX)
 /* Test hook: the vectorised exp2 of this ISA over n values. */

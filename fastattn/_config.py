@@ -160,9 +160,10 @@ def set_tiles(rows: int | None) -> None:
     """Force the forward kernels' row block (stacked query rows per task) for later calls.
 
     By default (``None``) it is derived from the core's L2 size for query lengths
-    >= 1024 (for causal and windowed calls of the float32 and
-    float64 kernels at every length, at most half the query length), and is the
-    kernel's short block otherwise (see docs/performance.md, "Tiles from the cache").
+    >= 1024; for shorter ones the float32 and float64 kernels take it too while the
+    call keeps at least 32 tasks (batch x heads x length / rows; causal and windowed
+    calls: at most half the query length), the bfloat16 tile kernel its short block
+    (see docs/performance.md, "Tiles from the cache").
     A number is for measurement: every forward call takes at most that many rows per
     task (clamped to the kernel's maximum, at least a GQA group), the query length cut
     into near-equal blocks of at most that size.  Results do not depend on the thread count either way,

@@ -86,7 +86,7 @@ cdef extern from "fastattn.h":
     void fa_cache_sizes(int64_t *l1d, int64_t *l2, int64_t *l3)
     int fa_tiles_set_rows(int64_t rows)
     int64_t fa_tiles_get_rows()
-    int64_t fa_tiles_rows(int64_t D, int64_t Dv, int64_t L, int dtype, int causal)
+    int64_t fa_tiles_rows(int64_t D, int64_t Dv, int64_t L, int dtype, int causal, int64_t heads)
     int fa_exp2_isa(int isa, const float *x, float *y, int64_t n) nogil
 
 cdef extern from "backward.h":

@@ -251,10 +251,13 @@ def tiles_get_rows():
     return fa_tiles_get_rows()
 
 
-def tiles_rows(int64_t D, int64_t Dv, int64_t L, str dtype, bint causal=False):
-    """Rows per task that a call of this shape and dtype ("float32", "float64", "bfloat16") takes now."""
+def tiles_rows(int64_t D, int64_t Dv, int64_t L, str dtype, bint causal=False, int64_t heads=1):
+    """Rows per task that a call of this shape and dtype ("float32", "float64", "bfloat16") takes now
+    (batch 1, ``heads`` query and key/value heads)."""
+    if heads < 1:
+        raise ValueError(f"heads must be >= 1, got {heads}")
     cdef int dt = {"float32": FA_F32, "float64": FA_F64, "bfloat16": FA_BF16}[dtype]
-    return fa_tiles_rows(D, Dv, L, dt, causal)
+    return fa_tiles_rows(D, Dv, L, dt, causal, heads)
 
 
 def openmp_enabled():

@@ -58,10 +58,12 @@ def test_cache_sizes_match_the_os():
         assert got["l2"] == sysfs.get(2)
 
 
-def _expected_rows(isa: str, D: int, Dv: int, L: int, dtype: str) -> int:
+def _expected_rows(isa: str, D: int, Dv: int, L: int, dtype: str, heads: int = 1) -> int:
     """The rule of csrc/tiles.c, written again from its comment."""
     l2 = _kernels.cache_sizes()["l2"]
+    short_l2 = True  # the kernel_impl.h kernels; the AMX kernel keeps its short block
     if dtype == "bfloat16" and isa in ("amx", "avx512bf16") and L >= 32:
+        short_l2 = False
         short, rows_max, mult, longr = 128, 512, 32, 512
         row = 4 * -(-D // 32) * 32 + 4 * -(-Dv // 32) * 32 + 96
     else:
@@ -75,12 +77,12 @@ def _expected_rows(isa: str, D: int, Dv: int, L: int, dtype: str) -> int:
             vw, bn, short, mult, longr = 1, 64, 32, 4, 32
         rows_max = 1024
         row = (-(-D // vw) * vw + bn + -(-Dv // vw) * vw) * (8 if dtype == "float64" else 4)
-    if L < 1024:
+    if L < 1024 and not short_l2:
         return short
-    if l2 <= 0:
-        return longr
-    r = int(0.28 * l2) // row // mult * mult
-    return min(max(r, short), rows_max)
+    r = longr if l2 <= 0 else min(max(int(0.28 * l2) // row // mult * mult, short), rows_max)
+    if L < 1024:  # the L2 block while at least 32 tasks remain
+        r = max(min(r, heads * L // 32), short)
+    return r
 
 
 @pytest.mark.parametrize("isa_name", ISAS)
@@ -102,8 +104,26 @@ def test_derived_rows_follow_the_rule(isa_name, D, Dv, L, dtype):
     fastattn.set_isa(isa_name)
     try:
         assert _kernels.tiles_rows(D, Dv, L, dtype) == _expected_rows(isa_name, D, Dv, L, dtype)
+        # short calls with many heads: the L2 block while 32 tasks remain
+        for heads in (4, 32, 128):
+            got = _kernels.tiles_rows(D, Dv, L, dtype, heads=heads)
+            assert got == _expected_rows(isa_name, D, Dv, L, dtype, heads)
     finally:
         fastattn.set_isa(prev)
+
+
+def test_short_calls_keep_enough_tasks():
+    # B * H * L / rows >= 32 whenever the derived block is above the short one
+    for D in (64, 128):
+        for L in (64, 256, 512, 1000):
+            for heads in (1, 8, 32, 256):
+                short = _kernels.tiles_rows(D, D, L, "float32")
+                rows = _kernels.tiles_rows(D, D, L, "float32", heads=heads)
+                assert rows >= short
+                if rows > short:
+                    assert heads * L // rows >= 32
+    with pytest.raises(ValueError, match="heads must be >= 1"):
+        _kernels.tiles_rows(64, 64, 512, "float32", heads=0)
 
 
 def _expected_band_rows(isa: str, D: int, Dv: int, L: int, dtype: str) -> int:
