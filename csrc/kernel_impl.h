@@ -208,8 +208,9 @@ FA_INLINE const char *FA_NAME(q_row)(const fa_ctx *c, int64_t g, int64_t ii)
  * length inside it).  Visible ranges grow with the position (mask.h), so the
  * block's union runs from its first position's lo to its last position's hi;
  * a block that spans two heads of the GQA group covers every position.  The
- * products skip the keys outside it: mask_tile sets their scores to -inf
- * (every one is outside each row's own range), so they add exact zeros. */
+ * products, the masks and the softmax skip the keys outside it (every one is
+ * outside each row's own range: an exact zero in the row's softmax); within
+ * it mask_row sets the scores outside the row's range to -inf. */
 FA_INLINE void FA_NAME(block_keys)(const fa_ctx *c, int partial, int64_t r0, int64_t mr, int64_t jt, int64_t nj,
                                    int64_t *a, int64_t *b)
 {
@@ -399,26 +400,13 @@ FA_INLINE void FA_NAME(mask_row)(const fa_ctx *c, REAL *s, int64_t r, int64_t jt
     }
 }
 
-/* The masks of a score tile S (R rows of stride TN, nj keys at jt): every
- * row over the tile's padded width, or, with blocked on a partial tile (the
- * prefill path), each register block's rows over the vectors of its keys
- * (block_keys), the only scores its softmax and P.V read (the rest of a
- * causal diagonal's masking was 3.9% of a B4 H8 L512 causal call). */
-FA_INLINE void FA_NAME(mask_tile)(const fa_ctx *c, REAL *S, int64_t TN, int64_t jt, int64_t nj, int blocked)
+/* The masks of every row of a score tile S (R rows of stride TN, nj keys at
+ * jt) over the tile's padded width. */
+FA_INLINE void FA_NAME(mask_tile)(const fa_ctx *c, REAL *S, int64_t TN, int64_t jt, int64_t nj)
 {
     const int64_t njp = fa_rup(nj, VW);
     const int partial = FA_NAME(tile_partial)(c, jt, nj);
-    if (!(blocked && partial)) {
-        for (int64_t r = 0; r < c->R; r++) FA_NAME(mask_row)(c, S + r * TN, r, jt, nj, 0, njp, partial);
-        return;
-    }
-    for (int64_t kb = 0, nb = FA_NAME(row_nblocks)(c->R); kb < nb; kb++) {
-        int64_t r0, a, b;
-        const int mr = FA_NAME(row_block)(c->R, nb, kb, &r0);
-        FA_NAME(block_keys)(c, partial, r0, mr, jt, nj, &a, &b);
-        for (int64_t r = r0; r < r0 + mr && a < b; r++)
-            FA_NAME(mask_row)(c, S + r * TN, r, jt, nj, a / VW * VW, fa_rup(b, VW), partial);
-    }
+    for (int64_t r = 0; r < c->R; r++) FA_NAME(mask_row)(c, S + r * TN, r, jt, nj, 0, njp, partial);
 }
 
 /* Online softmax of row r of a masked score tile over the vectors of keys
@@ -537,7 +525,7 @@ FA_INLINE void FA_NAME(path_row1)(const fa_ctx *c, const fa_ws *w)
         if (FA_NAME(tile_hidden)(c, jt, nj)) continue;
         FA_NAME(qk_rows_n)(1, p->k_dtype, c->self_dt, w->Qs, c->Dp, st.k, p->k_sl, nj, w->S, TN, st.v,
                            p->v_sl * c->vsz, c->Dv * c->vsz, &st);
-        FA_NAME(mask_tile)(c, w->S, TN, jt, nj, 0);
+        FA_NAME(mask_tile)(c, w->S, TN, jt, nj);
         FA_NAME(softmax_tile)(c, w, TN, nj);
         FA_NAME(pv_row1_n)(c->Dvp / VW, p->v_dtype, c->self_dt, w->S, nj, st.v, p->v_sl, w->O, &st);
     }
@@ -570,7 +558,7 @@ FA_INLINE void FA_NAME(path_rows)(const fa_ctx *c, const fa_ws *w)
         }
         FA_NAME(qk_rows_n)(c->R, kdt, c->self_dt, w->Qs, Dp, kr, ldk, nj, w->S, TN, vpf, p->v_sl * c->vsz,
                            c->Dv * c->vsz, NULL);
-        FA_NAME(mask_tile)(c, w->S, TN, jt, nj, 0);
+        FA_NAME(mask_tile)(c, w->S, TN, jt, nj);
         FA_NAME(softmax_tile)(c, w, TN, nj);
         if (c->vfuse) {
             FA_NAME(pv_rows_n)(c->R, p->v_dtype, c->self_dt, w->S, TN, nj, st.v, p->v_sl, w->O, Dvp);
@@ -596,7 +584,8 @@ FA_INLINE REAL *FA_NAME(panel_at)(REAL *K, int64_t D, int64_t jl, int64_t wl, in
  * twice its products and cleared a panel of padding (on (1, 8, 16, 64) the
  * padded half was an eighth of the call).  Its lanes past nj are zeros.
  * On a partial tile each block computes only the panels of its keys
- * (block_keys); the rest of its scores are left for mask_tile's -inf. */
+ * (block_keys); mask_row then sets the scores of its vectors that the row
+ * may not see to -inf. */
 FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, int64_t nj, int partial,
                                    const fa_stream *next)
 {
@@ -728,16 +717,22 @@ FA_INLINE void FA_NAME(path_prefill)(const fa_ctx *c, const fa_ws *w)
             nx = &next;
         }
         FA_NAME(qk_packed)(c, w, jt, nj, partial, nx);
-        FA_NAME(mask_tile)(c, w->S, TN, jt, nj, 1);
         if (!partial) {
+            FA_NAME(mask_tile)(c, w->S, TN, jt, nj);
             FA_NAME(softmax_tile)(c, w, TN, nj);
-        } else { /* each register block's rows over the vectors of its keys */
+        } else {
+            /* Each register block's rows masked and normalised over the
+             * vectors of its keys only, the scores its P.V reads (masking
+             * whole rows was 3.9% of a B4 H8 L512 causal call). */
             for (int64_t kb = 0, nb = FA_NAME(row_nblocks)(c->R); kb < nb; kb++) {
                 int64_t r0, a, b;
                 const int mr = FA_NAME(row_block)(c->R, nb, kb, &r0);
                 FA_NAME(block_keys)(c, partial, r0, mr, jt, nj, &a, &b);
-                for (int64_t r = r0; r < r0 + mr && a < b; r++)
-                    FA_NAME(softmax_row)(c, w, TN, r, a / VW * VW, fa_rup(b, VW), nj);
+                const int64_t va = a / VW * VW, vb = fa_rup(b, VW);
+                for (int64_t r = r0; r < r0 + mr && a < b; r++) {
+                    FA_NAME(mask_row)(c, w->S + r * TN, r, jt, nj, va, vb, partial);
+                    FA_NAME(softmax_row)(c, w, TN, r, va, vb, nj);
+                }
             }
         }
         FA_NAME(pv_prefill)(c, w, &st, jt, nj, partial);

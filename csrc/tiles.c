@@ -17,12 +17,12 @@
  * The kernels' long-sequence constants were measured before this rule; the
  * share reproduces them where they were measured (Zen 3, 512 KiB L2, AVX2,
  * BN = 64, D = 64: 0.28 * 512 KiB / 768 B = 191 -> 192 measured best, +13-20%
- * on L4096 against 96).  Short sequences (L < FA_LONG_L) keep the kernel's
- * short block (balance over threads and tasks, not cache, decides there);
+ * on L4096 against 96).  Short sequences (L < FA_LONG_L) take it only while
+ * the call keeps FA_MIN_TASKS tasks (balance over threads decides there), and
  * causal and windowed calls follow their own rule (fa_rows_per_task).  Head
  * dims above 128 follow the same rule: their rows are larger, so a small L2
  * gives the short block anyway (Zen 3, D = 256: 62 rows -> 96), and a large
- * one more (Sapphire Rapids, 2 MiB: 228 rows for float32 D = 256, 264 for
+ * one more (Sapphire Rapids, 2 MiB: 228 rows for float32 D = 256, 324 for
  * D = 160, 256 for bf16 D = 256).  Measured there, the blocks alternated in one
  * process, 2 threads, ratio over the short block (96 rows float32, 128 bf16)
  * the rule kept for D > 128 before: float32 B1 H8 L1024 D256 1.10, B1 H4
