@@ -10,9 +10,10 @@ its interquartile range.  The outputs of the two builds are compared first
 (bit for bit, or within 1e-5 relative when the change alters rounding).
 
     python tools/ab_builds.py OLD_TREE NEW_TREE 1x8x1024x64 [--threads 1] [--bursts 40] [--causal]
-                              [--isa avx2]
+                              [--isa avx2] [--kv-heads HK]
 
-SHAPE is BxHxLxD or BxHxLxDxS (float32, bhsd).  One thread is timed as thread
+SHAPE is BxHxLxD or BxHxLxDxS (float32, bhsd); --kv-heads gives K and V
+fewer heads than Q (grouped-query, e.g. decode ``1x32x1x128x8192 --kv-heads 8``).  One thread is timed as thread
 CPU time, more as wall time.  A ratio above 1 means NEW is faster.  --isa
 times another ISA path of both builds (``avx2`` on an AVX-512 machine: the
 path AVX2-only CPUs take).
@@ -54,6 +55,7 @@ def main() -> None:
     ap.add_argument("--bursts", type=int, default=40)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--isa", default=None, help="ISA path of both builds (fastattn.set_isa names)")
+    ap.add_argument("--kv-heads", type=int, default=None, help="K/V heads (grouped-query; default: H)")
     a = ap.parse_args()
     sys.path.insert(0, a.old)  # the Plan record (pure Python) of the old tree
     from fastattn._plan import Plan
@@ -66,10 +68,13 @@ def main() -> None:
     dims = [int(x) for x in a.shape.split("x")]
     B, H, L, D = dims[:4]
     S = dims[4] if len(dims) > 4 else L
+    Hk = a.kv_heads or H
+    if H % Hk:
+        raise SystemExit(f"--kv-heads {Hk} must divide H = {H}")
     rng = np.random.default_rng(0)
     q = rng.standard_normal((B, H, L, D), dtype=np.float32)
-    k = rng.standard_normal((B, H, S, D), dtype=np.float32)
-    v = rng.standard_normal((B, H, S, D), dtype=np.float32)
+    k = rng.standard_normal((B, Hk, S, D), dtype=np.float32)
+    v = rng.standard_normal((B, Hk, S, D), dtype=np.float32)
     o_old, o_new = np.empty_like(q), np.empty_like(q)
     # Plan(q, k, v, o, scale, L, S, num_threads, precision, causal), as fastattn.functional's fast path.
     p_old = Plan(q, k, v, o_old, D**-0.5, L, S, a.threads, 0, a.causal)
@@ -92,7 +97,7 @@ def main() -> None:
                 mod.attention(plan)
             acc.append((clock() - t0) / calls)
     r = np.array(t_old) / np.array(t_new)
-    tag = (" causal" if a.causal else "") + (f" isa={a.isa}" if a.isa else "")
+    tag = (" causal" if a.causal else "") + (f" kv-heads={Hk}" if Hk != H else "") + (f" isa={a.isa}" if a.isa else "")
     print(
         f"{a.shape} threads={a.threads}{tag}: old {np.median(t_old) * 1e6:.1f} us, "
         f"new {np.median(t_new) * 1e6:.1f} us, old/new {np.median(r):.3f} "

@@ -212,6 +212,28 @@ def test_large_head_dims_at_the_derived_block(isa, rng, D, causal):
     check_sdpa(q, k, v, is_causal=causal)
 
 
+@pytest.mark.parametrize("D", [64, 96, 128, 256])
+@pytest.mark.parametrize("rows", [None, 7])
+def test_qk_loop_orders_against_reference(isa, rng, D, rows):
+    # Q.K^T runs row blocks outer while the packed K tile fits L1, panels outer
+    # past it (kernel_impl.h, qk_packed): D = 64 keeps the row order on every
+    # listed CPU, D = 256 takes panels on all of them, 96 / 128 depend on the
+    # L1 size and the ISA's tile.  Both orders under every kind of partial
+    # tile: the causal diagonal, a window's two edges, a boolean mask and
+    # ALiBi (per element), a last key tile of 1100 - 17 * 64 = 12 keys, GQA
+    # stacking, and a forced block of 7 rows (register blocks of unequal size).
+    fastattn.set_tiles(rows)
+    q, k, v = randn(rng, (1, 4, 300, D)), randn(rng, (1, 2, 1100, D)), randn(rng, (1, 2, 1100, D))
+    check_sdpa(q, k, v, is_causal=True, enable_gqa=True)
+    check_sdpa(q, k, v, window=(150, 40), enable_gqa=True)
+    mask = rng.random((1, 4, 300, 1100)) < 0.7
+    check_sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+    check_sdpa(q, k, v, alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625]), enable_gqa=True)
+    outs = [sdpa(q, k, v, is_causal=True, enable_gqa=True, num_threads=n) for n in (1, 2, 3)]
+    for o in outs[1:]:
+        assert np.array_equal(o, outs[0])
+
+
 @pytest.mark.parametrize("D", [160, 256])
 def test_bfloat16_large_head_dims_at_the_derived_block(rng, D):
     ml_dtypes = pytest.importorskip("ml_dtypes")
