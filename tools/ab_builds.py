@@ -13,8 +13,8 @@ its interquartile range.  The outputs of the two builds are compared first
                               [--isa avx2] [--kv-heads HK]
 
 SHAPE is BxHxLxD or BxHxLxDxS (float32, bhsd); --kv-heads gives K and V
-fewer heads than Q (grouped-query, e.g. decode ``1x32x1x128x8192 --kv-heads 8``).  One thread is timed as thread
-CPU time, more as wall time.  A ratio above 1 means NEW is faster.  --isa
+fewer heads than Q (grouped-query, e.g. decode ``1x32x1x128x8192 --kv-heads 8``).
+One thread is timed as thread CPU time, more as wall time.  A ratio above 1 means NEW is faster.  --isa
 times another ISA path of both builds (``avx2`` on an AVX-512 machine: the
 path AVX2-only CPUs take).
 """
@@ -97,7 +97,8 @@ def main() -> None:
                 mod.attention(plan)
             acc.append((clock() - t0) / calls)
     r = np.array(t_old) / np.array(t_new)
-    tag = (" causal" if a.causal else "") + (f" kv-heads={Hk}" if Hk != H else "") + (f" isa={a.isa}" if a.isa else "")
+    tag = (" causal" if a.causal else "") + (f" kv-heads={Hk}" if Hk != H else "")
+    tag += f" isa={a.isa}" if a.isa else ""
     print(
         f"{a.shape} threads={a.threads}{tag}: old {np.median(t_old) * 1e6:.1f} us, "
         f"new {np.median(t_new) * 1e6:.1f} us, old/new {np.median(r):.3f} "
