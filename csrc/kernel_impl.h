@@ -588,6 +588,14 @@ FA_INLINE void FA_NAME(prefetch_share)(const fa_stream *next, int64_t q, int64_t
     }
 }
 
+/* Scores of register block (mr rows at r0) x K panel pp of np (the last one wl keys wide). */
+FA_INLINE void FA_NAME(qk_block_panel)(const fa_ctx *c, const fa_ws *w, int mr, int64_t r0, int64_t pp, int64_t np,
+                                        int64_t wl)
+{
+    FA_NAME(qk_ukernel_n)(mr, pp < np - 1 ? FA_BLK_NV : (int)(wl / VW), w->Qs + r0 * c->Dp,
+                          w->K + pp * c->D * FA_BLK_NR, c->D, w->S + r0 * FA_BLK_BN + pp * FA_BLK_NR, FA_BLK_BN);
+}
+
 /* Q.K^T of the prefill path for one tile: K packed into panels of FA_BLK_NR
  * keys (w->K, converted on the way), then register blocks of FA_BLK_MR rows x
  * one panel (qk_ukernel).  The last panel is only as wide as its keys rounded
@@ -612,7 +620,7 @@ FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, i
                                    const fa_stream *next)
 {
     const fa_params *p = c->p;
-    const int64_t D = c->D, Dp = c->Dp, R = c->R;
+    const int64_t D = c->D, R = c->R;
     const int64_t np = (nj + FA_BLK_NR - 1) / FA_BLK_NR, jl = (np - 1) * FA_BLK_NR;
     const int64_t wl = fa_rup(nj - jl, VW); /* the last panel's width: VW <= wl <= FA_BLK_NR */
     /* Lanes past nj within the last vector are cleared by one memset (a store
@@ -649,8 +657,7 @@ FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, i
             FA_NAME(block_keys)(c, partial, r0, mr, jt, nj, &a, &b);
             if (next) FA_NAME(prefetch_share)(next, kb, nb);
             for (int64_t pp = a / FA_BLK_NR; pp * FA_BLK_NR < b; pp++) /* the panels that hold keys [a, b) */
-                FA_NAME(qk_ukernel_n)(mr, pp < np - 1 ? FA_BLK_NV : (int)(wl / VW), w->Qs + r0 * Dp,
-                                      w->K + pp * D * FA_BLK_NR, D, w->S + r0 * FA_BLK_BN + pp * FA_BLK_NR, FA_BLK_BN);
+                FA_NAME(qk_block_panel)(c, w, mr, r0, pp, np, wl);
         }
         return;
     }
@@ -661,8 +668,7 @@ FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, i
             FA_NAME(block_keys)(c, partial, r0, mr, jt, nj, &a, &b);
             if (next) FA_NAME(prefetch_share)(next, pp * nb + kb, np * nb);
             if (pp * FA_BLK_NR < b && (pp + 1) * FA_BLK_NR > a) /* panel pp holds keys of [a, b) */
-                FA_NAME(qk_ukernel_n)(mr, pp < np - 1 ? FA_BLK_NV : (int)(wl / VW), w->Qs + r0 * Dp,
-                                      w->K + pp * D * FA_BLK_NR, D, w->S + r0 * FA_BLK_BN + pp * FA_BLK_NR, FA_BLK_BN);
+                FA_NAME(qk_block_panel)(c, w, mr, r0, pp, np, wl);
         }
 }
 
