@@ -175,6 +175,7 @@ static void fa_run_tasks(const fa_kernel *kern, const fa_params *p, const fa_tas
     fa_fpenv env;
     fa_fpenv_enter(&env); /* nearest, FTZ/DAZ inside the kernel only; restored below */
     void *ws = fa_ws_get(ws_bytes);
+    if (ws) memset(ws, 0, sizeof(fa_scratch_state)); /* nothing kept from an earlier call (kernel.h) */
     if (!ws) {
 #ifdef _OPENMP
 #pragma omp atomic write

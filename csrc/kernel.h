@@ -41,6 +41,15 @@ typedef struct fa_kernel {
 
 enum { FA_BAND_PLAIN = 0, FA_BAND_L2 = 1 };
 
+/* The first bytes of every thread's scratch: what a kernel keeps from one of
+ * the thread's tasks to the next within a call (kernel_impl.h: the (batch, kv
+ * head, key range) whose K its head buffer holds packed, and up to which key).
+ * The driver zeroes it before the thread's first task of each call; a kernel
+ * that keeps nothing leaves it alone (its scratch_bytes counts it). */
+typedef struct fa_scratch_state {
+    int64_t valid, b, hk, j0, j1, upto;
+} fa_scratch_state;
+
 extern const fa_kernel fa_kernel_f32_scalar, fa_kernel_f64_scalar;
 #if defined(__x86_64__) || defined(_M_X64)
 #define FA_HAVE_X86 1

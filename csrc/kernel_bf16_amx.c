@@ -128,13 +128,15 @@ static size_t amx_scratch_bytes(const fa_params *p, int64_t rows)
            amx_al((size_t)(2 * AMX_RG * AMX_BN) * 2) + amx_al((size_t)(2 * AMX_RG * AMX_BN) * 4) +
            amx_al((size_t)(RC * Dvq) * 4) + 2 * amx_al((size_t)RC * 4) + 2 * amx_al((size_t)RC * 8) +
            5 * amx_al((size_t)NG * 8) + amx_al((size_t)RC * 64) + amx_al((size_t)(RC * Dq) * 2) + 3 * amx_al((size_t)(AMX_BN * Dq) * 2) +
-           3 * amx_al((size_t)(AMX_BN * Dvq) * 2) + amx_al((size_t)(2 * AMX_RG * AMX_BN) * 2) + AMX_ALIGN;
+           3 * amx_al((size_t)(AMX_BN * Dvq) * 2) + amx_al((size_t)(2 * AMX_RG * AMX_BN) * 2) + AMX_ALIGN +
+           sizeof(fa_scratch_state);
 }
 
 static void amx_carve(const fa_params *p, int64_t rows, void *scratch, amx_ws *w)
 {
     const int64_t Dq = amx_rup(p->D, 32), Dvq = amx_rup(p->Dv, 32), RC = amx_rows_cap(p, rows), NG = RC / AMX_RG;
-    char *c = (char *)(((uintptr_t)scratch + AMX_ALIGN - 1) / AMX_ALIGN * AMX_ALIGN);
+    /* past the state the driver zeroes (kernel.h), which this kernel does not use */
+    char *c = (char *)(((uintptr_t)scratch + sizeof(fa_scratch_state) + AMX_ALIGN - 1) / AMX_ALIGN * AMX_ALIGN);
     w->Q = (uint16_t *)c; c += amx_al((size_t)(RC * Dq) * 2);
     w->K = (uint16_t *)c; c += amx_al((size_t)(AMX_BN * Dq) * 2);
     w->V = (uint16_t *)c; c += amx_al((size_t)(AMX_BN * Dvq) * 2);

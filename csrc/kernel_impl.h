@@ -19,7 +19,8 @@
  * S = Qs.K^T (Q pre-scaled by scale*log2(e), so exp2 replaces exp), applies the
  * masks only where a tile needs them, updates the running max m and sum l of
  * each row (rescaling the accumulator only when m grows) and accumulates P.V.
- * Nothing is sized by the sequence length: scratch is bounded by the tiles.
+ * Scratch is bounded by the tiles, except the head K buffer (head_keys):
+ * a thread's copy of one (batch, kv head)'s packed K, at most S x Dp values.
  * The micro-kernels and their constant-n dispatch are in kernel_ukernels.h. */
 #include <math.h>
 #include <string.h>
@@ -75,6 +76,9 @@ typedef struct fa_ws {
                  * the lanes are added once, in write_out (a horizontal sum per
                  * row and tile was 7% of a (1, 8, 16, 64) call)             */
     REAL *tmp;
+    REAL *Kh;   /* head_keys x D     packed K of one (batch, kv head), or NULL  */
+    int64_t kh_keys;
+    fa_scratch_state *st; /* which keys Kh holds (kernel.h; zeroed per call) */
 } fa_ws;
 
 #define FA_ALIGN 64
@@ -106,19 +110,39 @@ static int64_t FA_NAME(row_bytes)(int64_t D, int64_t Dv)
     return (fa_rup(D, VW) + FA_BLK_BN + fa_rup(Dv, VW)) * (int64_t)sizeof(REAL);
 }
 
+/* Keys of the head K buffer (0: none).  A non-causal call without a window
+ * gives every task of a (batch, kv head) the same key range, and the driver
+ * queues a head's query blocks one after another (attention.c), so each
+ * thread packs a head's K once into this buffer and its next tasks of the
+ * head read the panels from it instead of packing every tile again (the K
+ * packing was 3% of L1024 D64 and 7% of L2048 D128 on Zen 3).  Only for
+ * prefill-sized tasks with at least 3 query blocks per head (a thread meets
+ * a head twice), and at most FA_HEAD_K_BYTES per thread. */
+#define FA_HEAD_K_BYTES ((int64_t)32 << 20)
+static int64_t FA_NAME(head_keys)(const fa_params *p, int64_t rows)
+{
+    const int64_t G = p->Hk > 0 ? p->Hq / p->Hk : 1;
+    const int64_t bmq = rows / G > 1 ? rows / G : 1, nqb = (p->L + bmq - 1) / bmq;
+    const int64_t keys = fa_rup(p->S, FA_BLK_BN);
+    if (p->causal || p->window_left >= 0 || p->window_right >= 0 || nqb < 3 || G * bmq <= FA_BLK_RD) return 0;
+    return keys * fa_rup(p->D, VW) * (int64_t)sizeof(REAL) <= FA_HEAD_K_BYTES ? keys : 0;
+}
+
 static size_t FA_NAME(scratch_bytes)(const fa_params *p, int64_t rows)
 {
     int64_t Dp = fa_rup(p->D, VW), Dvp = fa_rup(p->Dv, VW), W = Dp > Dvp ? Dp : Dvp;
     const size_t e = sizeof(REAL), R = (size_t)FA_NAME(cap_rows)(p, rows);
-    return fa_al((R * Dp + FA_QS_SLACK) * e) + fa_al(FA_BLK_BN * Dp * e) + fa_al(FA_BLK_BN * Dvp * e) + fa_al(R * FA_BLK_BN * e) +
-           fa_al(R * Dvp * e) + fa_al(R * e) + fa_al(R * VW * e) + fa_al(W * e) + FA_ALIGN;
+    return sizeof(fa_scratch_state) + fa_al((R * Dp + FA_QS_SLACK) * e) + fa_al(FA_BLK_BN * Dp * e) +
+           fa_al(FA_BLK_BN * Dvp * e) + fa_al(R * FA_BLK_BN * e) + fa_al(R * Dvp * e) + fa_al(R * e) +
+           fa_al(R * VW * e) + fa_al((size_t)(FA_NAME(head_keys)(p, rows) * Dp) * e) + fa_al(W * e) + FA_ALIGN;
 }
 
 static void FA_NAME(carve)(const fa_params *p, int64_t rows, void *scratch, fa_ws *w)
 {
     int64_t Dp = fa_rup(p->D, VW), Dvp = fa_rup(p->Dv, VW);
     const size_t e = sizeof(REAL), R = (size_t)FA_NAME(cap_rows)(p, rows);
-    char *c = (char *)(((uintptr_t)scratch + FA_ALIGN - 1) / FA_ALIGN * FA_ALIGN);
+    w->st = (fa_scratch_state *)scratch;
+    char *c = (char *)(((uintptr_t)scratch + sizeof(fa_scratch_state) + FA_ALIGN - 1) / FA_ALIGN * FA_ALIGN);
     w->Qs = (REAL *)c; c += fa_al((R * Dp + FA_QS_SLACK) * e);
     w->K = (REAL *)c; c += fa_al(FA_BLK_BN * Dp * e);
     w->V = (REAL *)c; c += fa_al(FA_BLK_BN * Dvp * e);
@@ -126,6 +150,8 @@ static void FA_NAME(carve)(const fa_params *p, int64_t rows, void *scratch, fa_w
     w->O = (REAL *)c; c += fa_al(R * Dvp * e);
     w->m = (REAL *)c; c += fa_al(R * e);
     w->l = (REAL *)c; c += fa_al(R * VW * e);
+    w->kh_keys = FA_NAME(head_keys)(p, rows);
+    w->Kh = w->kh_keys ? (REAL *)c : NULL; c += fa_al((size_t)(w->kh_keys * Dp) * e);
     w->tmp = (REAL *)c;
 }
 
@@ -176,6 +202,7 @@ typedef struct fa_ctx {
     int kfuse, vfuse;                /* K / V rows read in place, widened on load (decode) */
     int vdirect;                     /* V rows are whole vectors of REAL: usable as they lie */
     int panel_outer;                 /* Q.K^T panel by panel over the row blocks (qk_packed) */
+    REAL *kh;                        /* the head K buffer, key jlo first, when this task uses it */
 } fa_ctx;
 
 /* The prefill products take R rows in nb = ceil(R / FA_BLK_MR) register
@@ -579,21 +606,64 @@ FA_INLINE REAL *FA_NAME(panel_at)(REAL *K, int64_t D, int64_t jl, int64_t wl, in
 }
 
 /* Share q of nq of the next tile's K and V rows (st: tile_stream), prefetched
- * towards L2 while this tile's products run. */
-FA_INLINE void FA_NAME(prefetch_share)(const fa_stream *next, int64_t q, int64_t nq)
+ * towards L2 while this tile's products run; of its packed K (kbytes at kp)
+ * instead of its K rows where the head buffer holds it already. */
+FA_INLINE void FA_NAME(prefetch_share)(const fa_stream *next, const REAL *kp, int64_t kbytes, int64_t q, int64_t nq)
 {
     for (int64_t t = next->nj * q / nq, te = next->nj * (q + 1) / nq; t < te; t++) {
-        FA_PREFETCH_ROW(next->k + t * next->kld, next->krow, 2);
+        if (!kp) FA_PREFETCH_ROW(next->k + t * next->kld, next->krow, 2);
         FA_PREFETCH_ROW(next->v + t * next->vld, next->vrow, 2);
+    }
+    if (kp) {
+        const int64_t a = kbytes * q / nq / 64 * 64, b = kbytes * (q + 1) / nq;
+        FA_PREFETCH_ROW((const char *)kp + a, b - a, 2);
     }
 }
 
 /* Scores of register block (mr rows at r0) x K panel pp of np (the last one wl keys wide). */
-FA_INLINE void FA_NAME(qk_block_panel)(const fa_ctx *c, const fa_ws *w, int mr, int64_t r0, int64_t pp, int64_t np,
-                                        int64_t wl)
+FA_INLINE void FA_NAME(qk_block_panel)(const fa_ctx *c, const fa_ws *w, const REAL *K, int mr, int64_t r0,
+                                        int64_t pp, int64_t np, int64_t wl)
 {
     FA_NAME(qk_ukernel_n)(mr, pp < np - 1 ? FA_BLK_NV : (int)(wl / VW), w->Qs + r0 * c->Dp,
-                          w->K + pp * c->D * FA_BLK_NR, c->D, w->S + r0 * FA_BLK_BN + pp * FA_BLK_NR, FA_BLK_BN);
+                          K + pp * c->D * FA_BLK_NR, c->D, w->S + r0 * FA_BLK_BN + pp * FA_BLK_NR, FA_BLK_BN);
+}
+
+/* The register blocks x panels of one tile's Q.K^T over its packed K, in
+ * the loop order of c->panel_outer (qk_packed); the next tile's rows (and
+ * its packed K, where the head buffer holds it) prefetched on the way. */
+FA_INLINE void FA_NAME(qk_blocks)(const fa_ctx *c, const fa_ws *w, const REAL *K, int64_t jt, int64_t nj,
+                                   int partial, const fa_stream *next)
+{
+    const int64_t R = c->R;
+    const int64_t np = (nj + FA_BLK_NR - 1) / FA_BLK_NR, jl = (np - 1) * FA_BLK_NR;
+    const int64_t wl = fa_rup(nj - jl, VW);
+    const REAL *nk = NULL; /* the next tile's packed K, when the head buffer holds it */
+    int64_t nkb = 0;
+    if (next && c->kh && jt + nj < w->st->upto) {
+        nk = K + FA_BLK_BN * c->D; /* a tile with a next one is whole */
+        nkb = next->nj * c->D * (int64_t)sizeof(REAL);
+    }
+    const int64_t nb = FA_NAME(row_nblocks)(R);
+    if (!c->panel_outer) {
+        for (int64_t kb = 0; kb < nb; kb++) {
+            int64_t r0, a, b;
+            const int mr = FA_NAME(row_block)(R, nb, kb, &r0);
+            FA_NAME(block_keys)(c, partial, r0, mr, jt, nj, &a, &b);
+            if (next) FA_NAME(prefetch_share)(next, nk, nkb, kb, nb);
+            for (int64_t pp = a / FA_BLK_NR; pp * FA_BLK_NR < b; pp++) /* the panels that hold keys [a, b) */
+                FA_NAME(qk_block_panel)(c, w, K, mr, r0, pp, np, wl);
+        }
+        return;
+    }
+    for (int64_t pp = 0; pp < np; pp++)
+        for (int64_t kb = 0; kb < nb; kb++) {
+            int64_t r0, a, b;
+            const int mr = FA_NAME(row_block)(R, nb, kb, &r0);
+            FA_NAME(block_keys)(c, partial, r0, mr, jt, nj, &a, &b);
+            if (next) FA_NAME(prefetch_share)(next, nk, nkb, pp * nb + kb, np * nb);
+            if (pp * FA_BLK_NR < b && (pp + 1) * FA_BLK_NR > a) /* panel pp holds keys of [a, b) */
+                FA_NAME(qk_block_panel)(c, w, K, mr, r0, pp, np, wl);
+        }
 }
 
 /* Q.K^T of the prefill path for one tile: K packed into panels of FA_BLK_NR
@@ -620,12 +690,23 @@ FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, i
                                    const fa_stream *next)
 {
     const fa_params *p = c->p;
-    const int64_t D = c->D, R = c->R;
+    const int64_t D = c->D;
     const int64_t np = (nj + FA_BLK_NR - 1) / FA_BLK_NR, jl = (np - 1) * FA_BLK_NR;
     const int64_t wl = fa_rup(nj - jl, VW); /* the last panel's width: VW <= wl <= FA_BLK_NR */
+    /* The tile's panels: in the head buffer (the tile of keys [jt, jt + nj) at
+     * (jt - jlo) * D; packed already where jt < upto, which grows only over
+     * consecutive tiles (a hidden tile leaves a gap: the tiles after it are
+     * packed each time), or in the tile buffer. */
+    REAL *const K = c->kh ? c->kh + (jt - c->jlo) * D : w->K;
+    fa_scratch_state *hs = w->st;
+    if (c->kh && jt < hs->upto) {
+        FA_NAME(qk_blocks)(c, w, K, jt, nj, partial, next);
+        return;
+    }
+    if (c->kh && jt == hs->upto) hs->upto = jt + nj;
     /* Lanes past nj within the last vector are cleared by one memset (a store
      * per element, a panel row apart, was a fifth of a small call's time). */
-    if (nj - jl < wl) memset(w->K + jl * D, 0, (size_t)(D * wl) * sizeof(REAL));
+    if (nj - jl < wl) memset(K + jl * D, 0, (size_t)(D * wl) * sizeof(REAL));
     int64_t cc = 0;
 #if defined(FA_HAVE_PACK8)
     /* Groups of 8 keys of a float32 K: 8 x 8 transposes (panel widths are
@@ -634,7 +715,7 @@ FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, i
         for (; cc + 8 <= nj; cc += 8) {
             const float *ks = (const float *)(c->kbase + (jt + cc) * p->k_sl * c->ksz);
             int64_t ld;
-            REAL *kp = FA_NAME(panel_at)(w->K, D, jl, wl, cc, &ld);
+            REAL *kp = FA_NAME(panel_at)(K, D, jl, wl, cc, &ld);
             int64_t d = 0;
             for (; d + 8 <= D; d += 8) fa_pack8x8(ks + d, p->k_sl, kp + d * ld, ld);
             for (; d < D; d++)
@@ -643,33 +724,13 @@ FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, i
 #endif
     for (; cc < nj; cc++) {
         int64_t ld;
-        REAL *kp = FA_NAME(panel_at)(w->K, D, jl, wl, cc, &ld);
+        REAL *kp = FA_NAME(panel_at)(K, D, jl, wl, cc, &ld);
         const char *ks = c->kbase + (jt + cc) * p->k_sl * c->ksz;
         const REAL *kr = (const REAL *)ks;
         if (p->k_dtype != c->self_dt) { fa_cvt_row(w->tmp, ks, p->k_dtype, D); kr = w->tmp; }
         for (int64_t d = 0; d < D; d++) kp[d * ld] = kr[d];
     }
-    const int64_t nb = FA_NAME(row_nblocks)(R);
-    if (!c->panel_outer) {
-        for (int64_t kb = 0; kb < nb; kb++) {
-            int64_t r0, a, b;
-            const int mr = FA_NAME(row_block)(R, nb, kb, &r0);
-            FA_NAME(block_keys)(c, partial, r0, mr, jt, nj, &a, &b);
-            if (next) FA_NAME(prefetch_share)(next, kb, nb);
-            for (int64_t pp = a / FA_BLK_NR; pp * FA_BLK_NR < b; pp++) /* the panels that hold keys [a, b) */
-                FA_NAME(qk_block_panel)(c, w, mr, r0, pp, np, wl);
-        }
-        return;
-    }
-    for (int64_t pp = 0; pp < np; pp++)
-        for (int64_t kb = 0; kb < nb; kb++) {
-            int64_t r0, a, b;
-            const int mr = FA_NAME(row_block)(R, nb, kb, &r0);
-            FA_NAME(block_keys)(c, partial, r0, mr, jt, nj, &a, &b);
-            if (next) FA_NAME(prefetch_share)(next, pp * nb + kb, np * nb);
-            if (pp * FA_BLK_NR < b && (pp + 1) * FA_BLK_NR > a) /* panel pp holds keys of [a, b) */
-                FA_NAME(qk_block_panel)(c, w, mr, r0, pp, np, wl);
-        }
+    FA_NAME(qk_blocks)(c, w, K, jt, nj, partial, next);
 }
 
 /* P.V of the prefill path for one tile (st: its V rows).
@@ -846,6 +907,16 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
     const int rows = c.R <= FA_BLK_RD;
     const int row1 = c.R == 1 && rows && c.kfuse && c.vfuse && (nvo == 4 || nvo == 8 || nvo == 12 || nvo == 16);
     FA_NAME(load_q)(&c, &w, !rows); /* path_prefill's Q is packed by register block */
+    /* The head K buffer (head_keys), when this task's keys fit it: a fresh
+     * (batch, kv head, key range) starts it empty. */
+    c.kh = NULL;
+    if (!rows && w.Kh && c.jhi - c.jlo <= w.kh_keys) {
+        fa_scratch_state *hs = w.st;
+        if (!(hs->valid && hs->b == c.b && hs->hk == t->hk && hs->j0 == c.jlo && hs->j1 == c.jhi)) {
+            hs->valid = 1; hs->b = c.b; hs->hk = t->hk; hs->j0 = c.jlo; hs->j1 = c.jhi; hs->upto = c.jlo;
+        }
+        c.kh = w.Kh;
+    }
     if (row1) FA_NAME(path_row1)(&c, &w);
     else if (rows) FA_NAME(path_rows)(&c, &w);
     else FA_NAME(path_prefill)(&c, &w);

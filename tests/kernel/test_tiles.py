@@ -234,6 +234,43 @@ def test_qk_loop_orders_against_reference(isa, rng, D, rows):
         assert np.array_equal(o, outs[0])
 
 
+@pytest.mark.parametrize("D", [40, 64, 128])
+def test_head_k_buffer_against_reference(isa, rng, D):
+    # Non-causal prefill with at least 3 query blocks per (batch, kv head):
+    # each thread packs a head's K once into its head buffer and its later
+    # tasks of that head read it (kernel_impl.h, head_keys).  Forced 48-row
+    # blocks (300 x 2 GQA rows: 13 tasks per head), two batches and two kv
+    # heads (the buffer changes hands), a last key tile of 700 - 10 * 64 =
+    # 60 keys, D = 40 (not whole vectors); per-batch key lengths (another key
+    # range per batch); a block mask that hides whole key tiles from some
+    # tasks only (a gap in the packed tiles: the first tasks of a head
+    # skip them); a second call of the same shapes
+    # with other K on one thread, which must not see the first call's packed K; float16 K
+    # and V (K converted while packed); and the same bits on 1, 2 and 3 threads.
+    fastattn.set_tiles(48)
+    q, k, v = randn(rng, (2, 4, 300, D)), randn(rng, (2, 2, 700, D)), randn(rng, (2, 2, 700, D))
+    check_sdpa(q, k, v, enable_gqa=True)
+    # One (batch, kv head) on one thread: the second call's first task has the
+    # key of the first call's last one.
+    q1, k1, v1 = q[:1, :2], k[:1, :1], v[:1, :1]
+    check_sdpa(q1, k1, v1, enable_gqa=True, num_threads=1)
+    check_sdpa(q1, randn(rng, (1, 1, 700, D)), v1, enable_gqa=True, num_threads=1)
+    check_sdpa(q, k, v, enable_gqa=True, key_lengths=np.array([700, 333]))
+    bm = rng.random((2, 4, 4, 11)) < 0.6
+    bm[:, :, 0, 2:5] = False  # tiles 2..4 hidden from the first 3 tasks of every head only
+    for n in (1, 2):
+        check_sdpa(q, k, v, enable_gqa=True, block_mask=bm, block_size=(75, 64), num_threads=n)
+    k16, v16 = k.astype(np.float16), v.astype(np.float16)
+    o16 = sdpa(q, k16, v16, enable_gqa=True)
+    r16 = fastattn.reference.scaled_dot_product_attention(
+        q.astype(np.float64), k16.astype(np.float64), v16.astype(np.float64), enable_gqa=True
+    )
+    assert np.max(np.abs(o16 - r16)) < 1e-4
+    outs = [sdpa(q, k, v, enable_gqa=True, num_threads=n) for n in (1, 2, 3)]
+    for o in outs[1:]:
+        assert np.array_equal(o, outs[0])
+
+
 @pytest.mark.parametrize("D", [160, 256])
 def test_bfloat16_large_head_dims_at_the_derived_block(rng, D):
     ml_dtypes = pytest.importorskip("ml_dtypes")
