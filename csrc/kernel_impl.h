@@ -117,8 +117,9 @@ static int64_t FA_NAME(row_bytes)(int64_t D, int64_t Dv)
  * head read the panels from it instead of packing every tile again (the K
  * packing was 3% of L1024 D64 and 7% of L2048 D128 on Zen 3).  Only for
  * prefill-sized tasks with at least 3 query blocks per head (a thread meets
- * a head twice), and at most FA_HEAD_K_BYTES per thread. */
-#define FA_HEAD_K_BYTES ((int64_t)32 << 20)
+ * a head twice), and at most FA_HEAD_K_BYTES per thread (8 MiB: S = 16384 at
+ * D = 128; a team of 64 threads then holds at most 512 MiB). */
+#define FA_HEAD_K_BYTES ((int64_t)8 << 20)
 static int64_t FA_NAME(head_keys)(const fa_params *p, int64_t rows)
 {
     const int64_t G = p->Hk > 0 ? p->Hq / p->Hk : 1;
