@@ -466,9 +466,10 @@ FA_INLINE void FA_NAME(softmax_row)(const fa_ctx *c, const fa_ws *w, int64_t TN,
     }
     if (mnew > mold) {
         if (mold != -INFINITY) {
-            REAL alpha = (REAL)exp2((double)(mold - mnew));
+            /* The rescale factor by the kernel's own exp2 (not libm's: a
+             * call per row and tile, 1% of a B1 H8 L1024 D64 profile). */
+            const vf av = vf_exp2_neg(vf_set1(mold - mnew));
             REAL *o = w->O + r * Dvp;
-            vf av = vf_set1(alpha);
             for (int64_t cc = 0; cc < Dvp; cc += VW) vf_store(o + cc, vf_mul(av, vf_load(o + cc)));
             vf_store(w->l + r * VW, vf_mul(av, vf_load(w->l + r * VW)));
         }
@@ -552,8 +553,8 @@ FA_INLINE void FA_NAME(path_row1)(const fa_ctx *c, const fa_ws *w)
         const int64_t nj = fa_min64(TN, c->jhi - jt);
         const fa_stream st = FA_NAME(tile_stream)(c, jt, nj);
         if (FA_NAME(tile_hidden)(c, jt, nj)) continue;
-        FA_NAME(qk_rows_n)(1, p->k_dtype, c->self_dt, w->Qs, c->Dp, st.k, p->k_sl, nj, w->S, TN, st.v,
-                           p->v_sl * c->vsz, c->Dv * c->vsz, &st);
+        FA_NAME(qk_rows_nd)(1, p->k_dtype, c->self_dt, w->Qs, c->Dp, st.k, p->k_sl, nj, w->S, TN, st.v,
+                            p->v_sl * c->vsz, c->Dv * c->vsz, &st);
         FA_NAME(mask_tile)(c, w->S, TN, jt, nj);
         FA_NAME(softmax_tile)(c, w, TN, nj);
         FA_NAME(pv_row1_n)(c->Dvp / VW, p->v_dtype, c->self_dt, w->S, nj, st.v, p->v_sl, w->O, &st);
@@ -585,8 +586,8 @@ FA_INLINE void FA_NAME(path_rows)(const fa_ctx *c, const fa_ws *w)
             ldk = Dp;
             kdt = c->self_dt;
         }
-        FA_NAME(qk_rows_n)(c->R, kdt, c->self_dt, w->Qs, Dp, kr, ldk, nj, w->S, TN, vpf, p->v_sl * c->vsz,
-                           c->Dv * c->vsz, NULL);
+        FA_NAME(qk_rows_nd)(c->R, kdt, c->self_dt, w->Qs, Dp, kr, ldk, nj, w->S, TN, vpf, p->v_sl * c->vsz,
+                            c->Dv * c->vsz, NULL);
         FA_NAME(mask_tile)(c, w->S, TN, jt, nj);
         FA_NAME(softmax_tile)(c, w, TN, nj);
         if (c->vfuse) {

@@ -111,6 +111,22 @@ def test_single_row_long_tiles_options(isa, rng, dt, opt):
         assert_close(o, ref.scaled_dot_product_attention(q, k, v, enable_gqa=True, **opts), np.float32)
 
 
+@pytest.mark.parametrize("D", [64, 128, 96])
+def test_decode_rows_head_sizes(isa, rng, D):
+    """Decode rows (one row, and 2-8 stacked GQA rows) at the head sizes whose
+    dot products are unrolled as constants (64, 128) and at one that is not;
+    float32 K/V read in place, a key count that is no multiple of the key
+    blocks, and per-batch key lengths."""
+    from fastattn import reference as ref
+
+    for G in (1, 2, 3, 4, 8):
+        q = randn(rng, (2, 2 * G, 1, D))
+        k, v = randn(rng, (2, 2, 1031, D)), randn(rng, (2, 2, 1031, D))
+        for opts in ({}, {"key_lengths": [1031, 7]}):
+            o = sdpa(q, k, v, enable_gqa=True, **opts)
+            assert_close(o, ref.scaled_dot_product_attention(q, k, v, enable_gqa=True, **opts), np.float32)
+
+
 @pytest.mark.parametrize("dt", ["float16", "bfloat16"])
 def test_16bit_conversion(isa, rng, dt):
     from fastattn import reference as ref
