@@ -42,7 +42,7 @@ def _flush_denormals(a):
 
 
 def _logit_bound(kw):
-    """An upper bound of |logit| (|scale| max|q| max|k| D + max finite |float mask|); inf when
+    """An upper bound of |logit| (|scale| max|q| max|k| D + max finite |float mask| + ALiBi); inf when
     it cannot be worked out (or overflows float64)."""
     try:
         with np.errstate(all="ignore"):
@@ -63,6 +63,12 @@ def _logit_bound_unchecked(kw):
         mf = np.abs(np.asarray(m, dtype=np.float64))
         mf = mf[np.isfinite(mf)]
         bound += mf.max() if mf.size else 0.0
+    al = kw.get("alibi_slopes")
+    if al is not None:
+        # ALiBi adds -slope * |i - j| with |i - j| < max(L, S), bounded by the largest
+        # extent of q or k (whatever the layout): a huge slope is a huge logit
+        a = np.abs(np.asarray(al, dtype=np.float64))
+        bound += (a.max() if a.size else 0.0) * max(q.shape + k.shape)
     return float(bound)
 
 
