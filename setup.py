@@ -271,30 +271,27 @@ class BuildExt(build_ext):
             )[0].sources
         compile_one = self.compiler.compile
         with ThreadPoolExecutor(BUILD_JOBS) as pool:
-            if ext.name in EXT_UNITS:
-                # Each ISA unit with its own flags, BUILD_JOBS at a time (each call
-                # spawns the compiler; the objects keep the units' order).
-                ext.extra_objects = [
-                    obj
-                    for objs in pool.map(
-                        lambda unit: compile_one(
-                            [unit[0]],
-                            output_dir=self.build_temp,
-                            include_dirs=["csrc"],
-                            extra_postargs=BASE_FLAGS + unit[1],
-                            depends=ext.depends,
-                        ),
-                        EXT_UNITS[ext.name],
-                    )
-                    for obj in objs
-                ]
 
-            def compile_parallel(sources, *args, **kwargs):
-                # build_ext's one call for the extension's own sources, a file per job.
-                compiled = pool.map(lambda src: compile_one([src], *args, **kwargs), sources)
-                return [obj for objs in compiled for obj in objs]
+            def compile_each(compile_file, items):
+                # compile_file over items, BUILD_JOBS at a time (each call spawns the
+                # compiler); the objects in the items' order
+                return [obj for objs in pool.map(compile_file, items) for obj in objs]
 
-            self.compiler.compile = compile_parallel
+            if ext.name in EXT_UNITS:  # each ISA unit with its own flags
+                ext.extra_objects = compile_each(
+                    lambda unit: compile_one(
+                        [unit[0]],
+                        output_dir=self.build_temp,
+                        include_dirs=["csrc"],
+                        extra_postargs=BASE_FLAGS + unit[1],
+                        depends=ext.depends,
+                    ),
+                    EXT_UNITS[ext.name],
+                )
+            # build_ext's one call for the extension's own sources: a file per job
+            self.compiler.compile = lambda sources, *a, **kw: compile_each(
+                lambda src: compile_one([src], *a, **kw), sources
+            )
             try:
                 super().build_extension(ext)
             finally:
