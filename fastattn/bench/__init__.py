@@ -12,9 +12,13 @@ median per implementation is reported.
 
 All libraries get the same thread count (``--threads``, default: all cores).  The
 machine's fp32 GEMM rate (NumPy ``sgemm`` 2048³) and its read bandwidth are
-measured in the same run; prefill throughput is shown as a percentage of the GEMM
-rate.  Decode throughput is shown as a percentage of a plain read of the case's own
-K and V arrays (``kv-read``: the same threads read them with NumPy GEMVs), timed in the
+measured before and after the cases.  Float32 prefill throughput is shown as a
+percentage of the GEMM rate timed in the case's own interleaved rounds (``gemm``: the
+same threads, 1024³ with ``--quick``; its median, like every time reported), and the
+Markdown table adds the percentage of the best GEMM measured before and after;
+16-bit runs compare with the machine's 16-bit GEMM measured before and after.
+Decode throughput is shown as a percentage of a plain read of the case's own K and V
+arrays (``kv-read``: the same threads read them with NumPy GEMVs), timed in the
 same interleaved rounds, so that both meet the same pages and the same moment of a
 shared machine's memory traffic, and of the machine's read bandwidth timed in those
 same rounds (``bw``: the same threads read one 1 GiB array, 256 MiB with
@@ -47,7 +51,7 @@ The package: :mod:`~fastattn.bench.cases` (the case tables, FLOP and byte counts
 masks, the NumPy baseline: shared with ``python -m fastattn`` and the asv benchmarks),
 :mod:`~fastattn.bench.inputs`, :mod:`~fastattn.bench.peers` and
 :mod:`~fastattn.bench.ort` (the implementations, one interface),
-:mod:`~fastattn.bench.yardsticks` (GEMM rates, bandwidth, the decode readers),
+:mod:`~fastattn.bench.yardsticks` (GEMM rates, bandwidth, the interleaved GEMM and decode readers),
 :mod:`~fastattn.bench.runner` (the interleaved rounds), :mod:`~fastattn.bench.report`
 (the text and Markdown output) and :mod:`~fastattn.bench.command` (the options and the
 run).
@@ -69,6 +73,7 @@ from fastattn.bench.command import EPILOG, IMPLS, add_arguments, finish_args, ma
 from fastattn.bench.inputs import Inputs, make_inputs  # noqa: E402
 from fastattn.bench.peers import Impl, Skip  # noqa: E402
 from fastattn.bench.yardsticks import (  # noqa: E402
+    gemm_reader,
     kv_reader,
     measure_bandwidth,
     measure_gemm,
@@ -90,6 +95,7 @@ __all__ = [
     "bool_mask",
     "case_flops",
     "finish_args",
+    "gemm_reader",
     "kv_reader",
     "main",
     "make_inputs",

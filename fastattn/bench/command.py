@@ -115,6 +115,7 @@ def finish_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argpars
     if args.pause is None:
         args.pause = 0.1 if args.quick else 0.25
     args.bw_bytes = (256 << 20) if args.quick else (1 << 30)  # the bandwidth yardstick's array
+    args.gemm_n = 1024 if args.quick else 2048  # the interleaved GEMM yardstick: n x n x n
     args.budget = 3.0 if args.quick else 10.0  # seconds of timed calls per implementation and case
     return args
 
@@ -193,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
         bw = measure_bandwidth(args.threads, nbytes=args.bw_bytes)
         print(
             f"machine: fp32 GEMM (numpy sgemm 2048^3) {gemm:.1f} GFLOP/s, read bandwidth {bw:.1f} GB/s"
-            " (best of 6; decode cases compare with the median of their own rounds)",
+            " (best of 6; float32 prefill and decode cases compare with the median of a GEMM or of reads"
+            " timed in their own rounds)",
             file=out,
         )
     machine = machine_info(args.threads, gemm, bw)

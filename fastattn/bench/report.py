@@ -20,6 +20,14 @@ def fmt_time(s: float | None) -> str:
     return f"{s:8.2f} s "
 
 
+def gemm_peak(r: Record, machine: dict[str, Any]) -> float | None:
+    """The GEMM rate a prefill record's rate is compared with: the fp32 GEMM timed in
+    its case's own rounds (float32 runs), else the machine's measured before and after
+    the cases (the bf16 one in bfloat16 runs); None when neither was measured."""
+    peak: float | None = r.get("gemm_gflops") or machine.get("gemm_bf16_gflops") or machine.get("gemm_gflops")
+    return peak
+
+
 def print_case(case: Case, records: list[Record], machine: dict[str, Any], out: TextIO) -> None:
     """The block of one case: a line per implementation, the decode yardsticks."""
     print(
@@ -42,7 +50,7 @@ def print_case(case: Case, records: list[Record], machine: dict[str, Any], out: 
             peak = r.get("read_gbps") or machine.get("bandwidth_gbps")
         else:
             rate = f"{r['gflops']:7.1f} GFLOP/s"
-            peak = machine.get("gemm_bf16_gflops") or machine.get("gemm_gflops")
+            peak = gemm_peak(r, machine)
         what = ("kv-read" if r.get("read_gbps") else "bw") if case.kind == "decode" else "gemm"
         pct = (
             f"{100 * (r['gbps'] or r['gflops']) / peak:5.0f}% of {what:4s}"
@@ -60,6 +68,10 @@ def print_case(case: Case, records: list[Record], machine: dict[str, Any], out: 
             )
         note = f"  [{r['note']}]" if r["note"] else ""
         print(f"  {r['impl']:{w}s} {fmt_time(r['seconds'])}  {rate}  {pct}{ratio}{note}", file=out)
+    g = next((r for r in records if r.get("gemm_gflops")), None)
+    if g:
+        what = "(NumPy's fp32 sgemm, n x n x n, on the same threads in the same rounds)"
+        print(f"  {'gemm':{w}s} {'':11s}  {g['gemm_gflops']:7.1f} GFLOP/s  {what}", file=out)
     read = next((r for r in records if r.get("read_gbps")), None)
     if read:
         what = "(the same K and V read by the same threads: NumPy GEMVs)"
@@ -113,9 +125,13 @@ def markdown_table(records: list[Record], machine: dict[str, Any]) -> str:
             rate = "-"
         else:
             rate = f"{fa['gflops']:.1f} GFLOP/s"
-            peak = machine.get("gemm_bf16_gflops") or machine.get("gemm_gflops")
+            peak = gemm_peak(fa, machine)
             if peak:
-                rate += f" ({100 * fa['gflops'] / peak:.0f}% gemm)"
+                rate += f" ({100 * fa['gflops'] / peak:.0f}% gemm"
+                best = machine.get("gemm_gflops")
+                if fa.get("gemm_gflops") and best:  # beside it: the best back-to-back GEMM of the run
+                    rate += f", {100 * fa['gflops'] / best:.0f}% best gemm"
+                rate += ")"
         cells = []
         for i in impls:
             r = by.get((c, i))

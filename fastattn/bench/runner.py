@@ -14,7 +14,7 @@ from typing import Any, Callable, TextIO
 from fastattn.bench.cases import Case, case_flops, kv_bytes, np_dtype
 from fastattn.bench.inputs import check, check_slice, make_inputs, reference_output, tolerance
 from fastattn.bench.peers import FastAttn, Impl, Skip
-from fastattn.bench.yardsticks import kv_reader, mem_reader
+from fastattn.bench.yardsticks import gemm_reader, kv_reader, mem_reader
 
 Record = dict[str, Any]
 
@@ -130,11 +130,18 @@ def run_case(
     if case.kind == "decode" and runs:
         for reader in (kv_reader(inp, args.threads), mem_reader(args.threads, args.bw_bytes)):
             reads.append(Timed(reader, calls_per_sample(first_call(reader), args.min_time)))
+    # float32 prefill cases: the fp32 GEMM (gemm) runs in the same rounds
+    gemm_flops = 0.0
+    if case.kind not in ("decode", "small") and args.dtype == "float32" and runs:
+        gemm_fn, gemm_flops = gemm_reader(args.threads, args.gemm_n)
+        reads.append(Timed(gemm_fn, calls_per_sample(first_call(gemm_fn), args.min_time)))
     interleaved_rounds([t for _, t in runs] + reads, args.repeat, args.pause, args.budget)
     fa = None
-    read_gbps = mem_gbps = None
+    read_gbps = mem_gbps = gemm_gflops = None
     nbytes = kv_bytes(case, np_dtype(case.kv_dtype or args.dtype))
-    if reads:
+    if gemm_flops:
+        gemm_gflops = gemm_flops / statistics.median(reads[0].times) / 1e9
+    elif reads:
         read_gbps = nbytes / statistics.median(reads[0].times) / 1e9
         mem_gbps = args.bw_bytes / statistics.median(reads[1].times) / 1e9
     for rec, timed in runs:
@@ -142,6 +149,8 @@ def run_case(
         if read_gbps is not None:
             rec["read_gbps"] = read_gbps
             rec["mem_gbps"] = mem_gbps
+        if gemm_gflops is not None:
+            rec["gemm_gflops"] = gemm_gflops
         rec["seconds_min"] = min(timed.times)
         rec["rounds"] = len(timed.times)
         rec["gflops"] = flops / rec["seconds"] / 1e9

@@ -1,7 +1,9 @@
 """The machine's limits the cases are compared with: GEMM rates and read bandwidth.
 
 - :func:`measure_gemm` (fp32, NumPy's BLAS) and :func:`measure_gemm_bf16` (``torch.mm``):
-  the compute limit of prefill cases, measured before and after the cases;
+  the compute limit, measured before and after the cases;
+- :func:`gemm_reader` (``gemm``): the fp32 GEMM as a callable timed in the interleaved
+  rounds of each float32 prefill case, the limit its rate is compared with;
 - :func:`measure_bandwidth`: the best-of read bandwidth, measured before and after;
 - :func:`kv_reader` (``kv-read``) and :func:`mem_reader` (``bw``): callables timed in the
   interleaved rounds of each decode case, so that their medians meet the same moments of
@@ -159,6 +161,24 @@ def measure_gemm(threads: int, n: int = 2048, repeat: int = 5) -> float:
             np.matmul(a, b, out=c)
             best = min(best, time.perf_counter() - t0)
     return 2.0 * n**3 / best / 1e9
+
+
+def gemm_reader(threads: int, n: int = 2048) -> tuple[Callable[[], None], float]:
+    """The prefill yardstick timed in each float32 prefill case's interleaved rounds
+    (``gemm``), so that its median meets the same moments of a shared machine as the
+    implementations (a GEMM measured only before and after the cases moved by 20%
+    between the two on the 2-vCPU VMs): ``(call, flops)``, the call one n×n×n
+    ``np.matmul`` of NumPy's BLAS limited to ``threads`` threads, as :func:`measure_gemm`."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    c = np.empty((n, n), dtype=np.float32)
+
+    def run() -> None:
+        with blas_limit(threads):
+            np.matmul(a, b, out=c)
+
+    return run, 2.0 * n**3
 
 
 def measure_gemm_bf16(threads: int, n: int = 2048, repeat: int = 5) -> float | None:

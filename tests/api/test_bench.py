@@ -129,6 +129,30 @@ def test_decode_case_reports_kv_read(tmp_path):
     assert rec["read_gbps"] > 0 and rec["gbps"] > 0 and rec["mem_gbps"] > 0
 
 
+def test_prefill_case_reports_its_interleaved_gemm(tmp_path, capsys):
+    """A float32 prefill case times NumPy's sgemm in its own rounds, and its rate is
+    compared with that GEMM (not the machine's, which --no-machine skips)."""
+    out = tmp_path / "bench.json"
+    rc = bench.main(
+        ["--quick", "--cases", "B1 H8 L1024 D64", "--no-machine", "--impls", "fastattn"]
+        + ["--repeat", "2", "--threads", "1", "--json", str(out), "--markdown"]
+    )
+    assert rc == 0
+    (rec,) = json.loads(out.read_text())["records"]
+    assert rec["gemm_gflops"] > 0 and rec["gflops"] > 0
+    pct = f"({100 * rec['gflops'] / rec['gemm_gflops']:.0f}% gemm)"
+    text = capsys.readouterr().out
+    assert pct in text and "gemm " in text
+
+
+def test_gemm_yardstick_computes_the_product():
+    from fastattn.bench.yardsticks import gemm_reader
+
+    run, flops = gemm_reader(1, n=64)
+    run()
+    assert flops == 2 * 64**3  # the flops of one 64 x 64 x 64 product
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_bandwidth_yardstick_reads_the_whole_array(threads):
     # the decode cases' bw: every thread gets a share, the shares cover all nbytes once
