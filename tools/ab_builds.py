@@ -10,7 +10,7 @@ its interquartile range.  The outputs of the two builds are compared first
 (bit for bit, or within 1e-5 relative when the change alters rounding).
 
     python tools/ab_builds.py OLD_TREE NEW_TREE 1x8x1024x64 [--threads 1] [--bursts 40] [--causal]
-                              [--isa avx2] [--kv-heads HK]
+                              [--isa avx2] [--kv-heads HK] [--kv-float16]
 
 SHAPE is BxHxLxD or BxHxLxDxS (float32, bhsd); --kv-heads gives K and V
 fewer heads than Q (grouped-query, e.g. decode ``1x32x1x128x8192 --kv-heads 8``).
@@ -56,6 +56,7 @@ def main() -> None:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--isa", default=None, help="ISA path of both builds (fastattn.set_isa names)")
     ap.add_argument("--kv-heads", type=int, default=None, help="K/V heads (grouped-query; default: H)")
+    ap.add_argument("--kv-float16", action="store_true", help="K and V in float16 (a 16-bit KV cache)")
     a = ap.parse_args()
     sys.path.insert(0, a.old)  # the Plan record (pure Python) of the old tree
     from fastattn._plan import Plan
@@ -75,6 +76,8 @@ def main() -> None:
     q = rng.standard_normal((B, H, L, D), dtype=np.float32)
     k = rng.standard_normal((B, Hk, S, D), dtype=np.float32)
     v = rng.standard_normal((B, Hk, S, D), dtype=np.float32)
+    if a.kv_float16:
+        k, v = k.astype(np.float16), v.astype(np.float16)
     o_old, o_new = np.empty_like(q), np.empty_like(q)
     # Plan(q, k, v, o, scale, L, S, num_threads, precision, causal), as fastattn.functional's fast path.
     p_old = Plan(q, k, v, o_old, D**-0.5, L, S, a.threads, 0, a.causal)
@@ -99,6 +102,7 @@ def main() -> None:
     r = np.array(t_old) / np.array(t_new)
     tag = (" causal" if a.causal else "") + (f" kv-heads={Hk}" if Hk != H else "")
     tag += f" isa={a.isa}" if a.isa else ""
+    tag += " kv=float16" if a.kv_float16 else ""
     print(
         f"{a.shape} threads={a.threads}{tag}: old {np.median(t_old) * 1e6:.1f} us, "
         f"new {np.median(t_new) * 1e6:.1f} us, old/new {np.median(r):.3f} "
