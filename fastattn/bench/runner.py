@@ -130,18 +130,18 @@ def run_case(
     if case.kind == "decode" and runs:
         for reader in (kv_reader(inp, args.threads), mem_reader(args.threads, args.bw_bytes)):
             reads.append(Timed(reader, calls_per_sample(first_call(reader), args.min_time)))
-    # float32 prefill cases: the fp32 GEMM (gemm) runs in the same rounds
-    gemm_flops = 0.0
+    # float32 prefill cases: the fp32 GEMM yardstick (gemm) runs in the same rounds
+    gemm: Timed | None = None
     if case.kind not in ("decode", "small") and args.dtype == "float32" and runs:
         gemm_fn, gemm_flops = gemm_reader(args.threads, args.gemm_n)
-        reads.append(Timed(gemm_fn, calls_per_sample(first_call(gemm_fn), args.min_time)))
-    interleaved_rounds([t for _, t in runs] + reads, args.repeat, args.pause, args.budget)
+        gemm = Timed(gemm_fn, calls_per_sample(first_call(gemm_fn), args.min_time))
+    yardsticks = reads + ([gemm] if gemm else [])
+    interleaved_rounds([t for _, t in runs] + yardsticks, args.repeat, args.pause, args.budget)
     fa = None
-    read_gbps = mem_gbps = gemm_gflops = None
+    read_gbps = mem_gbps = None
+    gemm_gflops = gemm_flops / statistics.median(gemm.times) / 1e9 if gemm else None
     nbytes = kv_bytes(case, np_dtype(case.kv_dtype or args.dtype))
-    if gemm_flops:
-        gemm_gflops = gemm_flops / statistics.median(reads[0].times) / 1e9
-    elif reads:
+    if reads:
         read_gbps = nbytes / statistics.median(reads[0].times) / 1e9
         mem_gbps = args.bw_bytes / statistics.median(reads[1].times) / 1e9
     for rec, timed in runs:

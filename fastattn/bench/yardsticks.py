@@ -148,19 +148,16 @@ def measure_bandwidth(threads: int, nbytes: int = 1 << 30, repeat: int = 3) -> f
 
 
 def measure_gemm(threads: int, n: int = 2048, repeat: int = 5) -> float:
-    """fp32 GEMM rate (GFLOP/s) of NumPy's BLAS, n×n×n."""
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((n, n), dtype=np.float32)
-    b = rng.standard_normal((n, n), dtype=np.float32)
-    c = np.empty((n, n), dtype=np.float32)
+    """fp32 GEMM rate (GFLOP/s) of NumPy's BLAS, n×n×n: the best of ``repeat``
+    back-to-back calls of :func:`gemm_reader`'s product after a warm-up call."""
+    run, flops = gemm_reader(threads, n)
+    run()
     best = math.inf
-    with blas_limit(threads):
-        np.matmul(a, b, out=c)
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            np.matmul(a, b, out=c)
-            best = min(best, time.perf_counter() - t0)
-    return 2.0 * n**3 / best / 1e9
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t0)
+    return flops / best / 1e9
 
 
 def gemm_reader(threads: int, n: int = 2048) -> tuple[Callable[[], None], float]:
@@ -168,7 +165,8 @@ def gemm_reader(threads: int, n: int = 2048) -> tuple[Callable[[], None], float]
     (``gemm``), so that its median meets the same moments of a shared machine as the
     implementations (a GEMM measured only before and after the cases moved by 20%
     between the two on the 2-vCPU VMs): ``(call, flops)``, the call one n×n×n
-    ``np.matmul`` of NumPy's BLAS limited to ``threads`` threads, as :func:`measure_gemm`."""
+    ``np.matmul`` of NumPy's BLAS limited to ``threads`` threads (:func:`measure_gemm`
+    times the same call back to back)."""
     rng = np.random.default_rng(0)
     a = rng.standard_normal((n, n), dtype=np.float32)
     b = rng.standard_normal((n, n), dtype=np.float32)
