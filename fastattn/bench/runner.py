@@ -1,6 +1,7 @@
 """The run loop: check each implementation against the oracle, then time them all in
 interleaved rounds (round robin, a pause before every sample so that the spinning
-BLAS/OpenMP workers of one library do not slow the next) and keep the medians."""
+BLAS/OpenMP workers of one library do not slow the next, then one untimed call of a
+short callable so that its own sleeping workers are awake) and keep the medians."""
 
 from __future__ import annotations
 
@@ -19,13 +20,36 @@ from fastattn.bench.yardsticks import gemm_reader, kv_reader, mem_reader
 Record = dict[str, Any]
 
 
+# A callable whose warm call is shorter than this gets one untimed call after each
+# pause.  Why: a thread team that slept through the pause can take milliseconds to
+# start.  Measured on a 2-vCPU KVM guest (AMD EPYC Zen 4, 2026-12-04): a libgomp
+# parallel region of 1.8 ms per thread took 6-10 ms as the first region after a
+# 0.25 s sleep and 1.7-1.9 ms back to back; fastattn's B1 H32/8 S8192 D128 float16
+# decode (1.3 ms warm) took 11 ms as the first call after the pause and 2.0 ms as
+# the second.  Without the warm-up the benchmark timed that wake-up, not the
+# kernel: 7.4 ms for that case, 19% of the K/V read.  Longer calls pay it once in
+# a sample of at least this long, a few percent at most.
+WARMUP_BELOW = 0.1
+
+
 @dataclasses.dataclass
 class Timed:
-    """One callable of the interleaved rounds: ``number`` calls per sample, its samples."""
+    """One callable of the interleaved rounds: ``number`` calls per sample, its samples;
+    ``warmup``: one untimed call after each pause (see WARMUP_BELOW)."""
 
     fn: Callable[[], object]
     number: int = 1
     times: list[float] = dataclasses.field(default_factory=list)
+    warmup: bool = False
+
+
+def timed(fn: Callable[[], object], min_time: float) -> Timed:
+    """``fn`` timed in samples of about ``min_time``: the calls per sample and the
+    warm-up follow a second call (the first pays for thread pools, scratch and page
+    faults, and a sample sized by it would hold too few calls)."""
+    first_call(fn)
+    warm = first_call(fn)
+    return Timed(fn, calls_per_sample(warm, min_time), warmup=warm < WARMUP_BELOW)
 
 
 def first_call(fn: Callable[[], object]) -> float:
@@ -42,13 +66,16 @@ def calls_per_sample(first: float, min_time: float) -> int:
 
 def interleaved_rounds(runs: list[Timed], repeat: int, pause: float, budget: float = float("inf")) -> None:
     """``repeat`` rounds over ``runs``: in each, every callable in turn after a pause of
-    ``pause`` s, ``number`` calls timed together (their mean is one sample).  A callable
-    whose samples already cost more than ``budget`` seconds sits out the later rounds."""
+    ``pause`` s (and the untimed warm-up call of a ``warmup`` callable), ``number`` calls
+    timed together (their mean is one sample).  A callable whose samples already cost
+    more than ``budget`` seconds sits out the later rounds."""
     for _ in range(repeat):
         for r in runs:
             if r.times and sum(r.times) * r.number > budget:  # slow peer: fewer rounds
                 continue
             time.sleep(pause)
+            if r.warmup:
+                r.fn()
             t0 = time.perf_counter()
             for _ in range(r.number):
                 r.fn()
@@ -123,18 +150,18 @@ def run_case(
             continue
         rec["note"] = impl.note
         # a call slower than the whole budget is timed once: its first call is the sample
-        timed = Timed(fn, calls_per_sample(first, args.min_time), [first] if first > args.budget else [])
-        runs.append((rec, timed))
+        t = Timed(fn, times=[first]) if first > args.budget else timed(fn, args.min_time)
+        runs.append((rec, t))
     # decode cases: the two read yardsticks (kv-read, bw) run in the same rounds
     reads: list[Timed] = []
     if case.kind == "decode" and runs:
         for reader in (kv_reader(inp, args.threads), mem_reader(args.threads, args.bw_bytes)):
-            reads.append(Timed(reader, calls_per_sample(first_call(reader), args.min_time)))
+            reads.append(timed(reader, args.min_time))
     # float32 prefill cases: the fp32 GEMM yardstick (gemm) runs in the same rounds
     gemm: Timed | None = None
     if case.kind not in ("decode", "small") and args.dtype == "float32" and runs:
         gemm_fn, gemm_flops = gemm_reader(args.threads, args.gemm_n)
-        gemm = Timed(gemm_fn, calls_per_sample(first_call(gemm_fn), args.min_time))
+        gemm = timed(gemm_fn, args.min_time)
     yardsticks = reads + ([gemm] if gemm else [])
     interleaved_rounds([t for _, t in runs] + yardsticks, args.repeat, args.pause, args.budget)
     fa = None
@@ -144,15 +171,15 @@ def run_case(
     if reads:
         read_gbps = nbytes / statistics.median(reads[0].times) / 1e9
         mem_gbps = args.bw_bytes / statistics.median(reads[1].times) / 1e9
-    for rec, timed in runs:
-        rec["seconds"] = statistics.median(timed.times)
+    for rec, t in runs:
+        rec["seconds"] = statistics.median(t.times)
         if read_gbps is not None:
             rec["read_gbps"] = read_gbps
             rec["mem_gbps"] = mem_gbps
         if gemm_gflops is not None:
             rec["gemm_gflops"] = gemm_gflops
-        rec["seconds_min"] = min(timed.times)
-        rec["rounds"] = len(timed.times)
+        rec["seconds_min"] = min(t.times)
+        rec["rounds"] = len(t.times)
         rec["gflops"] = flops / rec["seconds"] / 1e9
         if case.kind == "decode":
             rec["gbps"] = nbytes / rec["seconds"] / 1e9

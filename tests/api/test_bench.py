@@ -145,6 +145,32 @@ def test_prefill_case_reports_its_interleaved_gemm(tmp_path, capsys):
     assert pct in text and "gemm " in text
 
 
+def test_short_callables_get_an_untimed_call_after_each_pause():
+    """A short callable is called once untimed after every pause (its thread team wakes
+    outside the sample); a long one is not; the samples count only the timed calls."""
+    from fastattn.bench import runner
+
+    calls = {"short": 0, "long": 0}
+
+    def short() -> None:
+        calls["short"] += 1
+
+    def long() -> None:
+        calls["long"] += 1
+        runner.time.sleep(runner.WARMUP_BELOW * 1.2)
+
+    s = runner.timed(short, min_time=0.001)
+    ln = runner.timed(long, min_time=0.001)
+    assert s.warmup and not ln.warmup
+    assert calls == {"short": 2, "long": 2}  # the sizing calls
+    assert s.number > 1 and ln.number == 1
+    runner.interleaved_rounds([s, ln], repeat=3, pause=0.0)
+    assert calls["short"] == 2 + 3 * (s.number + 1)
+    assert calls["long"] == 2 + 3
+    assert len(s.times) == len(ln.times) == 3
+    assert min(ln.times) >= runner.WARMUP_BELOW  # the long call's own time, not a mean with warm-ups
+
+
 def test_gemm_yardstick_runs_and_counts_its_flops():
     from fastattn.bench.yardsticks import gemm_reader
 
