@@ -1,6 +1,6 @@
 """The run loop: check each implementation against the oracle, then time them all in
 interleaved rounds (round robin, a pause before every sample so that the spinning
-BLAS/OpenMP workers of one library do not slow the next, then one untimed call of a
+BLAS/OpenMP workers of one library do not slow the next, then untimed calls of a
 short callable so that its own sleeping workers are awake) and keep the medians."""
 
 from __future__ import annotations
@@ -20,22 +20,25 @@ from fastattn.bench.yardsticks import gemm_reader, kv_reader, mem_reader
 Record = dict[str, Any]
 
 
-# A callable whose warm call is shorter than this gets one untimed call after each
-# pause.  Why: a thread team that slept through the pause can take milliseconds to
-# start.  Measured on a 2-vCPU KVM guest (AMD EPYC Zen 4, 2026-12-04): a libgomp
-# parallel region of 1.8 ms per thread took 6-10 ms as the first region after a
-# 0.25 s sleep and 1.7-1.9 ms back to back; fastattn's B1 H32/8 S8192 D128 float16
-# decode (1.3 ms warm) took 11 ms as the first call after the pause and 2.0 ms as
-# the second.  Without the warm-up the benchmark timed that wake-up, not the
-# kernel: 7.4 ms for that case, 19% of the K/V read.  Longer calls pay it once in
-# a sample of at least this long, a few percent at most.
+# A callable whose warm call is shorter than WARMUP_BELOW is called, untimed, for
+# WARMUP_SECONDS after each pause.  Why: a thread team that slept through the pause
+# runs slowly for milliseconds.  Measured on a 2-vCPU KVM guest (AMD EPYC Zen 4,
+# 2026-12-04): a libgomp parallel region of 1.8 ms per thread took 6-10 ms as the
+# first region after a 0.25 s sleep and 1.7-1.9 ms back to back; fastattn's
+# B1 H32/8 S8192 D128 float16 decode (1.3 ms warm) took 11 ms as the first call
+# after the pause and 2.0 ms as the second, and 10 calls after 0-3 / 40-80 ms of
+# warm-up calls averaged 3.2 / 2.85 ms on B1 H64/8 (2.75-2.9 ms back to back).
+# Without the warm-up the benchmark timed the wake-up, not the kernel (7.4 ms for
+# that float16 case, 19% of the K/V read).  Longer calls pay it once in a sample of
+# at least WARMUP_BELOW, a few percent at most.
 WARMUP_BELOW = 0.1
+WARMUP_SECONDS = 0.05
 
 
 @dataclasses.dataclass
 class Timed:
     """One callable of the interleaved rounds: ``number`` calls per sample, its samples;
-    ``warmup``: one untimed call after each pause (see WARMUP_BELOW)."""
+    ``warmup``: untimed calls for WARMUP_SECONDS after each pause (see WARMUP_BELOW)."""
 
     fn: Callable[[], object]
     number: int = 1
@@ -66,7 +69,7 @@ def calls_per_sample(first: float, min_time: float) -> int:
 
 def interleaved_rounds(runs: list[Timed], repeat: int, pause: float, budget: float = float("inf")) -> None:
     """``repeat`` rounds over ``runs``: in each, every callable in turn after a pause of
-    ``pause`` s (and the untimed warm-up call of a ``warmup`` callable), ``number`` calls
+    ``pause`` s (and the untimed warm-up calls of a ``warmup`` callable), ``number`` calls
     timed together (their mean is one sample).  A callable whose samples already cost
     more than ``budget`` seconds sits out the later rounds."""
     for _ in range(repeat):
@@ -75,7 +78,10 @@ def interleaved_rounds(runs: list[Timed], repeat: int, pause: float, budget: flo
                 continue
             time.sleep(pause)
             if r.warmup:
+                t0 = time.perf_counter()
                 r.fn()
+                while time.perf_counter() - t0 < WARMUP_SECONDS:
+                    r.fn()
             t0 = time.perf_counter()
             for _ in range(r.number):
                 r.fn()

@@ -145,9 +145,10 @@ def test_prefill_case_reports_its_interleaved_gemm(tmp_path, capsys):
     assert pct in text and "gemm " in text
 
 
-def test_short_callables_get_an_untimed_call_after_each_pause():
-    """A short callable is called once untimed after every pause (its thread team wakes
-    outside the sample); a long one is not; the samples count only the timed calls."""
+def test_short_callables_get_untimed_calls_after_each_pause(monkeypatch):
+    """A short callable is called untimed for WARMUP_SECONDS after every pause (its thread
+    team wakes outside the sample); a long one is not; the samples count only the timed
+    calls."""
     from fastattn.bench import runner
 
     calls = {"short": 0, "long": 0}
@@ -164,11 +165,18 @@ def test_short_callables_get_an_untimed_call_after_each_pause():
     assert s.warmup and not ln.warmup
     assert calls == {"short": 2, "long": 2}  # the sizing calls
     assert s.number > 1 and ln.number == 1
+    monkeypatch.setattr(runner, "WARMUP_SECONDS", 0.0)  # one warm-up call each
     runner.interleaved_rounds([s, ln], repeat=3, pause=0.0)
     assert calls["short"] == 2 + 3 * (s.number + 1)
     assert calls["long"] == 2 + 3
     assert len(s.times) == len(ln.times) == 3
     assert min(ln.times) >= runner.WARMUP_BELOW  # the long call's own time, not a mean with warm-ups
+    monkeypatch.setattr(runner, "WARMUP_SECONDS", 0.02)
+    before = calls["short"]
+    t0 = runner.time.perf_counter()
+    runner.interleaved_rounds([s], repeat=1, pause=0.0)
+    assert runner.time.perf_counter() - t0 >= 0.02
+    assert calls["short"] - before > s.number + 1  # warm-up calls until 0.02 s had passed
 
 
 def test_gemm_yardstick_runs_and_counts_its_flops():
