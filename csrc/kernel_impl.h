@@ -44,6 +44,12 @@
  * 16-256-key tiles: no better.  So those keep 64-key tiles. */
 #define FA_ROW_TN 512
 #define FA_VPANEL_ROWS 64 /* prefill-path tasks with at most this many rows pack V (see pv_prefill) */
+/* ... in tiles of more keys than this.  A tile of a few keys is read a couple
+ * of times at most, and copying it cost more than it saved: Zen 4, builds
+ * alternated in one process, 1 thread, same bits: B1 H8 L16 D64 1.046 (avx2
+ * path 1.085), L16 D128 1.064, B4 H8 L32 D64 1.046; B1 H8 L512 S8200 (an
+ * 8-key last tile) 1.001. */
+#define FA_VPANEL_MIN_KEYS 32
 
 /* Prefetch the n bytes at p (one row), one line per instruction. */
 #define FA_PREFETCH_ROW(p, n, hint) do { \
@@ -747,7 +753,8 @@ FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, i
  * Measured (Zen 3, standalone builds in one process): B1 H16/1 S32768
  * decode +15-20%, H128/8 +10%, D = 256 prefill +9-14% on one thread,
  * D = 160 +4-7%; with many rows and Dv <= 128 it was mixed (-6..+8%), so
- * those keep reading V in place. */
+ * those keep reading V in place, as do tiles of at most FA_VPANEL_MIN_KEYS
+ * keys (small calls) with Dv <= 128. */
 FA_INLINE void FA_NAME(pv_prefill)(const fa_ctx *c, const fa_ws *w, const fa_stream *st, int64_t jt, int64_t nj,
                                     int partial)
 {
@@ -755,7 +762,7 @@ FA_INLINE void FA_NAME(pv_prefill)(const fa_ctx *c, const fa_ws *w, const fa_str
     const int64_t R = c->R, Dvp = c->Dvp, PW = FA_BLK_NVO * VW;
     const REAL *V = (const REAL *)st->v;
     const int64_t ldv = p->v_sl;
-    const int vpanel = !c->vdirect || R <= FA_VPANEL_ROWS || Dvp > 128;
+    const int vpanel = !c->vdirect || (R <= FA_VPANEL_ROWS && nj > FA_VPANEL_MIN_KEYS) || Dvp > 128;
     const int64_t Dfull = Dvp / PW * PW;
     if (vpanel)
         for (int64_t jj = 0; jj < nj; jj++) {
