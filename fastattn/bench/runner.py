@@ -46,11 +46,13 @@ class Timed:
     warmup: bool = False
 
 
-def timed(fn: Callable[[], object], min_time: float) -> Timed:
+def timed(fn: Callable[[], object], min_time: float, called: bool = False) -> Timed:
     """``fn`` timed in samples of about ``min_time``: the calls per sample and the
     warm-up follow a second call (the first pays for thread pools, scratch and page
-    faults, and a sample sized by it would hold too few calls)."""
-    first_call(fn)
+    faults, and a sample sized by it would hold too few calls).  ``called``: the
+    caller has made that first call already."""
+    if not called:
+        first_call(fn)
     warm = first_call(fn)
     return Timed(fn, calls_per_sample(warm, min_time), warmup=warm < WARMUP_BELOW)
 
@@ -156,7 +158,7 @@ def run_case(
             continue
         rec["note"] = impl.note
         # a call slower than the whole budget is timed once: its first call is the sample
-        t = Timed(fn, times=[first]) if first > args.budget else timed(fn, args.min_time)
+        t = Timed(fn, times=[first]) if first > args.budget else timed(fn, args.min_time, called=True)
         runs.append((rec, t))
     # decode cases: the two read yardsticks (kv-read, bw) run in the same rounds
     reads: list[Timed] = []
