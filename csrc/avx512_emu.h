@@ -60,8 +60,8 @@ static inline float fa_emu_reduce_max_ps(fa_emu_ps x)
 #define fa_emu_roundscale_ps(x, imm) \
     ((fa_emu_ps){ _mm256_round_ps((x).lo, (imm)), _mm256_round_ps((x).hi, (imm)) })
 /* vscalefps over the domain the kernels use it on (vf_exp2_neg: n integral
- * in [-127, 0], FTZ set): p times 2^n built in the exponent field, n = -127
- * giving 0 as the hardware's flushed result. */
+ * in [-127, FA_SM_SLACK], FTZ set): p times 2^n built in the exponent field,
+ * n = -127 giving 0 as the hardware's flushed result. */
 static inline fa_emu_ps fa_emu_scalef_ps(fa_emu_ps p, fa_emu_ps n)
 {
     const __m256i bias = _mm256_set1_epi32(127);
@@ -85,6 +85,15 @@ static inline fa_emu_si fa_emu_cvtepu16_epi32(__m256i h)
     fa_emu_si r = { _mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)), _mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1)) };
     return r;
 }
+
+/* vcmpps into a mask register, for the one predicate simd.h uses
+ * (_CMP_NLE_UQ: greater, or unordered). */
+static inline __mmask16 fa_emu_cmp_nle_uq_mask(fa_emu_ps a, fa_emu_ps b)
+{
+    return (__mmask16)(_mm256_movemask_ps(_mm256_cmp_ps(a.lo, b.lo, _CMP_NLE_UQ)) |
+                       (_mm256_movemask_ps(_mm256_cmp_ps(a.hi, b.hi, _CMP_NLE_UQ)) << 8));
+}
+#define _mm512_cmp_ps_mask(a, b, imm) fa_emu_cmp_nle_uq_mask((a), (b))
 
 #define _mm512_add_ps fa_emu_add_ps
 #define _mm512_sub_ps fa_emu_sub_ps

@@ -18,7 +18,9 @@
  * one (batch, kv head).  For each tile of FA_BLK_BN keys it computes the score tile
  * S = Qs.K^T (Q pre-scaled by scale*log2(e), so exp2 replaces exp), applies the
  * masks only where a tile needs them, updates the running max m and sum l of
- * each row (rescaling the accumulator only when m grows) and accumulates P.V.
+ * each row (rescaling the accumulator only when m grows; on whole, unmasked
+ * tiles m is a reference that may trail the max by FA_SM_SLACK, softmax_block)
+ * and accumulates P.V.
  * Scratch is bounded by the tiles, except the head K buffer (head_keys):
  * a thread's copy of one (batch, kv head)'s packed K, at most S x Dp values.
  * The micro-kernels and their constant-n dispatch are in kernel_ukernels.h. */
@@ -50,6 +52,11 @@
  * path 1.085), L16 D128 1.064, B4 H8 L32 D64 1.046; B1 H8 L512 S8200 (an
  * 8-key last tile) 1.001. */
 #define FA_VPANEL_MIN_KEYS 32
+/* The fused softmax of whole, unmasked prefill tiles (softmax_block) keeps a
+ * row's reference max while no score exceeds it by more than this (log2
+ * units): P <= 2^8, far from float32's range, and the reference moves in
+ * the row's first tile and on rare jumps only. */
+#define FA_SM_SLACK 8
 
 /* Prefetch the n bytes at p (one row), one line per instruction. */
 #define FA_PREFETCH_ROW(p, n, hint) do { \
@@ -490,6 +497,42 @@ FA_INLINE void FA_NAME(softmax_row)(const fa_ctx *c, const fa_ws *w, int64_t TN,
     vf_store(w->l + r * VW, sum);
 }
 
+/* The online softmax of rows [r0, r0 + nr) of a fused tile (whole
+ * and unmasked: path_prefill), right after the block's Q.K^T where row
+ * blocks run outer (its scores still in L1), else after the tile's: one pass
+ * over the scores, not softmax_row's two.  Row r keeps its reference m (the
+ * log2-domain max that O and l are scaled by) as long as none of the tile's
+ * scores exceeds it by more than FA_SM_SLACK: then P = exp2(s - m) <=
+ * 2^FA_SM_SLACK replaces them and is summed into l.  Otherwise (the row's
+ * first tile, where m = -inf; a max that jumps; +inf or NaN scores, which
+ * compare unordered) softmax_row takes the row, moving m to the true max and
+ * rescaling O and l.  m never exceeds the row's true max, so l >= 1 once a
+ * finite score was seen.  (The same work in the micro-kernel's epilogue,
+ * the scores still in registers, made GCC spill the AVX2 kernel's
+ * accumulators in its loop: 0.67x on B1 H8 L1024 D64; panel by panel it
+ * paid the per-row check and sum once per 2 vectors: 0.97x on AVX2.) */
+FA_INLINE void FA_NAME(softmax_block)(const fa_ctx *c, const fa_ws *w, int64_t r0, int64_t nr)
+{
+    for (int64_t r = r0; r < r0 + nr; r++) {
+        REAL *s = w->S + r * FA_BLK_BN;
+        const vf lim = vf_set1(w->m[r] + (REAL)FA_SM_SLACK); /* -inf or NaN when m is */
+        vm big = vm_none();
+        for (int64_t j = 0; j < FA_BLK_BN; j += VW) big = vm_or_gt(big, vf_load(s + j), lim);
+        if (vm_any(big)) {
+            FA_NAME(softmax_row)(c, w, FA_BLK_BN, r, 0, FA_BLK_BN, FA_BLK_BN);
+            continue;
+        }
+        const vf mv = vf_set1(w->m[r]);
+        vf sum = vf_load(w->l + r * VW);
+        for (int64_t j = 0; j < FA_BLK_BN; j += VW) {
+            const vf e = vf_exp2_neg(vf_sub(vf_load(s + j), mv));
+            vf_store(s + j, e);
+            sum = vf_add(sum, e);
+        }
+        vf_store(w->l + r * VW, sum);
+    }
+}
+
 /* The online softmax of every row of a masked score tile (nj keys). */
 FA_INLINE void FA_NAME(softmax_tile)(const fa_ctx *c, const fa_ws *w, int64_t TN, int64_t nj)
 {
@@ -638,9 +681,11 @@ FA_INLINE void FA_NAME(qk_block_panel)(const fa_ctx *c, const fa_ws *w, const RE
 
 /* The register blocks x panels of one tile's Q.K^T over its packed K, in
  * the loop order of c->panel_outer (qk_packed); the next tile's rows (and
- * its packed K, where the head buffer holds it) prefetched on the way. */
+ * its packed K, where the head buffer holds it) prefetched on the way.  On a
+ * fused tile (whole: nj = FA_BLK_BN) each block's softmax follows its
+ * scores where row blocks run outer, else the tile's (softmax_block). */
 FA_INLINE void FA_NAME(qk_blocks)(const fa_ctx *c, const fa_ws *w, const REAL *K, int64_t jt, int64_t nj,
-                                   int partial, const fa_stream *next)
+                                   int partial, int fused, const fa_stream *next)
 {
     const int64_t R = c->R;
     const int64_t np = (nj + FA_BLK_NR - 1) / FA_BLK_NR, jl = (np - 1) * FA_BLK_NR;
@@ -660,6 +705,7 @@ FA_INLINE void FA_NAME(qk_blocks)(const fa_ctx *c, const fa_ws *w, const REAL *K
             if (next) FA_NAME(prefetch_share)(next, nk, nkb, kb, nb);
             for (int64_t pp = a / FA_BLK_NR; pp * FA_BLK_NR < b; pp++) /* the panels that hold keys [a, b) */
                 FA_NAME(qk_block_panel)(c, w, K, mr, r0, pp, np, wl);
+            if (fused) FA_NAME(softmax_block)(c, w, r0, mr);
         }
         return;
     }
@@ -672,6 +718,7 @@ FA_INLINE void FA_NAME(qk_blocks)(const fa_ctx *c, const fa_ws *w, const REAL *K
             if (pp * FA_BLK_NR < b && (pp + 1) * FA_BLK_NR > a) /* panel pp holds keys of [a, b) */
                 FA_NAME(qk_block_panel)(c, w, K, mr, r0, pp, np, wl);
         }
+    if (fused) FA_NAME(softmax_block)(c, w, 0, R);
 }
 
 /* Q.K^T of the prefill path for one tile: K packed into panels of FA_BLK_NR
@@ -695,7 +742,7 @@ FA_INLINE void FA_NAME(qk_blocks)(const fa_ctx *c, const fa_ws *w, const REAL *K
  * 1.05, L1024 D128 1.05, B1 H4 L1024 D256 1.02; D = 64 (16 KiB tile) keeps
  * the row order (1.01 with panels outer). */
 FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, int64_t nj, int partial,
-                                   const fa_stream *next)
+                                   int fused, const fa_stream *next)
 {
     const fa_params *p = c->p;
     const int64_t D = c->D;
@@ -708,7 +755,7 @@ FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, i
     REAL *const K = c->kh ? c->kh + (jt - c->jlo) * D : w->K;
     fa_scratch_state *hs = w->st;
     if (c->kh && jt < hs->upto) {
-        FA_NAME(qk_blocks)(c, w, K, jt, nj, partial, next);
+        FA_NAME(qk_blocks)(c, w, K, jt, nj, partial, fused, next);
         return;
     }
     if (c->kh && jt == hs->upto) hs->upto = jt + nj;
@@ -738,7 +785,7 @@ FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, i
         if (p->k_dtype != c->self_dt) { fa_cvt_row(w->tmp, ks, p->k_dtype, D); kr = w->tmp; }
         for (int64_t d = 0; d < D; d++) kp[d * ld] = kr[d];
     }
-    FA_NAME(qk_blocks)(c, w, K, jt, nj, partial, next);
+    FA_NAME(qk_blocks)(c, w, K, jt, nj, partial, fused, next);
 }
 
 /* P.V of the prefill path for one tile (st: its V rows).
@@ -824,11 +871,14 @@ FA_INLINE void FA_NAME(path_prefill)(const fa_ctx *c, const fa_ws *w)
             next = FA_NAME(tile_stream)(c, jt + TN, fa_min64(TN, c->jhi - jt - TN));
             nx = &next;
         }
-        FA_NAME(qk_packed)(c, w, jt, nj, partial, nx);
-        if (!partial) {
+        /* A whole tile that needs no mask takes its softmax in qk_packed,
+         * in one pass (softmax_block). */
+        const int fused = !partial && nj == TN && !c->elem_always;
+        FA_NAME(qk_packed)(c, w, jt, nj, partial, fused, nx);
+        if (!partial && !fused) {
             FA_NAME(mask_tile)(c, w->S, TN, jt, nj);
             FA_NAME(softmax_tile)(c, w, TN, nj);
-        } else {
+        } else if (partial) {
             /* Each register block's rows masked and normalised over the
              * vectors of its keys only, the scores its P.V reads (masking
              * whole rows was 3.9% of a B4 H8 L512 causal call). */

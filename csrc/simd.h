@@ -21,7 +21,7 @@
 #define FA_EXP2_C7 1.525273380405984e-05f
 
 /* 2^f on f in [-0.5, 0.5] for the kernels' softmax (vf_exp2_neg): degree 5,
- * constant term exactly 1 (so the row maximum's weight is exactly 1), the
+ * constant term exactly 1 (so a score equal to the row's reference has weight exactly 1), the
  * other coefficients fitted for minimax relative error (iteratively
  * reweighted least squares on 40001 Chebyshev points, float64, then rounded
  * to float).  Evaluated by float32 Horner it is within 2.3 ulp of 2^f on
@@ -79,6 +79,12 @@ FA_INLINE vf vf_ldexp2(vf p, vf n)
  * flush to zero under FTZ). */
 #define vf_scalef(p, n) _mm512_scalef_ps((p), (n))
 #define FA_HAVE_SCALEF 1
+/* Lane masks OR-ed over vectors: vm_or_gt(m, x, lim) adds the lanes where x >
+ * lim or either is NaN (unordered), vm_any tests for any. */
+typedef __mmask16 vm;
+#define vm_none() ((vm)0)
+#define vm_or_gt(m, x, lim) ((vm)((m) | _mm512_cmp_ps_mask((x), (lim), _CMP_NLE_UQ)))
+#define vm_any(m) ((m) != 0)
 
 
 
@@ -146,6 +152,11 @@ FA_INLINE vf vf_ldexp2(vf p, vf n)
 }
 /* The float whose bits are those of t shifted left by 23. */
 #define vf_shl23(t) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(t), 23))
+/* Lane masks (see the AVX-512 section). */
+typedef __m256 vm;
+#define vm_none() _mm256_setzero_ps()
+#define vm_or_gt(m, x, lim) _mm256_or_ps((m), _mm256_cmp_ps((x), (lim), _CMP_NLE_UQ))
+#define vm_any(m) (_mm256_movemask_ps(m) != 0)
 
 
 
@@ -189,6 +200,10 @@ typedef REAL vf;
 #define vf_hmax(x) (x)
 #define vf_exp2(x) ((REAL)(sizeof(REAL) == 4 ? (double)exp2f((float)(x)) : exp2((double)(x))))
 #define vf_exp2_neg(x) vf_exp2(x)
+typedef int vm; /* lane masks (see the AVX-512 section) */
+#define vm_none() 0
+#define vm_or_gt(m, x, lim) ((m) | !((x) <= (lim)))
+#define vm_any(m) ((m) != 0)
 
 FA_INLINE void fa_cvt_row(REAL *dst, const void *src, int dt, int64_t n)
 {
@@ -229,7 +244,8 @@ FA_INLINE vf fa_exp2_poly5(vf f) /* 2^f for f in [-0.5, 0.5] within 2.3 ulp (Hor
     return vf_fma(p, f, vf_set1(1.0f));
 }
 
-/* 2^x for x <= 0 or NaN, inside the kernels (denormals flushed to zero, MXCSR
+/* 2^x for x <= 127 or NaN (the softmax: x <= 0, or FA_SM_SLACK = 8 on the
+ * fused tiles), inside the kernels (denormals flushed to zero, MXCSR
  * FTZ/DAZ, set by the drivers).  x is clamped at -127 (max keeps NaN, its
  * second operand), n = round(x), 2^(x - n) by fa_exp2_poly5, then scaled by
  * 2^n: AVX-512 with vscalefps (round, subtract, scale: 3 operations);
