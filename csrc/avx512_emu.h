@@ -87,13 +87,13 @@ static inline fa_emu_si fa_emu_cvtepu16_epi32(__m256i h)
 }
 
 /* vcmpps into a mask register, for the one predicate simd.h uses
- * (_CMP_NLE_UQ: greater, or unordered). */
-static inline __mmask16 fa_emu_cmp_nle_uq_mask(fa_emu_ps a, fa_emu_ps b)
+ * (_CMP_NLT_UQ: greater or equal, or unordered). */
+static inline __mmask16 fa_emu_cmp_nlt_uq_mask(fa_emu_ps a, fa_emu_ps b)
 {
-    return (__mmask16)(_mm256_movemask_ps(_mm256_cmp_ps(a.lo, b.lo, _CMP_NLE_UQ)) |
-                       (_mm256_movemask_ps(_mm256_cmp_ps(a.hi, b.hi, _CMP_NLE_UQ)) << 8));
+    return (__mmask16)(_mm256_movemask_ps(_mm256_cmp_ps(a.lo, b.lo, _CMP_NLT_UQ)) |
+                       (_mm256_movemask_ps(_mm256_cmp_ps(a.hi, b.hi, _CMP_NLT_UQ)) << 8));
 }
-#define _mm512_cmp_ps_mask(a, b, imm) fa_emu_cmp_nle_uq_mask((a), (b))
+#define _mm512_cmp_ps_mask(a, b, imm) fa_emu_cmp_nlt_uq_mask((a), (b))
 
 #define _mm512_add_ps fa_emu_add_ps
 #define _mm512_sub_ps fa_emu_sub_ps

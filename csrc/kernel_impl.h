@@ -53,8 +53,8 @@
  * 8-key last tile) 1.001. */
 #define FA_VPANEL_MIN_KEYS 32
 /* The fused softmax of whole, unmasked prefill tiles (softmax_block) keeps a
- * row's reference max while no score exceeds it by more than this (log2
- * units): P <= 2^8, far from float32's range, and the reference moves in
+ * row's reference max while every score is below it plus this (log2
+ * units): P < 2^8, far from float32's range, and the reference moves in
  * the row's first tile and on rare jumps only. */
 #define FA_SM_SLACK 8
 
@@ -501,12 +501,13 @@ FA_INLINE void FA_NAME(softmax_row)(const fa_ctx *c, const fa_ws *w, int64_t TN,
  * and unmasked: path_prefill), right after the block's Q.K^T where row
  * blocks run outer (its scores still in L1), else after the tile's: one pass
  * over the scores, not softmax_row's two.  Row r keeps its reference m (the
- * log2-domain max that O and l are scaled by) as long as none of the tile's
- * scores exceeds it by more than FA_SM_SLACK: then P = exp2(s - m) <=
- * 2^FA_SM_SLACK replaces them and is summed into l.  Otherwise (the row's
- * first tile, where m = -inf; a max that jumps; +inf or NaN scores, which
- * compare unordered) softmax_row takes the row, moving m to the true max and
- * rescaling O and l.  m never exceeds the row's true max, so l >= 1 once a
+ * log2-domain max that O and l are scaled by) as long as all of the tile's
+ * scores are below m + FA_SM_SLACK: then P = exp2(s - m) < 2^FA_SM_SLACK
+ * replaces them and is summed into l.  Otherwise softmax_row takes the row,
+ * moving m to the true max and rescaling O and l: the row's first tile
+ * (m = -inf, and -inf >= -inf: a row of -inf scores stays at m = -inf with
+ * P = 0, as softmax_row leaves it, where exp2(-inf - -inf) would be NaN), a
+ * max that jumps, +inf or NaN scores (which compare unordered).  m never exceeds the row's true max, so l >= 1 once a
  * finite score was seen.  (The same work in the micro-kernel's epilogue,
  * the scores still in registers, made GCC spill the AVX2 kernel's
  * accumulators in its loop: 0.67x on B1 H8 L1024 D64; panel by panel it
@@ -517,7 +518,7 @@ FA_INLINE void FA_NAME(softmax_block)(const fa_ctx *c, const fa_ws *w, int64_t r
         REAL *s = w->S + r * FA_BLK_BN;
         const vf lim = vf_set1(w->m[r] + (REAL)FA_SM_SLACK); /* -inf or NaN when m is */
         vm big = vm_none();
-        for (int64_t j = 0; j < FA_BLK_BN; j += VW) big = vm_or_gt(big, vf_load(s + j), lim);
+        for (int64_t j = 0; j < FA_BLK_BN; j += VW) big = vm_or_ge(big, vf_load(s + j), lim);
         if (vm_any(big)) {
             FA_NAME(softmax_row)(c, w, FA_BLK_BN, r, 0, FA_BLK_BN, FA_BLK_BN);
             continue;

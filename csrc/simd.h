@@ -79,11 +79,11 @@ FA_INLINE vf vf_ldexp2(vf p, vf n)
  * flush to zero under FTZ). */
 #define vf_scalef(p, n) _mm512_scalef_ps((p), (n))
 #define FA_HAVE_SCALEF 1
-/* Lane masks OR-ed over vectors: vm_or_gt(m, x, lim) adds the lanes where x >
- * lim or either is NaN (unordered), vm_any tests for any. */
+/* Lane masks OR-ed over vectors: vm_or_ge(m, x, lim) adds the lanes where
+ * x >= lim or either is NaN (unordered; -inf >= -inf), vm_any tests for any. */
 typedef __mmask16 vm;
 #define vm_none() ((vm)0)
-#define vm_or_gt(m, x, lim) ((vm)((m) | _mm512_cmp_ps_mask((x), (lim), _CMP_NLE_UQ)))
+#define vm_or_ge(m, x, lim) ((vm)((m) | _mm512_cmp_ps_mask((x), (lim), _CMP_NLT_UQ)))
 #define vm_any(m) ((m) != 0)
 
 
@@ -155,7 +155,7 @@ FA_INLINE vf vf_ldexp2(vf p, vf n)
 /* Lane masks (see the AVX-512 section). */
 typedef __m256 vm;
 #define vm_none() _mm256_setzero_ps()
-#define vm_or_gt(m, x, lim) _mm256_or_ps((m), _mm256_cmp_ps((x), (lim), _CMP_NLE_UQ))
+#define vm_or_ge(m, x, lim) _mm256_or_ps((m), _mm256_cmp_ps((x), (lim), _CMP_NLT_UQ))
 #define vm_any(m) (_mm256_movemask_ps(m) != 0)
 
 
@@ -202,7 +202,7 @@ typedef REAL vf;
 #define vf_exp2_neg(x) vf_exp2(x)
 typedef int vm; /* lane masks (see the AVX-512 section) */
 #define vm_none() 0
-#define vm_or_gt(m, x, lim) ((m) | !((x) <= (lim)))
+#define vm_or_ge(m, x, lim) ((m) | !((x) < (lim)))
 #define vm_any(m) ((m) != 0)
 
 FA_INLINE void fa_cvt_row(REAL *dst, const void *src, int dt, int64_t n)

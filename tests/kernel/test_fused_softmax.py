@@ -1,9 +1,9 @@
 """The prefill path's fused softmax (softmax_block in csrc/kernel_impl.h).
 
 Whole, unmasked key tiles take their online softmax in one pass right after
-their Q.K^T, keeping a row's reference max while no score exceeds it by more
-than FA_SM_SLACK (8 in log2 units: P up to 2^8), and falling back to the exact
-max otherwise: the row's first tile, a max that jumps, NaN scores.  These
+their Q.K^T, keeping a row's reference max while every score is below it plus
+FA_SM_SLACK (8 in log2 units: P < 2^8), and falling back to the exact max
+otherwise: the row's first tile, a max that jumps, NaN scores.  These
 cases put the jump at keys all over the tiles (64-key tiles on AVX2 and the
 scalar kernels, 128 on AVX-512), let the max creep up in steps below and
 above the slack, and compare with the float64 reference on every ISA path.
@@ -66,6 +66,21 @@ def test_nan_score_in_a_fused_tile(isa, rng, where):
     assert np.all(np.isnan(o[0, 1]))
     assert np.all(np.isfinite(o[0, 0]))
     check_sdpa(q, k, v, lse_too=False)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n_inf", [1, 64, 130, 256, 300])
+def test_minus_inf_scores_in_the_first_tiles(isa, rng, dtype, n_inf):
+    # -inf in the first n_inf key rows makes those scores -inf for every query
+    # (a positive q . k elsewhere): whole tiles of -inf before any finite
+    # score must leave the row empty (P = 0), not NaN from exp2(-inf - -inf).
+    q = randn(rng, (1, 2, 20, 8), dtype)
+    q[..., 0] = 1.0 + np.abs(q[..., 0])
+    k = randn(rng, (1, 2, 400, 8), dtype)
+    k[:, :, :n_inf, 0] = -np.inf
+    v = randn(rng, (1, 2, 400, 8), dtype)
+    o, _ = check_sdpa(q, k, v)
+    assert np.all(np.isfinite(o))
 
 
 def test_large_uniform_scores(isa, rng):
