@@ -507,8 +507,9 @@ FA_INLINE void FA_NAME(softmax_row)(const fa_ctx *c, const fa_ws *w, int64_t TN,
  * moving m to the true max and rescaling O and l: the row's first tile
  * (m = -inf, and -inf >= -inf: a row of -inf scores stays at m = -inf with
  * P = 0, as softmax_row leaves it, where exp2(-inf - -inf) would be NaN), a
- * max that jumps, +inf or NaN scores (which compare unordered).  m never exceeds the row's true max, so l >= 1 once a
- * finite score was seen.  (The same work in the micro-kernel's epilogue,
+ * max that jumps, +inf or NaN scores (which compare unordered).  m never
+ * exceeds the row's true max, so l >= 1 once a finite score was seen.
+ * (The same work in the micro-kernel's epilogue,
  * the scores still in registers, made GCC spill the AVX2 kernel's
  * accumulators in its loop: 0.67x on B1 H8 L1024 D64; panel by panel it
  * paid the per-row check and sum once per 2 vectors: 0.97x on AVX2.) */

@@ -21,10 +21,10 @@
 #define FA_EXP2_C7 1.525273380405984e-05f
 
 /* 2^f on f in [-0.5, 0.5] for the kernels' softmax (vf_exp2_neg): degree 5,
- * constant term exactly 1 (so a score equal to the row's reference has weight exactly 1), the
- * other coefficients fitted for minimax relative error (iteratively
- * reweighted least squares on 40001 Chebyshev points, float64, then rounded
- * to float).  Evaluated by float32 Horner it is within 2.3 ulp of 2^f on
+ * constant term exactly 1 (so a score equal to the row's reference has
+ * weight exactly 1), the other coefficients fitted for minimax relative
+ * error (iteratively reweighted least squares on 40001 Chebyshev points,
+ * float64, then rounded to float).  Evaluated by float32 Horner it is within 2.3 ulp of 2^f on
  * every float of the interval (1.3e-7 relative; the degree-7 Taylor series
  * of vf_exp2 is within 1.2 ulp); two FMAs fewer per vector.  PyTorch's CPU
  * flash kernel uses a 20-ulp exp. */
