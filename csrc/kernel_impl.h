@@ -451,6 +451,20 @@ FA_INLINE void FA_NAME(mask_tile)(const fa_ctx *c, REAL *S, int64_t TN, int64_t 
     for (int64_t r = 0; r < c->R; r++) FA_NAME(mask_row)(c, S + r * TN, r, jt, nj, 0, njp, partial);
 }
 
+/* P = exp2(s - m) in place over s[j0, j1) (multiples of VW), summed into the
+ * row's lane sums l: the exp pass of softmax_row and softmax_block. */
+FA_INLINE void FA_NAME(exp_row)(REAL *s, int64_t j0, int64_t j1, REAL m, REAL *l)
+{
+    const vf mv = vf_set1(m);
+    vf sum = vf_load(l);
+    for (int64_t j = j0; j < j1; j += VW) {
+        const vf e = vf_exp2_neg(vf_sub(vf_load(s + j), mv));
+        vf_store(s + j, e);
+        sum = vf_add(sum, e);
+    }
+    vf_store(l, sum);
+}
+
 /* Online softmax of row r of a masked score tile over the vectors of keys
  * [j0, j1) (multiples of VW, j1 <= the tile's padded width; the row's keys
  * outside them are -inf, so they add nothing): they become P = exp2(S - m) in
@@ -488,13 +502,7 @@ FA_INLINE void FA_NAME(softmax_row)(const fa_ctx *c, const fa_ws *w, int64_t TN,
         }
         w->m[r] = mnew;
     }
-    vf mn = vf_set1(mnew), sum = vf_load(w->l + r * VW);
-    for (int64_t j = j0; j < j1; j += VW) {
-        vf e = vf_exp2_neg(vf_sub(vf_load(s + j), mn));
-        vf_store(s + j, e);
-        sum = vf_add(sum, e);
-    }
-    vf_store(w->l + r * VW, sum);
+    FA_NAME(exp_row)(s, j0, j1, mnew, w->l + r * VW);
 }
 
 /* The online softmax of rows [r0, r0 + nr) of a fused tile (whole
@@ -524,14 +532,7 @@ FA_INLINE void FA_NAME(softmax_block)(const fa_ctx *c, const fa_ws *w, int64_t r
             FA_NAME(softmax_row)(c, w, FA_BLK_BN, r, 0, FA_BLK_BN, FA_BLK_BN);
             continue;
         }
-        const vf mv = vf_set1(w->m[r]);
-        vf sum = vf_load(w->l + r * VW);
-        for (int64_t j = 0; j < FA_BLK_BN; j += VW) {
-            const vf e = vf_exp2_neg(vf_sub(vf_load(s + j), mv));
-            vf_store(s + j, e);
-            sum = vf_add(sum, e);
-        }
-        vf_store(w->l + r * VW, sum);
+        FA_NAME(exp_row)(s, 0, FA_BLK_BN, w->m[r], w->l + r * VW);
     }
 }
 

@@ -40,7 +40,7 @@ def test_max_jumps_at_any_key(isa, rng, dtype, spike):
 def test_max_creeps_up_tile_by_tile(isa, rng, step):
     # Scores grow by `step` (natural units) every 16 keys: below the slack
     # the reference stays behind the max and P grows past 1; above it every
-    # panel moves the reference.
+    # tile moves the reference.
     L, S, D = 24, 512, 8
     q = np.zeros((1, 1, L, D), np.float32)
     q[..., 0] = 1.0
