@@ -198,6 +198,25 @@ static inline void FA_NAME(write_row)(REAL *dst, const REAL *o, double inv, int 
 }
 /* ---- The task: shared pieces and the three paths ---- */
 
+/* This kernel's own dtype, a constant: the micro-kernels' dtype switches
+ * (qk_rows_dt, pv_rows_n) fold where a path passes it (a field of the
+ * context, read through the pointer of a path out of line, left a dtype test
+ * per loaded vector in the GQA decode's P.V loop). */
+#define FA_SELF_DT (sizeof(REAL) == 8 ? FA_F64 : FA_F32)
+
+/* path_prefill is a function of its own, out of line and 64-byte aligned:
+ * run() with the decode paths inlined is then compiled the same whatever
+ * path_prefill holds (inlined, a change to path_prefill alone moved the
+ * decode's timing by up to 10% through GCC's code layout and scheduling; the
+ * machine code of run_* can be compared byte for byte across builds), and a
+ * small call's prologue is shorter (B1 H8 L16 D64 1.05x avx512, 1.15x avx2).
+ * The decode paths stay inlined in run(): out of line, the GQA decode
+ * measured 0.95-0.97x (its loop bounds spilled), within this VM's A/A noise
+ * on that case (two copies of one build: 0.94-1.00) but not better. */
+#ifndef FA_PATH
+#define FA_PATH static __attribute__((noinline, aligned(64)))
+#endif
+
 /* What run() derives once per task from the call and the task; the paths and
  * the shared pieces only read it.  Row r of the task is query head
  * hk*G + r/ni at position i0 + r%ni (R = G*ni active rows). */
@@ -212,7 +231,6 @@ typedef struct fa_ctx {
     int64_t flo, fhi;                /* keys every row sees */
     int use_log2;                    /* no softcap: Q carries log2(e), exp2 replaces exp */
     int elem_always;                 /* mask, ALiBi, softcap or block mask: every tile per element */
-    int self_dt;                     /* this kernel's own dtype (FA_F32 / FA_F64) */
     int kfuse, vfuse;                /* K / V rows read in place, widened on load (decode) */
     int vdirect;                     /* V rows are whole vectors of REAL: usable as they lie */
     int panel_outer;                 /* Q.K^T panel by panel over the row blocks (qk_packed) */
@@ -286,7 +304,7 @@ FA_INLINE void FA_NAME(load_q_packed)(const fa_ctx *c, const fa_ws *w, REAL qsca
             src[r] = FA_NAME(q_row)(c, g, ii);
             if (++ii == c->ni) { ii = 0; g++; }
         }
-        if (p->q_dtype == c->self_dt) {
+        if (p->q_dtype == FA_SELF_DT) {
             int64_t d8 = 0; /* d below this is transposed 8 x 8 */
 #if defined(FA_HAVE_PACK8)
             /* Groups of 8 rows (columns r..r+7 of the block), the last group
@@ -339,7 +357,7 @@ FA_INLINE void FA_NAME(load_q)(const fa_ctx *c, const fa_ws *w, int packed)
     for (int64_t ii = 0; ii < c->ni; ii++, r++) {
         const char *src = FA_NAME(q_row)(c, g, ii);
         REAL *qd = w->Qs + r * c->Dp;
-        if (p->q_dtype == c->self_dt) { /* one pass: scaled while copied */
+        if (p->q_dtype == FA_SELF_DT) { /* one pass: scaled while copied */
             const REAL *qs = (const REAL *)src;
             int64_t d = 0;
             for (const vf qv = vf_set1(qscale); d + VW <= c->D; d += VW) vf_store(qd + d, vf_mul(vf_load(qs + d), qv));
@@ -580,7 +598,7 @@ FA_INLINE void FA_NAME(write_out)(const fa_ctx *c, const fa_ws *w)
             ((REAL *)t->part_lse)[r] = (REAL)lse;
         } else {
             int64_t oo = b * p->o_sb + h * p->o_sh + (c->bi.qoff + i) * p->o_sl;
-            if (p->o_dtype == c->self_dt) {
+            if (p->o_dtype == FA_SELF_DT) {
                 FA_NAME(write_row)((REAL *)p->o + oo, o, inv, valid, Dv);
             } else {
                 for (int64_t cc = 0; cc < Dv; cc++) fa_store_elem(p->o, p->o_dtype, oo + cc, valid ? o[cc] * inv : 0.0);
@@ -605,11 +623,11 @@ FA_INLINE void FA_NAME(path_row1)(const fa_ctx *c, const fa_ws *w)
         const int64_t nj = fa_min64(TN, c->jhi - jt);
         const fa_stream st = FA_NAME(tile_stream)(c, jt, nj);
         if (FA_NAME(tile_hidden)(c, jt, nj)) continue;
-        FA_NAME(qk_rows_nd)(1, p->k_dtype, c->self_dt, w->Qs, c->Dp, st.k, p->k_sl, nj, w->S, TN, st.v,
+        FA_NAME(qk_rows_nd)(1, p->k_dtype, FA_SELF_DT, w->Qs, c->Dp, st.k, p->k_sl, nj, w->S, TN, st.v,
                             p->v_sl * c->vsz, c->Dv * c->vsz, &st);
         FA_NAME(mask_tile)(c, w->S, TN, jt, nj);
         FA_NAME(softmax_tile)(c, w, TN, nj);
-        FA_NAME(pv_row1_n)(c->Dvp / VW, p->v_dtype, c->self_dt, w->S, nj, st.v, p->v_sl, w->O, &st);
+        FA_NAME(pv_row1_n)(c->Dvp / VW, p->v_dtype, FA_SELF_DT, w->S, nj, st.v, p->v_sl, w->O, &st);
     }
 }
 
@@ -636,17 +654,17 @@ FA_INLINE void FA_NAME(path_rows)(const fa_ctx *c, const fa_ws *w)
             FA_NAME(cvt_rows)(w->K, Dp, st.k, st.kld, p->k_dtype, c->D, nj);
             kr = w->K;
             ldk = Dp;
-            kdt = c->self_dt;
+            kdt = FA_SELF_DT;
         }
-        FA_NAME(qk_rows_nd)(c->R, kdt, c->self_dt, w->Qs, Dp, kr, ldk, nj, w->S, TN, vpf, p->v_sl * c->vsz,
+        FA_NAME(qk_rows_nd)(c->R, kdt, FA_SELF_DT, w->Qs, Dp, kr, ldk, nj, w->S, TN, vpf, p->v_sl * c->vsz,
                             c->Dv * c->vsz, NULL);
         FA_NAME(mask_tile)(c, w->S, TN, jt, nj);
         FA_NAME(softmax_tile)(c, w, TN, nj);
         if (c->vfuse) {
-            FA_NAME(pv_rows_n)(c->R, p->v_dtype, c->self_dt, w->S, TN, nj, st.v, p->v_sl, w->O, Dvp);
+            FA_NAME(pv_rows_n)(c->R, p->v_dtype, FA_SELF_DT, w->S, TN, nj, st.v, p->v_sl, w->O, Dvp);
         } else { /* !vfuse implies !vdirect: V is never usable in place here */
             FA_NAME(cvt_rows)(w->V, Dvp, st.v, st.vld, p->v_dtype, c->Dv, nj);
-            FA_NAME(pv_rows_n)(c->R, c->self_dt, c->self_dt, w->S, TN, nj, w->V, Dvp, w->O, Dvp);
+            FA_NAME(pv_rows_n)(c->R, FA_SELF_DT, FA_SELF_DT, w->S, TN, nj, w->V, Dvp, w->O, Dvp);
         }
     }
 }
@@ -785,7 +803,7 @@ FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, i
         REAL *kp = FA_NAME(panel_at)(K, D, jl, wl, cc, &ld);
         const char *ks = c->kbase + (jt + cc) * p->k_sl * c->ksz;
         const REAL *kr = (const REAL *)ks;
-        if (p->k_dtype != c->self_dt) { fa_cvt_row(w->tmp, ks, p->k_dtype, D); kr = w->tmp; }
+        if (p->k_dtype != FA_SELF_DT) { fa_cvt_row(w->tmp, ks, p->k_dtype, D); kr = w->tmp; }
         for (int64_t d = 0; d < D; d++) kp[d * ld] = kr[d];
     }
     FA_NAME(qk_blocks)(c, w, K, jt, nj, partial, fused, next);
@@ -854,7 +872,7 @@ FA_INLINE void FA_NAME(pv_prefill)(const fa_ctx *c, const fa_ws *w, const fa_str
 /* path_prefill: more than FA_BLK_RD stacked rows; FA_BLK_BN-key tiles, K
  * packed into panels and both products register-blocked (qk_packed,
  * pv_prefill). */
-FA_INLINE void FA_NAME(path_prefill)(const fa_ctx *c, const fa_ws *w)
+FA_PATH void FA_NAME(path_prefill)(const fa_ctx *c, const fa_ws *w)
 {
     const int64_t TN = FA_BLK_BN;
     for (int64_t jt = c->jlo; jt < c->jhi; jt += TN) {
@@ -928,9 +946,8 @@ static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
     c.vsz = (int64_t)fa_dtype_size(p->v_dtype);
     c.kbase = (const char *)p->k + (c.b * p->k_sb + t->hk * p->k_sh + c.bi.koff * p->k_sl) * c.ksz;
     c.vbase = (const char *)p->v + (c.b * p->v_sb + t->hk * p->v_sh + c.bi.koff * p->v_sl) * c.vsz;
-    c.self_dt = sizeof(REAL) == 8 ? FA_F64 : FA_F32;
-    const int kdirect = p->k_dtype == c.self_dt && c.D % VW == 0;
-    c.vdirect = p->v_dtype == c.self_dt && c.Dv % VW == 0;
+    const int kdirect = p->k_dtype == FA_SELF_DT && c.D % VW == 0;
+    c.vdirect = p->v_dtype == FA_SELF_DT && c.Dv % VW == 0;
     /* The decode paths widen 16-bit K/V rows as they load them. */
     const int wide16 = sizeof(REAL) == 4;
     c.kfuse = c.D % VW == 0 && (kdirect || (wide16 && fa_dtype_16(p->k_dtype)));
