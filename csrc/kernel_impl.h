@@ -204,11 +204,12 @@ static inline void FA_NAME(write_row)(REAL *dst, const REAL *o, double inv, int 
  * per loaded vector in the GQA decode's P.V loop). */
 #define FA_SELF_DT (sizeof(REAL) == 8 ? FA_F64 : FA_F32)
 
-/* path_prefill is a function of its own, out of line and 64-byte aligned:
- * run() with the decode paths inlined is then compiled the same whatever
- * path_prefill holds (inlined, a change to path_prefill alone moved the
- * decode's timing by up to 10% through GCC's code layout and scheduling; the
- * machine code of run_* can be compared byte for byte across builds), and a
+/* path_prefill is a function of its own, out of line, and it and run() are
+ * 64-byte aligned: run() with the decode paths inlined is then compiled the
+ * same whatever path_prefill holds, and its loops keep their alignment
+ * (inlined, a change to path_prefill alone moved the decode's timing by up to
+ * 10% through GCC's code layout and scheduling; the machine code of run_*
+ * can be compared across builds, addresses aside), and a
  * small call's prologue is shorter (B1 H8 L16 D64 1.05x avx512, 1.15x avx2).
  * The decode paths stay inlined in run(): out of line, the GQA decode
  * measured 0.95-0.97x (its loop bounds spilled), within this VM's A/A noise
@@ -523,35 +524,40 @@ FA_INLINE void FA_NAME(softmax_row)(const fa_ctx *c, const fa_ws *w, int64_t TN,
     FA_NAME(exp_row)(s, j0, j1, mnew, w->l + r * VW);
 }
 
-/* The online softmax of rows [r0, r0 + nr) of a fused tile (whole
- * and unmasked: path_prefill), right after the block's Q.K^T where row
- * blocks run outer (its scores still in L1), else after the tile's: one pass
- * over the scores, not softmax_row's two.  Row r keeps its reference m (the
- * log2-domain max that O and l are scaled by) as long as all of the tile's
- * scores are below m + FA_SM_SLACK: then P = exp2(s - m) < 2^FA_SM_SLACK
- * replaces them and is summed into l.  Otherwise softmax_row takes the row,
- * moving m to the true max and rescaling O and l: the row's first tile
- * (m = -inf, and -inf >= -inf: a row of -inf scores stays at m = -inf with
- * P = 0, as softmax_row leaves it, where exp2(-inf - -inf) would be NaN), a
- * max that jumps, +inf or NaN scores (which compare unordered).  m never
- * exceeds the row's true max, so l >= 1 once a finite score was seen.
- * (The same work in the micro-kernel's epilogue,
- * the scores still in registers, made GCC spill the AVX2 kernel's
- * accumulators in its loop: 0.67x on B1 H8 L1024 D64; panel by panel it
- * paid the per-row check and sum once per 2 vectors: 0.97x on AVX2.) */
+/* The online softmax of row r over the vectors of keys [j0, j1) in one pass
+ * over its scores, not softmax_row's two, where the row's reference m allows
+ * it: used right after Q.K^T on whole, unmasked tiles (softmax_block) and
+ * after mask_row on partial ones (path_prefill).  Row r keeps its reference m
+ * (the log2-domain max that O and l are scaled by) as long as all of its
+ * scores here are below m + FA_SM_SLACK: then P = exp2(s - m) <
+ * 2^FA_SM_SLACK replaces them and is summed into l (masked -inf scores give
+ * P = 0, as in softmax_row).  Otherwise softmax_row takes the row, moving m
+ * to the true max and rescaling O and l: the row's first visible tile (m =
+ * -inf, and -inf >= -inf: a row of -inf scores stays at m = -inf with P = 0,
+ * as softmax_row leaves it, where exp2(-inf - -inf) would be NaN), a max that
+ * jumps, +inf or NaN scores (which compare unordered).  m never exceeds the
+ * row's true max, so l >= 1 once a finite score was seen.
+ * (The same work in the micro-kernel's epilogue, the scores still in
+ * registers, made GCC spill the AVX2 kernel's accumulators in its loop: 0.67x
+ * on B1 H8 L1024 D64; panel by panel it paid the per-row check and sum once
+ * per 2 vectors: 0.97x on AVX2.) */
+FA_INLINE void FA_NAME(softmax_row_lazy)(const fa_ctx *c, const fa_ws *w, int64_t TN, int64_t r, int64_t j0,
+                                         int64_t j1, int64_t nj)
+{
+    REAL *s = w->S + r * TN;
+    const vf lim = vf_set1(w->m[r] + (REAL)FA_SM_SLACK); /* -inf or NaN when m is */
+    vm big = vm_none();
+    for (int64_t j = j0; j < j1; j += VW) big = vm_or_ge(big, vf_load(s + j), lim);
+    if (vm_any(big)) FA_NAME(softmax_row)(c, w, TN, r, j0, j1, nj);
+    else FA_NAME(exp_row)(s, j0, j1, w->m[r], w->l + r * VW);
+}
+
+/* The online softmax of rows [r0, r0 + nr) of a fused tile (whole and
+ * unmasked: path_prefill), right after the block's Q.K^T where row blocks run
+ * outer (its scores still in L1), else after the tile's. */
 FA_INLINE void FA_NAME(softmax_block)(const fa_ctx *c, const fa_ws *w, int64_t r0, int64_t nr)
 {
-    for (int64_t r = r0; r < r0 + nr; r++) {
-        REAL *s = w->S + r * FA_BLK_BN;
-        const vf lim = vf_set1(w->m[r] + (REAL)FA_SM_SLACK); /* -inf or NaN when m is */
-        vm big = vm_none();
-        for (int64_t j = 0; j < FA_BLK_BN; j += VW) big = vm_or_ge(big, vf_load(s + j), lim);
-        if (vm_any(big)) {
-            FA_NAME(softmax_row)(c, w, FA_BLK_BN, r, 0, FA_BLK_BN, FA_BLK_BN);
-            continue;
-        }
-        FA_NAME(exp_row)(s, 0, FA_BLK_BN, w->m[r], w->l + r * VW);
-    }
+    for (int64_t r = r0; r < r0 + nr; r++) FA_NAME(softmax_row_lazy)(c, w, FA_BLK_BN, r, 0, FA_BLK_BN, FA_BLK_BN);
 }
 
 /* The online softmax of every row of a masked score tile (nj keys). */
@@ -910,7 +916,7 @@ FA_PATH void FA_NAME(path_prefill)(const fa_ctx *c, const fa_ws *w)
                 const int64_t va = a / VW * VW, vb = fa_rup(b, VW);
                 for (int64_t r = r0; r < r0 + mr && a < b; r++) {
                     FA_NAME(mask_row)(c, w->S + r * TN, r, jt, nj, va, vb, partial);
-                    FA_NAME(softmax_row)(c, w, TN, r, va, vb, nj);
+                    FA_NAME(softmax_row_lazy)(c, w, TN, r, va, vb, nj);
                 }
             }
         }
@@ -920,7 +926,7 @@ FA_PATH void FA_NAME(path_prefill)(const fa_ctx *c, const fa_ws *w)
 
 /* One task (kernel.h): derive the task's constants, load Q, run the one path
  * that fits its rows and K/V layout over its keys, normalise and write. */
-static void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
+FA_PATH void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
 {
     fa_ctx c;
     fa_ws w;

@@ -1,7 +1,8 @@
-"""The prefill path's fused softmax (softmax_block in csrc/kernel_impl.h).
+"""The prefill path's one-pass softmax (softmax_row_lazy in csrc/kernel_impl.h).
 
 Whole, unmasked key tiles take their online softmax in one pass right after
-their Q.K^T, keeping a row's reference max while every score is below it plus
+their Q.K^T (softmax_block), and partial tiles (the causal diagonal, window
+edges) right after their mask; each keeps a row's reference max while every score is below it plus
 FA_SM_SLACK (8 in log2 units: P < 2^8), and falling back to the exact max
 otherwise: the row's first tile, a max that jumps, NaN scores.  These
 cases put the jump at keys all over the tiles (64-key tiles on AVX2 and the
@@ -110,3 +111,87 @@ def test_thread_counts_bit_identical_on_fused_tiles(isa, rng):
     ref = sdpa(q, k, v, num_threads=1)
     for nt in (2, 3):
         np.testing.assert_array_equal(sdpa(q, k, v, num_threads=nt), ref)
+
+
+# ---- Partial tiles: the causal diagonal and window edges (masked, then one pass)
+
+
+@pytest.mark.parametrize("spike", [0, 7, 63, 64, 65, 127, 128, 150, 200, 255, 299])
+def test_max_jumps_on_the_causal_diagonal(isa, rng, spike):
+    # One dominant key: rows at or past it (bottom-right causal, L == S) see
+    # it and output its value row, whichever diagonal tile and register block
+    # it falls in; rows before it never see it.
+    L = S = 300
+    q = randn(rng, (1, 2, L, 16), scale=0.25)
+    q[..., 0] = 4.0 + np.abs(q[..., 0])
+    k = randn(rng, (1, 2, S, 16), scale=0.25)
+    k[:, :, spike, 0] = 30.0
+    v = randn(rng, (1, 2, S, 24))
+    o, _ = check_sdpa(q, k, v, scale=1.0, is_causal=True)
+    np.testing.assert_allclose(o[:, :, spike:], np.broadcast_to(v[:, :, spike : spike + 1], o[:, :, spike:].shape),
+                               rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("step", [0.5, 6.0, 7.5, 9.0, 30.0])
+@pytest.mark.parametrize("mask", ["causal", "window"])
+def test_max_creeps_up_over_partial_tiles(isa, rng, step, mask):
+    # Scores grow by `step` every 16 keys, so that each row's newest keys (the
+    # partial tiles' visible part) hold its max: below the slack the
+    # reference stays behind it, above it every diagonal tile moves it.
+    L = S = 400
+    q = np.zeros((1, 1, L, 8), np.float32)
+    q[..., 0] = 1.0
+    k = randn(rng, (1, 1, S, 8), scale=0.1)
+    k[0, 0, :, 0] = step * (np.arange(S) // 16) / 16.0 + randn(rng, (S,), scale=0.1)
+    v = randn(rng, (1, 1, S, 16))
+    kw = {"is_causal": True} if mask == "causal" else {"window": (70, 0)}
+    for scale in (1.0, 16.0 / max(step, 1.0)):
+        check_sdpa(q, k, v, scale=scale, **kw)
+
+
+@pytest.mark.parametrize("j", [5, 64, 130, 299])
+def test_nan_key_on_the_causal_diagonal(isa, rng, j):
+    # A NaN key row poisons exactly the rows that see it (i >= j).
+    q = randn(rng, (1, 1, 300, 32))
+    k = randn(rng, (1, 1, 300, 32))
+    v = randn(rng, (1, 1, 300, 32))
+    k[0, 0, j, 3] = np.nan
+    o = sdpa(q, k, v, is_causal=True)
+    assert np.all(np.isnan(o[0, 0, j:]))
+    assert np.all(np.isfinite(o[0, 0, :j]))
+    check_sdpa(q, k, v, is_causal=True, lse_too=False)
+
+
+@pytest.mark.parametrize("n_inf", [1, 40, 64, 130, 200])
+def test_minus_inf_keys_before_the_diagonal(isa, rng, n_inf):
+    # -inf scores at the first n_inf keys: rows that see only those have no
+    # finite score (the reference's empty-row result), the rest start their
+    # softmax on a diagonal tile past -inf ones.
+    q = randn(rng, (1, 2, 260, 8))
+    q[..., 0] = 1.0 + np.abs(q[..., 0])
+    k = randn(rng, (1, 2, 260, 8))
+    k[:, :, :n_inf, 0] = -np.inf
+    v = randn(rng, (1, 2, 260, 8))
+    o, _ = check_sdpa(q, k, v, is_causal=True)
+    assert np.all(np.isfinite(o[:, :, n_inf:]))
+
+
+def test_partial_tiles_with_alibi_and_softcap(isa, rng):
+    # The per-element variants take the partial tiles' one pass too (ALiBi's
+    # bias and the soft cap are applied by the mask before it).
+    q = randn(rng, (1, 2, 200, 16))
+    k = randn(rng, (1, 2, 200, 16))
+    v = randn(rng, (1, 2, 200, 16))
+    check_sdpa(q, k, v, is_causal=True, alibi_slopes=np.array([0.5, 0.0625], np.float32))
+    check_sdpa(q, k, v, is_causal=True, softcap=2.0)
+    check_sdpa(q, k, v, window=(50, 10), softcap=5.0)
+
+
+def test_thread_counts_bit_identical_on_partial_tiles(isa, rng):
+    q = randn(rng, (2, 3, 333, 64))
+    k = randn(rng, (2, 3, 333, 64))
+    v = randn(rng, (2, 3, 333, 64))
+    k[1, 2, 200] *= 20.0
+    ref = sdpa(q, k, v, is_causal=True, num_threads=1)
+    for nt in (2, 3):
+        np.testing.assert_array_equal(sdpa(q, k, v, is_causal=True, num_threads=nt), ref)
