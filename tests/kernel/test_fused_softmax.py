@@ -128,8 +128,9 @@ def test_max_jumps_on_the_causal_diagonal(isa, rng, spike):
     k[:, :, spike, 0] = 30.0
     v = randn(rng, (1, 2, S, 24))
     o, _ = check_sdpa(q, k, v, scale=1.0, is_causal=True)
-    np.testing.assert_allclose(o[:, :, spike:], np.broadcast_to(v[:, :, spike : spike + 1], o[:, :, spike:].shape),
-                               rtol=0, atol=1e-3)
+    seen = o[:, :, spike:]
+    want = np.broadcast_to(v[:, :, spike : spike + 1], seen.shape)
+    np.testing.assert_allclose(seen, want, rtol=0, atol=1e-3)
 
 
 @pytest.mark.parametrize("step", [0.5, 6.0, 7.5, 9.0, 30.0])
