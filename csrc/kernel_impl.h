@@ -204,16 +204,16 @@ static inline void FA_NAME(write_row)(REAL *dst, const REAL *o, double inv, int 
  * per loaded vector in the GQA decode's P.V loop). */
 #define FA_SELF_DT (sizeof(REAL) == 8 ? FA_F64 : FA_F32)
 
-/* path_prefill is a function of its own, out of line, and it and run() are
- * 64-byte aligned: run() with the decode paths inlined is then compiled the
- * same whatever path_prefill holds, and its loops keep their alignment
+/* path_prefill is a function of its own, out of line; it and run() are
+ * 64-byte aligned.  So run(), with the decode paths inlined, compiles to the
+ * same instructions at the same loop alignment whatever path_prefill holds
  * (inlined, a change to path_prefill alone moved the decode's timing by up to
- * 10% through GCC's code layout and scheduling; the machine code of run_*
- * can be compared across builds, addresses aside), and a
- * small call's prologue is shorter (B1 H8 L16 D64 1.05x avx512, 1.15x avx2).
- * The decode paths stay inlined in run(): out of line, the GQA decode
- * measured 0.95-0.97x (its loop bounds spilled), within this VM's A/A noise
- * on that case (two copies of one build: 0.94-1.00) but not better. */
+ * 10% through GCC's code layout and scheduling; run_* can be compared across
+ * builds by disassembly, addresses aside).  A small call's prologue is also
+ * shorter (B1 H8 L16 D64 1.05x avx512, 1.15x avx2).  The decode paths stay
+ * inlined: out of line, the GQA decode measured 0.95-0.97x (its loop bounds
+ * spilled), within this VM's A/A noise on that case (two copies of one
+ * build: 0.94-1.00) but not better. */
 #ifndef FA_PATH
 #define FA_PATH static __attribute__((noinline, aligned(64)))
 #endif
@@ -573,7 +573,6 @@ FA_INLINE void FA_NAME(write_out)(const fa_ctx *c, const fa_ws *w)
     const fa_params *p = c->p;
     const fa_task *t = c->t;
     const int64_t G = c->G, ni = c->ni, Dv = c->Dv, b = c->b;
-    const int self_lse = sizeof(REAL) == 8 ? FA_F64 : FA_F32;
     for (int64_t g = 0, r = 0; g < G; g++)
     for (int64_t ii = 0; ii < t->ni; ii++, r++) {
         int64_t h = t->hk * G + g, i = t->i0 + ii;
@@ -610,7 +609,7 @@ FA_INLINE void FA_NAME(write_out)(const fa_ctx *c, const fa_ws *w)
                 for (int64_t cc = 0; cc < Dv; cc++) fa_store_elem(p->o, p->o_dtype, oo + cc, valid ? o[cc] * inv : 0.0);
             }
             if (p->lse)
-                fa_store_elem(p->lse, self_lse, b * p->lse_sb + h * p->lse_sh + (c->bi.qoff + i) * p->lse_sl, lse);
+                fa_store_elem(p->lse, FA_SELF_DT, b * p->lse_sb + h * p->lse_sh + (c->bi.qoff + i) * p->lse_sl, lse);
         }
     }
 }
