@@ -642,7 +642,7 @@ FA_INLINE void FA_NAME(path_row1)(const fa_ctx *c, const fa_ws *w)
  * or of a D that is not whole vectors are converted to w->K first); its
  * software prefetch brings the tile's V rows (vpf) for P.V when V is read in
  * place.  P.V (pv_rows) reads V in place when vfuse, else from rows converted
- * to this kernel's dtype in w->V. */
+ * to this kernel's dtype in w->V, and prefetches the next tile's K rows. */
 FA_INLINE void FA_NAME(path_rows)(const fa_ctx *c, const fa_ws *w)
 {
     const fa_params *p = c->p;
@@ -665,11 +665,17 @@ FA_INLINE void FA_NAME(path_rows)(const fa_ctx *c, const fa_ws *w)
                             c->Dv * c->vsz, NULL);
         FA_NAME(mask_tile)(c, w->S, TN, jt, nj);
         FA_NAME(softmax_tile)(c, w, TN, nj);
+        fa_stream next;
+        const fa_stream *nx = NULL;
+        if (jt + TN < c->jhi) {
+            next = FA_NAME(tile_stream)(c, jt + TN, fa_min64(TN, c->jhi - jt - TN));
+            nx = &next;
+        }
         if (c->vfuse) {
-            FA_NAME(pv_rows_n)(c->R, p->v_dtype, FA_SELF_DT, w->S, TN, nj, st.v, p->v_sl, w->O, Dvp);
+            FA_NAME(pv_rows_n)(c->R, p->v_dtype, FA_SELF_DT, w->S, TN, nj, st.v, p->v_sl, w->O, Dvp, nx);
         } else { /* !vfuse implies !vdirect: V is never usable in place here */
             FA_NAME(cvt_rows)(w->V, Dvp, st.v, st.vld, p->v_dtype, c->Dv, nj);
-            FA_NAME(pv_rows_n)(c->R, FA_SELF_DT, FA_SELF_DT, w->S, TN, nj, w->V, Dvp, w->O, Dvp);
+            FA_NAME(pv_rows_n)(c->R, FA_SELF_DT, FA_SELF_DT, w->S, TN, nj, w->V, Dvp, w->O, Dvp, nx);
         }
     }
 }
