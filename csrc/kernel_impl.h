@@ -235,6 +235,7 @@ typedef struct fa_ctx {
     int kfuse, vfuse;                /* K / V rows read in place, widened on load (decode) */
     int vdirect;                     /* V rows are whole vectors of REAL: usable as they lie */
     int panel_outer;                 /* Q.K^T panel by panel over the row blocks (qk_packed) */
+    int kv_dram;                     /* the call's K and V stream from DRAM (path_rows' prefetch) */
     REAL *kh;                        /* the head K buffer, key jlo first, when this task uses it */
 } fa_ctx;
 
@@ -667,7 +668,7 @@ FA_INLINE void FA_NAME(path_rows)(const fa_ctx *c, const fa_ws *w)
         FA_NAME(softmax_tile)(c, w, TN, nj);
         fa_stream next;
         const fa_stream *nx = NULL;
-        if (jt + TN < c->jhi) {
+        if (c->kv_dram && jt + TN < c->jhi) {
             next = FA_NAME(tile_stream)(c, jt + TN, fa_min64(TN, c->jhi - jt - TN));
             nx = &next;
         }
@@ -986,6 +987,12 @@ FA_PATH void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
         fa_cache_sizes(&l1d, &l2, &l3);
         if (l1d <= 0) l1d = 32768;
         c.panel_outer = (int64_t)(FA_BLK_BN * sizeof(REAL)) * c.Dp * 4 > 3 * l1d;
+        /* The call's K and V come from DRAM where they are over half the L3
+         * (an unknown L3: assumed so): then path_rows has P.V prefetch the
+         * next tile's K (pv_rows; where they stayed in L3 between calls that
+         * prefetch cost 3-8%). */
+        const int64_t kv_bytes = p->B * p->Hk * p->S * (p->D * c.ksz + p->Dv * c.vsz);
+        c.kv_dram = l3 <= 0 || kv_bytes > l3 / 2;
     }
 
     /* The path, chosen once per task.  A single row read in place takes
