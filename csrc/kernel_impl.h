@@ -235,8 +235,8 @@ typedef struct fa_ctx {
     int kfuse, vfuse;                /* K / V rows read in place, widened on load (decode) */
     int vdirect;                     /* V rows are whole vectors of REAL: usable as they lie */
     int panel_outer;                 /* Q.K^T panel by panel over the row blocks (qk_packed) */
-    int kv_dram;                     /* the call's K and V stream from DRAM (path_rows' prefetch) */
     REAL *kh;                        /* the head K buffer, key jlo first, when this task uses it */
+    int kv_dram;                     /* the call's K and V stream from DRAM (path_rows' prefetch) */
 } fa_ctx;
 
 /* The prefill products take R rows in nb = ceil(R / FA_BLK_MR) register
