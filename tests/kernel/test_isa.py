@@ -127,6 +127,30 @@ def test_decode_rows_head_sizes(isa, rng, D):
             assert_close(o, ref.scaled_dot_product_attention(q, k, v, enable_gqa=True, **opts), np.float32)
 
 
+@pytest.mark.parametrize("dt", ["float32", "float16"])
+@pytest.mark.parametrize("G,L", [(2, 1), (4, 1), (8, 1), (3, 2)])
+def test_decode_rows_beyond_l3(isa, rng, dt, G, L):
+    """2-8 stacked decode rows whose K and V exceed half the L3 (from cpuid): their
+    P.V prefetches the next tile's K rows (pv_rows).  The call's first n keys (key
+    lengths, so that the tiles are the same) bit for bit against the same keys in
+    arrays small enough to take no prefetch, and those against the reference."""
+    from fastattn import reference as ref
+
+    l3 = _kernels.cache_sizes()["l3"]
+    if l3 > 128 << 20:
+        pytest.skip("an L3 over 128 MiB would need K and V over 64 MiB here")
+    esize = np.dtype(dt).itemsize
+    S = l3 // (2 * 2 * 128 * esize) + 300 if l3 else 1100  # 2 heads, K and V rows of 128
+    n = 1000  # keys visible: 7 whole 128-key tiles and part of one (avx2: 15 and part of 16)
+    q = randn(rng, (1, 2 * G, L, 128))
+    k, v = (randn(rng, (1, 2, S, 128)).astype(dt) for _ in range(2))
+    opts = {"enable_gqa": True, "is_causal": L > 1}
+    ks, vs = k[:, :, :n].copy(), v[:, :, :n].copy()
+    small = sdpa(q, ks, vs, **opts)
+    np.testing.assert_array_equal(sdpa(q, k, v, key_lengths=[n], **opts), small)
+    assert_close(small, ref.scaled_dot_product_attention(q, ks, vs, **opts), np.float32)
+
+
 @pytest.mark.parametrize("dt", ["float16", "bfloat16"])
 def test_16bit_conversion(isa, rng, dt):
     from fastattn import reference as ref
