@@ -206,7 +206,8 @@ FA_INLINE void FA_NAME(pv_row1)(int nv, int vdt, const REAL *P, int64_t nj, cons
 
 /* Few rows (decode): O[r] += sum_j P[r][j] V[j], column blocks of cb vectors,
  * keys in chunks of 32 so that a chunk of V stays in L1 across the blocks.
- * nx (or NULL): the next tile, whose K rows are prefetched towards L2 here,
+ * nx (or NULL: path_rows passes it where the call's K and V stream from DRAM,
+ * fa_ctx.kv_dram): the next tile, whose K rows are prefetched towards L2 here,
  * spread over the column blocks.  This tile's V came in during its Q.K^T
  * (qk_rows' vpf) and P.V reads only caches; without this the DRAM idled for
  * the whole P.V pass and the next Q.K^T waited on its K rows (the hottest
