@@ -169,6 +169,12 @@ static void FA_NAME(carve)(const fa_params *p, int64_t rows, void *scratch, fa_w
     w->tmp = (REAL *)c;
 }
 
+/* This kernel's own dtype, a constant: the micro-kernels' dtype switches
+ * (qk_rows_dt, pv_rows_dt, pv_row1_dt) fold with it (a field of the context,
+ * read through the pointer of a path out of line, left a dtype test per
+ * loaded vector in the GQA decode's P.V loop). */
+#define FA_SELF_DT (sizeof(REAL) == 8 ? FA_F64 : FA_F32)
+
 /* The micro-kernels and their constant-n dispatch functions. */
 #include "kernel_ukernels.h"
 
@@ -197,12 +203,6 @@ static inline void FA_NAME(write_row)(REAL *dst, const REAL *o, double inv, int 
     for (; c < Dv; c++) dst[c] = o[c] * s;
 }
 /* ---- The task: shared pieces and the three paths ---- */
-
-/* This kernel's own dtype, a constant: the micro-kernels' dtype switches
- * (qk_rows_dt, pv_rows_n) fold where a path passes it (a field of the
- * context, read through the pointer of a path out of line, left a dtype test
- * per loaded vector in the GQA decode's P.V loop). */
-#define FA_SELF_DT (sizeof(REAL) == 8 ? FA_F64 : FA_F32)
 
 /* path_prefill is a function of its own, out of line; it and run() are
  * 64-byte aligned.  So run(), with the decode paths inlined, compiles to the
@@ -629,11 +629,11 @@ FA_INLINE void FA_NAME(path_row1)(const fa_ctx *c, const fa_ws *w)
         const int64_t nj = fa_min64(TN, c->jhi - jt);
         const fa_stream st = FA_NAME(tile_stream)(c, jt, nj);
         if (FA_NAME(tile_hidden)(c, jt, nj)) continue;
-        FA_NAME(qk_rows_nd)(1, p->k_dtype, FA_SELF_DT, w->Qs, c->Dp, st.k, p->k_sl, nj, w->S, TN, st.v,
+        FA_NAME(qk_rows_nd)(1, p->k_dtype, w->Qs, c->Dp, st.k, p->k_sl, nj, w->S, TN, st.v,
                             p->v_sl * c->vsz, c->Dv * c->vsz, &st);
         FA_NAME(mask_tile)(c, w->S, TN, jt, nj);
         FA_NAME(softmax_tile)(c, w, TN, nj);
-        FA_NAME(pv_row1_n)(c->Dvp / VW, p->v_dtype, FA_SELF_DT, w->S, nj, st.v, p->v_sl, w->O, &st);
+        FA_NAME(pv_row1_n)(c->Dvp / VW, p->v_dtype, w->S, nj, st.v, p->v_sl, w->O, &st);
     }
 }
 
@@ -662,7 +662,7 @@ FA_INLINE void FA_NAME(path_rows)(const fa_ctx *c, const fa_ws *w)
             ldk = Dp;
             kdt = FA_SELF_DT;
         }
-        FA_NAME(qk_rows_nd)(c->R, kdt, FA_SELF_DT, w->Qs, Dp, kr, ldk, nj, w->S, TN, vpf, p->v_sl * c->vsz,
+        FA_NAME(qk_rows_nd)(c->R, kdt, w->Qs, Dp, kr, ldk, nj, w->S, TN, vpf, p->v_sl * c->vsz,
                             c->Dv * c->vsz, NULL);
         FA_NAME(mask_tile)(c, w->S, TN, jt, nj);
         FA_NAME(softmax_tile)(c, w, TN, nj);
@@ -673,10 +673,10 @@ FA_INLINE void FA_NAME(path_rows)(const fa_ctx *c, const fa_ws *w)
             nx = &next;
         }
         if (c->vfuse) {
-            FA_NAME(pv_rows_n)(c->R, p->v_dtype, FA_SELF_DT, w->S, TN, nj, st.v, p->v_sl, w->O, Dvp, nx);
+            FA_NAME(pv_rows_n)(c->R, p->v_dtype, w->S, TN, nj, st.v, p->v_sl, w->O, Dvp, nx);
         } else { /* !vfuse implies !vdirect: V is never usable in place here */
             FA_NAME(cvt_rows)(w->V, Dvp, st.v, st.vld, p->v_dtype, c->Dv, nj);
-            FA_NAME(pv_rows_n)(c->R, FA_SELF_DT, FA_SELF_DT, w->S, TN, nj, w->V, Dvp, w->O, Dvp, nx);
+            FA_NAME(pv_rows_n)(c->R, FA_SELF_DT, w->S, TN, nj, w->V, Dvp, w->O, Dvp, nx);
         }
     }
 }

@@ -254,30 +254,30 @@ FA_INLINE void FA_NAME(pv_rows)(int nr, int vdt, const REAL *P, int64_t ldp, int
 #define FA_MR(n) ((n) <= FA_BLK_MR ? (n) : FA_BLK_MR)
 
 /* qk_rows for nr (a constant) rows, the K storage dtype kdt made constant:
- * float16, bfloat16, else this kernel's own (self_dt). */
-FA_INLINE void FA_NAME(qk_rows_dt)(int nr, int kdt, int self_dt, const REAL *Q, int64_t Dp, const void *K,
+ * float16, bfloat16, else this kernel's own (FA_SELF_DT). */
+FA_INLINE void FA_NAME(qk_rows_dt)(int nr, int kdt, const REAL *Q, int64_t Dp, const void *K,
                                    int64_t ldk, int64_t nj, REAL *S, int64_t lds, const char *vpf, int64_t vpf_ld,
                                    int64_t vpf_row, const fa_stream *st)
 {
     if (kdt == FA_F16) FA_NAME(qk_rows)(nr, FA_F16, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st);
     else if (kdt == FA_BF16) FA_NAME(qk_rows)(nr, FA_BF16, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st);
-    else FA_NAME(qk_rows)(nr, self_dt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st);
+    else FA_NAME(qk_rows)(nr, FA_SELF_DT, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st);
 }
 
 /* qk_rows for R = 1..FA_BLK_RD rows (R > FA_BLK_RD does not take it). */
-FA_INLINE void FA_NAME(qk_rows_n)(int64_t R, int kdt, int self_dt, const REAL *Q, int64_t Dp, const void *K,
+FA_INLINE void FA_NAME(qk_rows_n)(int64_t R, int kdt, const REAL *Q, int64_t Dp, const void *K,
                                   int64_t ldk, int64_t nj, REAL *S, int64_t lds, const char *vpf, int64_t vpf_ld,
                                   int64_t vpf_row, const fa_stream *st)
 {
     switch (R) {
-    case 1: FA_NAME(qk_rows_dt)(1, kdt, self_dt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st); break;
-    case 2: FA_NAME(qk_rows_dt)(2, kdt, self_dt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st); break;
-    case 3: FA_NAME(qk_rows_dt)(3, kdt, self_dt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st); break;
-    case 4: FA_NAME(qk_rows_dt)(4, kdt, self_dt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st); break;
-    case 5: FA_NAME(qk_rows_dt)(FA_RD(5), kdt, self_dt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st); break;
-    case 6: FA_NAME(qk_rows_dt)(FA_RD(6), kdt, self_dt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st); break;
-    case 7: FA_NAME(qk_rows_dt)(FA_RD(7), kdt, self_dt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st); break;
-    default: FA_NAME(qk_rows_dt)(FA_BLK_RD, kdt, self_dt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st); break;
+    case 1: FA_NAME(qk_rows_dt)(1, kdt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st); break;
+    case 2: FA_NAME(qk_rows_dt)(2, kdt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st); break;
+    case 3: FA_NAME(qk_rows_dt)(3, kdt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st); break;
+    case 4: FA_NAME(qk_rows_dt)(4, kdt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st); break;
+    case 5: FA_NAME(qk_rows_dt)(FA_RD(5), kdt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st); break;
+    case 6: FA_NAME(qk_rows_dt)(FA_RD(6), kdt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st); break;
+    case 7: FA_NAME(qk_rows_dt)(FA_RD(7), kdt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st); break;
+    default: FA_NAME(qk_rows_dt)(FA_BLK_RD, kdt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st); break;
     }
 }
 
@@ -287,59 +287,58 @@ FA_INLINE void FA_NAME(qk_rows_n)(int64_t R, int kdt, int self_dt, const REAL *Q
  * operations in the same order: the same bits.  Measured (Zen 3, the builds
  * alternated in one process): B1 H32 S8192 D128 decode, float32, +5% on 2
  * threads, +7% on 1. */
-FA_INLINE void FA_NAME(qk_rows_nd)(int64_t R, int kdt, int self_dt, const REAL *Q, int64_t Dp, const void *K,
+FA_INLINE void FA_NAME(qk_rows_nd)(int64_t R, int kdt, const REAL *Q, int64_t Dp, const void *K,
                                    int64_t ldk, int64_t nj, REAL *S, int64_t lds, const char *vpf, int64_t vpf_ld,
                                    int64_t vpf_row, const fa_stream *st)
 {
-    if (Dp == 128) FA_NAME(qk_rows_n)(R, kdt, self_dt, Q, 128, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st);
-    else if (Dp == 64) FA_NAME(qk_rows_n)(R, kdt, self_dt, Q, 64, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st);
-    else FA_NAME(qk_rows_n)(R, kdt, self_dt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st);
+    if (Dp == 128) FA_NAME(qk_rows_n)(R, kdt, Q, 128, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st);
+    else if (Dp == 64) FA_NAME(qk_rows_n)(R, kdt, Q, 64, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st);
+    else FA_NAME(qk_rows_n)(R, kdt, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st);
 }
 
 /* pv_rows for nr (a constant) rows, the V storage dtype vdt made constant. */
-FA_INLINE void FA_NAME(pv_rows_dt)(int nr, int vdt, int self_dt, const REAL *P, int64_t ldp, int64_t nj,
+FA_INLINE void FA_NAME(pv_rows_dt)(int nr, int vdt, const REAL *P, int64_t ldp, int64_t nj,
                                    const void *V, int64_t ldv, REAL *O, int64_t Dvp, const fa_stream *nx)
 {
     if (vdt == FA_F16) FA_NAME(pv_rows)(nr, FA_F16, P, ldp, nj, V, ldv, O, Dvp, nx);
     else if (vdt == FA_BF16) FA_NAME(pv_rows)(nr, FA_BF16, P, ldp, nj, V, ldv, O, Dvp, nx);
-    else FA_NAME(pv_rows)(nr, self_dt, P, ldp, nj, V, ldv, O, Dvp, nx);
+    else FA_NAME(pv_rows)(nr, FA_SELF_DT, P, ldp, nj, V, ldv, O, Dvp, nx);
 }
 
 /* pv_rows for R = 1..FA_BLK_RD rows. */
-FA_INLINE void FA_NAME(pv_rows_n)(int64_t R, int vdt, int self_dt, const REAL *P, int64_t ldp, int64_t nj,
-                                  const void *V, int64_t ldv, REAL *O, int64_t Dvp,
-                                  const fa_stream *nx)
+FA_INLINE void FA_NAME(pv_rows_n)(int64_t R, int vdt, const REAL *P, int64_t ldp, int64_t nj,
+                                  const void *V, int64_t ldv, REAL *O, int64_t Dvp, const fa_stream *nx)
 {
     switch (R) {
-    case 1: FA_NAME(pv_rows_dt)(1, vdt, self_dt, P, ldp, nj, V, ldv, O, Dvp, nx); break;
-    case 2: FA_NAME(pv_rows_dt)(2, vdt, self_dt, P, ldp, nj, V, ldv, O, Dvp, nx); break;
-    case 3: FA_NAME(pv_rows_dt)(3, vdt, self_dt, P, ldp, nj, V, ldv, O, Dvp, nx); break;
-    case 4: FA_NAME(pv_rows_dt)(4, vdt, self_dt, P, ldp, nj, V, ldv, O, Dvp, nx); break;
-    case 5: FA_NAME(pv_rows_dt)(FA_RD(5), vdt, self_dt, P, ldp, nj, V, ldv, O, Dvp, nx); break;
-    case 6: FA_NAME(pv_rows_dt)(FA_RD(6), vdt, self_dt, P, ldp, nj, V, ldv, O, Dvp, nx); break;
-    case 7: FA_NAME(pv_rows_dt)(FA_RD(7), vdt, self_dt, P, ldp, nj, V, ldv, O, Dvp, nx); break;
-    default: FA_NAME(pv_rows_dt)(FA_BLK_RD, vdt, self_dt, P, ldp, nj, V, ldv, O, Dvp, nx); break;
+    case 1: FA_NAME(pv_rows_dt)(1, vdt, P, ldp, nj, V, ldv, O, Dvp, nx); break;
+    case 2: FA_NAME(pv_rows_dt)(2, vdt, P, ldp, nj, V, ldv, O, Dvp, nx); break;
+    case 3: FA_NAME(pv_rows_dt)(3, vdt, P, ldp, nj, V, ldv, O, Dvp, nx); break;
+    case 4: FA_NAME(pv_rows_dt)(4, vdt, P, ldp, nj, V, ldv, O, Dvp, nx); break;
+    case 5: FA_NAME(pv_rows_dt)(FA_RD(5), vdt, P, ldp, nj, V, ldv, O, Dvp, nx); break;
+    case 6: FA_NAME(pv_rows_dt)(FA_RD(6), vdt, P, ldp, nj, V, ldv, O, Dvp, nx); break;
+    case 7: FA_NAME(pv_rows_dt)(FA_RD(7), vdt, P, ldp, nj, V, ldv, O, Dvp, nx); break;
+    default: FA_NAME(pv_rows_dt)(FA_BLK_RD, vdt, P, ldp, nj, V, ldv, O, Dvp, nx); break;
     }
 }
 
 /* pv_row1 for nv (a constant) vectors, the V storage dtype vdt made constant. */
-FA_INLINE void FA_NAME(pv_row1_dt)(int nv, int vdt, int self_dt, const REAL *P, int64_t nj, const void *V,
+FA_INLINE void FA_NAME(pv_row1_dt)(int nv, int vdt, const REAL *P, int64_t nj, const void *V,
                                    int64_t ldv, REAL *O, const fa_stream *st)
 {
     if (vdt == FA_F16) FA_NAME(pv_row1)(nv, FA_F16, P, nj, V, ldv, O, st);
     else if (vdt == FA_BF16) FA_NAME(pv_row1)(nv, FA_BF16, P, nj, V, ldv, O, st);
-    else FA_NAME(pv_row1)(nv, self_dt, P, nj, V, ldv, O, st);
+    else FA_NAME(pv_row1)(nv, FA_SELF_DT, P, nj, V, ldv, O, st);
 }
 
 /* pv_row1 for an output row of nvo = 4, 8, 12 or 16 vectors (path_row1 takes no other). */
-FA_INLINE void FA_NAME(pv_row1_n)(int64_t nvo, int vdt, int self_dt, const REAL *P, int64_t nj, const void *V,
+FA_INLINE void FA_NAME(pv_row1_n)(int64_t nvo, int vdt, const REAL *P, int64_t nj, const void *V,
                                   int64_t ldv, REAL *O, const fa_stream *st)
 {
     switch (nvo) {
-    case 4: FA_NAME(pv_row1_dt)(4, vdt, self_dt, P, nj, V, ldv, O, st); break;
-    case 8: FA_NAME(pv_row1_dt)(8, vdt, self_dt, P, nj, V, ldv, O, st); break;
-    case 12: FA_NAME(pv_row1_dt)(12, vdt, self_dt, P, nj, V, ldv, O, st); break;
-    default: FA_NAME(pv_row1_dt)(16, vdt, self_dt, P, nj, V, ldv, O, st); break;
+    case 4: FA_NAME(pv_row1_dt)(4, vdt, P, nj, V, ldv, O, st); break;
+    case 8: FA_NAME(pv_row1_dt)(8, vdt, P, nj, V, ldv, O, st); break;
+    case 12: FA_NAME(pv_row1_dt)(12, vdt, P, nj, V, ldv, O, st); break;
+    default: FA_NAME(pv_row1_dt)(16, vdt, P, nj, V, ldv, O, st); break;
     }
 }
 
