@@ -10,7 +10,9 @@ so that CI tests what a user installs rather than the source tree.
 
 from __future__ import annotations
 
+import importlib
 import os
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -38,6 +40,24 @@ def pytest_configure(config):
             raise pytest.UsageError(
                 f"FASTATTN_TEST_INSTALLED=1 but fastattn was imported from {path}, not an installed copy"
             )
+
+
+def optional(name: str) -> ModuleType:
+    """Import the optional peer ``name`` (torch, jax, dask, ...) or skip the
+    test (or, at module level, the module) when it is absent *or broken*.
+
+    ``pytest.importorskip`` skips only on ModuleNotFoundError; an installed but
+    broken peer (dask beside a mismatched distributed: ``ImportError: cannot
+    import name ...``; a jaxlib that fails to load) then errors the test instead
+    of skipping it.  Any exception at import skips here, and the reason names
+    it.  fastattn's own modules are not optional: importing them goes through
+    unguarded, so a bug in a front end can never turn into a skip."""
+    if name == "fastattn" or name.startswith("fastattn."):
+        return importlib.import_module(name)
+    try:
+        return importlib.import_module(name)
+    except Exception as exc:  # absent, or present and broken: a skip either way, with the reason
+        pytest.skip(f"optional {name!r} unusable: {type(exc).__name__}: {exc}", allow_module_level=True)
 
 
 @pytest.fixture

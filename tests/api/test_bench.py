@@ -4,10 +4,11 @@ import json
 
 import numpy as np
 import pytest
+from conftest import optional
 
 import fastattn
 
-bench = pytest.importorskip("fastattn.bench")
+bench = optional("fastattn.bench")
 
 
 def test_bench_quick_case_writes_json(tmp_path, capsys):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import optional
 
 import fastattn
 from fastattn import cli
@@ -48,7 +49,7 @@ def test_import_fastattn_imports_no_optional_heavy_module(tmp_path):
 
 
 def test_bfloat16_still_works_after_the_lazy_import():
-    ml_dtypes = pytest.importorskip("ml_dtypes")
+    ml_dtypes = optional("ml_dtypes")
     import numpy as np
 
     q = np.ones((1, 2, 3, 8), np.float32)
@@ -163,7 +164,7 @@ def test_packaging_metadata():
     assert any(str(f).endswith("LICENSE") for f in dist.files or ())
     assert any(ep.name == "fastattn" and ep.value == "fastattn.cli:main" for ep in dist.entry_points)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    tomllib = pytest.importorskip("tomllib")
+    tomllib = optional("tomllib")
     if not os.path.exists(os.path.join(root, "pyproject.toml")):
         # tools/test_wheel.sh and cibuildwheel run a copy of tests/ outside the checkout:
         # the installed metadata above is what they can check.

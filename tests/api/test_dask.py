@@ -10,12 +10,13 @@ import tempfile
 
 import numpy as np
 import pytest
+from conftest import optional
 
 import fastattn
 
-da = pytest.importorskip("dask.array")
-dask = pytest.importorskip("dask")
-fd = pytest.importorskip("fastattn.dask")
+da = optional("dask.array")
+dask = optional("dask")
+fd = optional("fastattn.dask")
 from fastattn.dask import _alibi, _geometry  # noqa: E402 (after the importorskip)
 
 try:
@@ -773,7 +774,7 @@ MEMORY_LIMIT = 200_000_000
 
 @pytest.fixture(scope="module")
 def client():
-    distributed = pytest.importorskip("distributed")
+    distributed = optional("distributed")
     cfg = {
         "distributed.worker.memory.target": False,  # no spilling to disk: the data must fit
         "distributed.worker.memory.spill": False,
@@ -884,7 +885,7 @@ def _peak_rss():
 
 def test_example_script_runs_small():
     """examples/dask_million_keys.py end to end, shrunk, with its in-memory check."""
-    pytest.importorskip("distributed")
+    optional("distributed")
     path = os.path.join(
         os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
         "examples",

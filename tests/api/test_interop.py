@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_close, check_sdpa, randn
+from conftest import assert_close, check_sdpa, optional, randn
 
 import fastattn
 from fastattn import reference as ref
@@ -47,7 +47,7 @@ def test_nested_lists_are_accepted(rng):
 
 
 def test_torch_cpu_tensors_are_read_in_place(rng):
-    torch = pytest.importorskip("torch")
+    torch = optional("torch")
     q, k, v = (randn(rng, (2, 4, 33, 32)) for _ in range(3))
     tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
     # numpy.asarray of a CPU tensor is a view of the same memory: no copy.
@@ -69,7 +69,7 @@ def test_torch_cpu_tensors_are_read_in_place(rng):
 
 
 def test_tensor_requiring_grad_is_refused_with_a_clear_error(rng):
-    torch = pytest.importorskip("torch")
+    torch = optional("torch")
     t = torch.zeros((2, 8, 4), requires_grad=True)
     with pytest.raises(TypeError, match="query"):
         fastattn.scaled_dot_product_attention(t, t.detach(), t.detach())
@@ -208,7 +208,7 @@ JAX_CHECK = [JAX_CASES[i] for i in (3, 5, 7, 9)]  # causal T != S, bias+mask+GQA
 
 @pytest.mark.parametrize("case", JAX_CHECK, ids=[str(i) for i in range(len(JAX_CHECK))])
 def test_dot_product_attention_against_jax(rng, case):
-    jax = pytest.importorskip("jax")
+    jax = optional("jax")
     q, k, v, kw = _jax_inputs(rng, case, np.float32)  # JAX's softmax runs in float32 anyway
     out = dpa(q, k, v, **kw)
     jout = np.asarray(jax.nn.dot_product_attention(q, k, v, implementation="xla", **kw))

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import assert_close, randn
+from conftest import assert_close, optional, randn
 
 from fastattn import reference as ref
 from fastattn.jax_compat import dot_product_attention as dpa
@@ -42,7 +42,7 @@ def test_residual_on_numpy_inputs(rng):
 
 
 def test_signature_follows_jax():
-    jax = pytest.importorskip("jax")
+    jax = optional("jax")
     ours = inspect.signature(dpa).parameters
     theirs = inspect.signature(jax.nn.dot_product_attention).parameters
     for name, p in theirs.items():  # every JAX parameter, same kind and default
@@ -54,7 +54,7 @@ def test_signature_follows_jax():
 
 
 def _jax():
-    jax = pytest.importorskip("jax")
+    jax = optional("jax")
     return jax, jax.numpy
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_close, randn
+from conftest import assert_close, optional, randn
 
 from fastattn.jax_compat import dot_product_attention as dpa
 
-jax = pytest.importorskip("jax")
+jax = optional("jax")
 jnp = jax.numpy
 
 # (B, T, S, N, K, H, options); T == S where a causal / window mask is used (JAX and

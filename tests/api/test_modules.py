@@ -11,7 +11,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from conftest import assert_close, randn
+from conftest import assert_close, optional, randn
 
 import fastattn
 from fastattn import reference as ref
@@ -392,7 +392,7 @@ def test_bad_arguments(rng):
 
 
 def _torch_pair(E, H, *, kdim=None, vdim=None, bias=True, batch_first=True, dtype="float64"):
-    torch = pytest.importorskip("torch")
+    torch = optional("torch")
     torch.manual_seed(0)
     t = torch.nn.MultiheadAttention(
         E, H, kdim=kdim, vdim=vdim, bias=bias, batch_first=batch_first, dtype=getattr(torch, dtype)
@@ -520,7 +520,7 @@ def test_torch_unbatched(rng):
 
 
 def test_torch_load_our_state_dict(rng):
-    torch = pytest.importorskip("torch")
+    torch = optional("torch")
     m = with_biases(MHA(16, 4, dtype=np.float64, seed=9), rng)
     t = torch.nn.MultiheadAttention(16, 4, dtype=torch.float64).eval()  # both batch_first=False
     t.load_state_dict({k: torch.from_numpy(v) for k, v in m.state_dict().items()})
@@ -531,7 +531,7 @@ def test_torch_load_our_state_dict(rng):
 
 
 def test_torch_unsupported_module():
-    torch = pytest.importorskip("torch")
+    torch = optional("torch")
     with pytest.raises(ValueError, match="add_bias_kv"):
         MHA.from_torch(torch.nn.MultiheadAttention(8, 2, add_bias_kv=True))
     with pytest.raises(TypeError, match="module"):

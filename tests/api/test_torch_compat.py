@@ -8,10 +8,11 @@ import subprocess
 import sys
 
 import pytest
+from conftest import optional
 
-torch = pytest.importorskip("torch")
+torch = optional("torch")
 F = torch.nn.functional
-tc = pytest.importorskip("fastattn.torch_compat")
+tc = optional("fastattn.torch_compat")
 
 TOL = {torch.float32: 2e-4, torch.float64: 1e-10, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 

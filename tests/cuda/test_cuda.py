@@ -26,6 +26,7 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import optional
 from cuda_emulator import FIELDS, EmulatedCuda, fa_params_fields, read_record
 
 import fastattn
@@ -192,7 +193,7 @@ def test_gpu_torch_tensors_in_place():
     """Real device arrays: strided torch CUDA tensors, a broadcast device mask, out=, a side stream."""
     if not fcuda.is_available():
         pytest.skip("no CUDA device (or fastattn built without FASTATTN_CUDA=1)")
-    torch = pytest.importorskip("torch")
+    torch = optional("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch without CUDA")
     rng = np.random.default_rng(8)
@@ -373,7 +374,7 @@ def test_gpu_unaligned_device_views(monkeypatch):
     """Device tensors whose rows are not 16-byte aligned (scalar loader) and aligned
     strided ones (vector loader), split and not."""
     _gpu_or_skip()
-    torch = pytest.importorskip("torch")
+    torch = optional("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch without CUDA")
     rng = np.random.default_rng(12)
@@ -670,7 +671,7 @@ def test_gpu_mma_strided_and_unaligned_views(monkeypatch):
     """Prefill on torch views: rows 16-byte aligned with a padded row stride (tensor
     cores) and rows not 16-byte aligned (CUDA-core fallback)."""
     _gpu_or_skip()
-    torch = pytest.importorskip("torch")
+    torch = optional("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch without CUDA")
     _splits(monkeypatch, None)
@@ -944,7 +945,7 @@ def test_import_fastattn_does_not_import_cuda():
 
 
 def _load_build():
-    pytest.importorskip("setuptools")
+    optional("setuptools")
     spec = importlib.util.spec_from_file_location("fastattn_cuda_build_test", BUILD_PY)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -985,7 +986,7 @@ def test_build_extension_with_nvcc(tmp_path, monkeypatch):
     """nvcc builds fastattn._cuda from this tree (one architecture, to stay quick);
     the module imports and, without a GPU, reports no device; its record table is
     the one the emulator reads."""
-    pytest.importorskip("setuptools")
+    optional("setuptools")
     _, rec = _record(monkeypatch)
     r = subprocess.run(
         [sys.executable, BUILD_PY, "--build-lib", str(tmp_path), "--archs", "80"],

@@ -19,7 +19,7 @@ import textwrap
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import assert_close, randn
+from conftest import assert_close, optional, randn
 
 import fastattn
 from fastattn import reference as ref
@@ -838,7 +838,7 @@ def test_attention_weights_bshd_2d_and_bad_rows(rng):
 
 
 def test_plot_attention_weights(rng):
-    mpl = pytest.importorskip("matplotlib")
+    mpl = optional("matplotlib")
     mpl.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -875,7 +875,7 @@ def test_family_exports():
 @pytest.mark.parametrize("interleaved", [None, False])  # None: flash-attn's default (True, GPT-J pairs)
 @pytest.mark.parametrize("cache_batch_idx", [None, [2, 0]])
 def test_flash_compat_with_kvcache_rotary(rng, causal, interleaved, cache_batch_idx):
-    fc = pytest.importorskip("fastattn.flash_compat")
+    fc = optional("fastattn.flash_compat")
     B, Bc, Hq, Hk, S, D, T = 2, 3, 4, 2, 24, 16, 2
     kc = randn(rng, (Bc, S, Hk, D), np.float16)
     vc = randn(rng, (Bc, S, Hk, D), np.float16)

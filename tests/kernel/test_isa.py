@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import ISAS, assert_close, check_sdpa, randn
+from conftest import ISAS, assert_close, check_sdpa, optional, randn
 
 import fastattn
 from fastattn import _kernels
@@ -95,7 +95,7 @@ def test_v_column_panels(isa, rng, G, L, Dv, dt):
 def test_single_row_long_tiles_options(isa, rng, dt, opt):
     from fastattn import reference as ref
 
-    dtype = np.dtype(np.float16) if dt == "float16" else np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
+    dtype = np.dtype(np.float16) if dt == "float16" else np.dtype(optional("ml_dtypes").bfloat16)
     B = 2 if opt == "key_lengths" else 1
     for G in (1, 4, 8):  # one row; four and eight stacked GQA rows
         opts = {
@@ -155,7 +155,7 @@ def test_decode_rows_beyond_l3(isa, rng, dt, G, L):
 def test_16bit_conversion(isa, rng, dt):
     from fastattn import reference as ref
 
-    dtype = np.dtype(np.float16) if dt == "float16" else np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
+    dtype = np.dtype(np.float16) if dt == "float16" else np.dtype(optional("ml_dtypes").bfloat16)
     q = randn(rng, (1, 2, 49, 24))
     k, v = (randn(rng, (1, 2, 65, 24)).astype(dtype) for _ in range(2))
     assert_close(sdpa(q, k, v), ref.scaled_dot_product_attention(q, k, v), np.float32)

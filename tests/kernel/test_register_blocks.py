@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import check_sdpa, randn
+from conftest import check_sdpa, optional, randn
 
 import fastattn
 from fastattn import reference as ref
@@ -56,7 +56,7 @@ def test_sixteen_bit_queries(isa, rng, qdt):
     # wrong place is off by O(1).
     tol = 4e-3
     if qdt == "bfloat16":
-        ml_dtypes = pytest.importorskip("ml_dtypes")
+        ml_dtypes = optional("ml_dtypes")
         qdt, tol = ml_dtypes.bfloat16, 3e-2
     q = randn(rng, (1, 3, 14, 40)).astype(qdt)
     k = randn(rng, (1, 3, 40, 40)).astype(qdt)

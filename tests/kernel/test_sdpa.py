@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_close, check_sdpa, randn
+from conftest import assert_close, check_sdpa, optional, randn
 
 import fastattn
 from fastattn import reference as ref
@@ -367,12 +367,12 @@ def test_hand_computed():
 
 @pytest.mark.parametrize("dt", ["float16", "bfloat16"])
 def test_16bit_inputs(rng, dt):
-    dtype = np.dtype(np.float16) if dt == "float16" else np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
+    dtype = np.dtype(np.float16) if dt == "float16" else np.dtype(optional("ml_dtypes").bfloat16)
     q, k, v = (randn(rng, (1, 2, n, 32)).astype(dtype) for n in (40, 70, 70))
     o = sdpa(q, k, v, is_causal=True)
     assert o.dtype == dtype
     # Inputs are exact in the 16-bit type; the result is rounded once to it.
-    eps = float(pytest.importorskip("ml_dtypes").finfo(dtype).eps)
+    eps = float(optional("ml_dtypes").finfo(dtype).eps)
     assert_close(o, ref.scaled_dot_product_attention(q, k, v, is_causal=True), tol=2 * eps)
     o32 = sdpa(q.astype(np.float32), k, v, is_causal=True)
     assert o32.dtype == np.float32

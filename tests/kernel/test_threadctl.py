@@ -14,7 +14,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import assert_close, randn
+from conftest import assert_close, optional, randn
 
 import fastattn
 from fastattn import reference as ref
@@ -102,7 +102,7 @@ def test_default_from_environment_sets_the_team_size(env, expected):
 
 @needs_omp_linux
 def test_threadpoolctl_limit_reaches_the_kernel():
-    pytest.importorskip("threadpoolctl")
+    optional("threadpoolctl")
     r = _child(["none", 3], {"OMP_NUM_THREADS": "3"}, limit=1)
     assert r["default"] == 3 and r["default_limited"] == 1
     b = r["before"]
@@ -111,7 +111,7 @@ def test_threadpoolctl_limit_reaches_the_kernel():
 
 @pytest.mark.skipif(not OPENMP, reason="built without OpenMP")
 def test_threadpoolctl_finds_fastattns_openmp():
-    threadpoolctl = pytest.importorskip("threadpoolctl")
+    threadpoolctl = optional("threadpoolctl")
     kernels = os.path.realpath(fastattn._kernels.__file__)
     info = [i for i in threadpoolctl.threadpool_info() if i["user_api"] == "openmp"]
     assert info, threadpoolctl.threadpool_info()

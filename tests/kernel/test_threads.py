@@ -10,7 +10,7 @@ import tempfile
 
 import numpy as np
 import pytest
-from conftest import check_sdpa, randn
+from conftest import check_sdpa, optional, randn
 
 import fastattn
 
@@ -81,7 +81,7 @@ def test_fastattn_num_threads_overrides_omp():
 
 
 def test_threadpoolctl_limits():
-    threadpoolctl = pytest.importorskip("threadpoolctl")
+    threadpoolctl = optional("threadpoolctl")
     if not fastattn._config.config()["openmp"]:
         pytest.skip("built without OpenMP")
     with threadpoolctl.threadpool_limits(limits=1, user_api="openmp"):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ISAS, check_sdpa, randn
+from conftest import ISAS, check_sdpa, optional, randn
 
 import fastattn
 from fastattn import _kernels
@@ -188,7 +188,7 @@ def test_forced_rows_bit_identical_over_threads(isa, rng, rows):
 
 
 def test_bfloat16_forced_rows(rng):
-    ml_dtypes = pytest.importorskip("ml_dtypes")
+    ml_dtypes = optional("ml_dtypes")
     for rows in (32, 100, 512):
         fastattn.set_tiles(rows)
         q = randn(rng, (1, 4, 1050, 64)).astype(ml_dtypes.bfloat16)
@@ -273,7 +273,7 @@ def test_head_k_buffer_against_reference(isa, rng, D):
 
 @pytest.mark.parametrize("D", [160, 256])
 def test_bfloat16_large_head_dims_at_the_derived_block(rng, D):
-    ml_dtypes = pytest.importorskip("ml_dtypes")
+    ml_dtypes = optional("ml_dtypes")
     q, k, v = (randn(rng, (1, 2, 1050, D)).astype(ml_dtypes.bfloat16) for _ in range(3))
     for causal in (False, True):
         out = sdpa(q, k, v, is_causal=causal).astype(np.float64)

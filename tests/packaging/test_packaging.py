@@ -13,6 +13,7 @@ import sys
 import tempfile
 
 import pytest
+from conftest import optional
 
 import fastattn
 from fastattn import _build_config, _config, _kernels, functional, jax_compat, kvcache, merge
@@ -127,7 +128,7 @@ def test_typing_files_are_package_data():
     assert os.path.exists(os.path.join(PKG, "py.typed"))
     if not SOURCE_TREE:
         pytest.skip("installed copy: the files above are what was installed")
-    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    tomllib = optional("tomllib")  # Python >= 3.11
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         data = tomllib.load(f)["tool"]["setuptools"]["package-data"]["fastattn"]
     for pattern in ("*.pyi", "py.typed"):

@@ -12,9 +12,9 @@ import os
 
 import ml_dtypes
 import numpy as np
-import pytest
+from conftest import optional
 
-hypothesis = pytest.importorskip("hypothesis")
+hypothesis = optional("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.extra import numpy as hnp  # noqa: E402

@@ -4,12 +4,11 @@ the float64 reference (hypothesis)."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
-from conftest import check_sdpa
+from conftest import check_sdpa, optional
 
 import fastattn
 
-hypothesis = pytest.importorskip("hypothesis")
+hypothesis = optional("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 

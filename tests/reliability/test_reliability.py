@@ -23,7 +23,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from conftest import ISAS, assert_close, randn, under_asan
+from conftest import ISAS, assert_close, optional, randn, under_asan
 
 import fastattn
 from fastattn import reference as ref
@@ -236,7 +236,7 @@ def test_finfo_min_mask_gives_the_softmax(isa, rng, dtype, mdtype):
     with np.errstate(over="ignore"):
         if not np.all(np.isfinite(m.astype(dtype))):
             return
-    torch = pytest.importorskip("torch")
+    torch = optional("torch")
     t = torch.nn.functional.scaled_dot_product_attention(
         *(torch.from_numpy(np.ascontiguousarray(a)) for a in (q, k, v)),
         attn_mask=torch.from_numpy(m.astype(dtype)),
@@ -381,7 +381,7 @@ def test_out_overlap_with_non_ndarray_mask():
     out = np.zeros((1, 1, 4, 4), np.float32)  # Dv == S: out can be read as a mask
     with pytest.raises(ValueError, match="attn_mask"):
         sdpa(q, q, q, memoryview(out), out=out)
-    torch = pytest.importorskip("torch")
+    torch = optional("torch")
     with pytest.raises(ValueError, match="attn_mask"):
         sdpa(q, q, q, torch.from_numpy(out), out=out)
     with pytest.raises(ValueError, match="attn_mask"):
