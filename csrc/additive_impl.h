@@ -154,7 +154,10 @@ void AD_NAME(fa_additive_task)(const fa_additive_params *p, int64_t b, int64_t i
                 if (s[j] != s[j]) nan = 1;
                 else if (s[j] > mx) mx = s[j];
             }
-            if (nan) { m[r] = (REAL)NAN; }
+            /* A +inf score (a +inf mask entry, an infinite v) makes exp(s - m) =
+             * exp(inf - inf) NaN in any softmax (torch, fastattn.reference): the row
+             * is NaN, like a NaN score, not the zeros of a row with nothing visible. */
+            if (nan || mx == (REAL)INFINITY) { m[r] = (REAL)NAN; }
             if (m[r] != m[r]) continue; /* a NaN score poisons the row (set at the end) */
             REAL mn = mx > m[r] ? mx : m[r];
             if (mn == (REAL)-INFINITY) continue; /* nothing visible yet */

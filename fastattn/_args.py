@@ -147,7 +147,9 @@ def check_shapes(
             f"key and value must have the same heads and length, got key {k.shape}, value {v.shape}"
         )
     if Hq != Hk:
-        check_heads(Hq, Hk, enable_gqa)
+        # Read only here (where it decides): a named TypeError for an array or a
+        # string, instead of NumPy's "truth value is ambiguous" or a truthy "no".
+        check_heads(Hq, Hk, flag_value(enable_gqa, "enable_gqa"))
     return lead, (Hq, L, D), (Hk, S, Dv)
 
 

@@ -4,6 +4,7 @@ the cache operands, all checked before any cache is written."""
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, TypeAlias
 
@@ -14,13 +15,96 @@ from ._args import bhsd, check_heads
 from ._checks import (
     F32,
     F64,
+    INT64_MAX,
     as_array,
     bfloat16_dtype,
+    int_value,
     is_bfloat16,
     is_storage_dtype,
 )
+from ._plan import Call
 
 Array: TypeAlias = npt.NDArray[Any]
+
+# ---------------------------------------------------------------------------
+# Integers: the one checker of every integer argument of the cache front ends, flash_compat
+# and fastattn.positions.  A Python int has no size limit and a uint64 above 2**63 - 1
+# wraps to a negative int64 when converted, so each value is compared with its bounds
+# before any conversion, and reported as given.
+
+
+def index_value(x: Any, name: str, minimum: int | None = None, maximum: int = INT64_MAX) -> int:
+    """One integer argument (a Python int of any size or a NumPy integer, not a bool), in
+    ``[minimum, maximum]``; the upper bound defaults to the int64 range the kernels and
+    NumPy's index arrays hold."""
+    return int_value(x, name, minimum, maximum)
+
+
+def _object_ints(x: Any) -> Array | None:
+    """x as an object array when it is one (or a list/tuple NumPy makes one of) holding
+    only Python/NumPy ints: ints beyond int64; else None (as_array refuses other objects)."""
+    if isinstance(x, np.ndarray):
+        if x.dtype != object:
+            return None
+        a = x
+    elif isinstance(x, (list, tuple)):
+        try:
+            a = np.asarray(x, dtype=object)
+        except ValueError:  # ragged: as_array reports it
+            return None
+    else:
+        return None
+    if a.size == 0 or not all(
+        isinstance(e, numbers.Integral) and not isinstance(e, (bool, np.bool_)) for e in a.flat
+    ):
+        return None
+    if all(-(2**63) <= int(e) <= INT64_MAX for e in a.flat):
+        return None  # NumPy would not have made an object array of these
+    return a
+
+
+def indices_value(
+    x: Any,
+    name: str,
+    minimum: int | None = None,
+    maximum: int = INT64_MAX,
+    what: str = "an int or an integer array",
+    half_open: bool = False,
+    shape: tuple[int, ...] | None = None,
+) -> Array:
+    """An integer scalar or array argument, each value in ``[minimum, maximum]``, as an int64
+    array of x's shape (0-D for a scalar).  The range is checked on the values as given
+    (uint64, Python ints beyond int64) before any conversion, so that the error reports
+    them as given.  ``half_open`` words the bounds as ``[minimum, maximum + 1)``; ``shape``, when
+    given, is checked after the dtype and before the range."""
+    if type(x) is int and (minimum is None or minimum <= x) and x <= maximum and shape in (None, ()):
+        return np.array(x, dtype=np.int64)  # the common case, in range
+    if isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be {what}, got bool")
+    if isinstance(x, numbers.Integral):
+        v = int(x)
+        a = np.array(v, dtype=np.int64 if -(2**63) <= v <= INT64_MAX else object)
+    else:
+        obj = _object_ints(x)
+        a = as_array(x, name) if obj is None else obj
+    if a.dtype.kind not in "iuO":
+        raise TypeError(f"{name} must be {what}, got dtype {a.dtype}")
+    if shape is not None and a.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
+    if a.size:
+        lo, hi = int(a.min()), int(a.max())  # Python ints: exact for uint64 and object arrays
+        if (minimum is not None and lo < minimum) or hi > maximum:
+            if minimum is None:
+                bounds = f"be <= {maximum}"
+            elif half_open:
+                bounds = f"lie in [{minimum}, {maximum + 1})"
+            else:
+                bounds = f"lie in [{minimum}, {maximum}]"
+            if a.ndim == 0:
+                raise ValueError(f"{name} must {bounds}, got {lo}")
+            raise ValueError(f"{name} values must {bounds}, got range [{lo}, {hi}]")
+    return a.astype(np.int64)
+
 
 # ---------------------------------------------------------------------------
 # Key/value caches
@@ -70,7 +154,10 @@ def row_view(a: Array, idx: Array | None) -> Array | None:
 
 
 def cache_dtype_value(dtype: Any) -> np.dtype[Any]:
-    """A KV cache's storage dtype: float16, bfloat16, float32 or float64 (``"bfloat16"`` by name too)."""
+    """A KV cache's storage dtype: float16, bfloat16, float32 or float64 (``"bfloat16"`` by name
+    too); None is the documented default, float32 (not NumPy's ``np.dtype(None)``, float64)."""
+    if dtype is None:
+        return F32
     try:
         dt = bfloat16_dtype() if isinstance(dtype, str) and dtype == "bfloat16" else np.dtype(dtype)
     except TypeError:
@@ -86,26 +173,27 @@ def batch_indices(batch_index: Any, B: int, name: str = "batch_index") -> Array 
         return None
     if isinstance(batch_index, slice):
         return np.arange(B, dtype=np.int64)[batch_index]
-    if isinstance(batch_index, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an int, a slice or an integer array, got bool")
-    if isinstance(batch_index, numbers.Integral):
+    what = "an int, a slice or an integer array"
+    if isinstance(batch_index, numbers.Integral) and not isinstance(batch_index, (bool, np.bool_)):
         i = int(batch_index)
         if not 0 <= i < B:
             raise ValueError(f"{name} {i} is out of range for a batch of {B}")
         return np.array([i], dtype=np.int64)
-    a = as_array(batch_index, name)
+    if isinstance(batch_index, (bool, np.bool_)):
+        raise TypeError(f"{name} must be {what}, got bool")
+    a = _object_ints(batch_index)
+    if a is None:
+        a = as_array(batch_index, name)
     if a.ndim == 1 and a.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if a.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be an int, a slice or an integer array, got dtype {a.dtype}")
+    if a.dtype.kind not in "iuO":
+        raise TypeError(f"{name} must be {what}, got dtype {a.dtype}")
     if a.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
-    if a.size and (a.min() < 0 or a.max() >= B):
-        raise ValueError(f"{name} values must lie in [0, {B}), got range [{a.min()}, {a.max()}]")
-    a = a.astype(np.int64)
-    if np.unique(a).size != a.size:
+    idx = indices_value(a, name, 0, B - 1, what, half_open=True)
+    if np.unique(idx).size != idx.size:
         raise ValueError(f"{name} must not repeat an index")
-    return a
+    return idx
 
 
 def new_tokens(x: Any, name: str, layout: str) -> Array:
@@ -176,10 +264,39 @@ def rotation_fits(k: Array, dt: np.dtype[Any]) -> bool:
     sqrt(2) * max|k| in magnitude) cannot overflow the cache dtype dt."""
     if k.size == 0:
         return True
-    with np.errstate(invalid="ignore"):
-        a = np.abs(k.astype(F64) if k.dtype != F64 else k)
-    m = float(np.max(a, where=np.isfinite(a), initial=0.0))
+    m = float(np.abs(k).max())  # in k's dtype: one pass, no float64 copy (decode steps)
+    if not math.isfinite(m):  # an inf or NaN given: the largest finite value decides
+        with np.errstate(invalid="ignore"):
+            a = np.abs(k.astype(F64) if k.dtype != F64 else k)
+        m = float(np.max(a, where=np.isfinite(a), initial=0.0))
     return m * 1.4142136 < _max_finite(dt) * 0.999
+
+
+def overflow_error(
+    given: Array, out: Array, name: str, rotated: bool = False, bshd: bool = False
+) -> str | None:
+    """The error message when ``out`` (``given`` converted, or rotated with ``rotated``) holds
+    an inf that ``given`` did not: a finite value beyond the range of out's dtype.  None when
+    there is none.  An inf given stays inf; rotated, a non-finite value spreads to its pair,
+    so a row of ``given`` with any non-finite value may hold infs.  ``bshd``: given is the
+    bhsd view of the caller's bshd array, whose index the message reports."""
+    inf = np.isinf(out)
+    if not inf.any():
+        return None
+    with np.errstate(invalid="ignore"):
+        had = np.isinf(given) if not rotated else ~np.isfinite(given).all(axis=-1, keepdims=True)
+    lost = inf & ~had
+    if not lost.any():
+        return None
+    where = tuple(int(i) for i in np.argwhere(lost)[0])
+    value = float(given[where])
+    if bshd:
+        where = where[:-3] + (where[-2], where[-3], where[-1])
+    what = "value(s) whose rotation is" if rotated else "value(s)"
+    return (
+        f"{name} holds {int(lost.sum())} {what} beyond the range of {out.dtype} "
+        f"(e.g. {value!r} at index {where}), which would be inf"
+    )
 
 
 def to_cache_dtype(
@@ -189,57 +306,127 @@ def to_cache_dtype(
     rot: Any = None,
     pos: Array | None = None,
     num_threads: int | None = None,
+    bshd: bool = False,
 ) -> Array:
     """``a`` converted to the cache dtype ``dt`` (rotated at ``pos`` first with ``rot``, a
     fastattn.positions cache rotary); ValueError when a finite value becomes inf (beyond
-    the dtype's range), so that nothing is lost silently.  Called before any write."""
+    the dtype's range), so that nothing is lost silently.  Called before any write.
+    ``bshd``: a is the bhsd view of the caller's bshd array (for the error's index)."""
     if rot is not None:
-        from . import positions
-
-        rotate: Any = positions.rotate  # (Any: typed or not, positions is another module's)
-        contiguous: Any = positions.last_contiguous
-        src = a if is_storage_dtype(a.dtype) else a.astype(rot.cos.dtype)
         c = np.empty(a.shape, dtype=dt)
         with np.errstate(over="ignore", invalid="ignore"):
-            rotate(contiguous(src), c, pos, rot.cos, rot.sin, rot.interleaved, num_threads)
+            rot.rotate_into(a, c, pos, num_threads)
     elif a.dtype == dt:
         return a
     else:
         with np.errstate(over="ignore", invalid="ignore"):
             c = a.astype(dt)
-    inf = np.isinf(c)
-    if inf.any():
-        # an inf given stays inf; rotated, it may spread to its pair: any non-finite input in a row
-        given = np.isinf(a) if rot is None else ~np.isfinite(a).all(axis=-1, keepdims=True)
-        lost = inf & ~given
-        if lost.any():
-            where = tuple(int(i) for i in np.argwhere(lost)[0])
-            raise ValueError(
-                f"{name} holds {int(lost.sum())} value(s) beyond the range of the cache dtype {dt} "
-                f"(e.g. {float(a[where])!r} at index {where}), which would be stored as inf; nothing was "
-                "written. Use a wider cache dtype (float32) or rescale the values."
-            )
+    msg = overflow_error(a, c, name, rot is not None, bshd)
+    if msg is not None:
+        raise ValueError(
+            f"{msg} in the {dt} cache; nothing was written. Use a wider cache dtype or rescale the values."
+        )
     return c
+
+
+def keys_to_write(
+    k: Array,
+    dt: np.dtype[Any],
+    name: str,
+    rot: Any,
+    pos: Array | None,
+    num_threads: int | None = None,
+    bshd: bool = False,
+) -> tuple[Array, bool]:
+    """The new keys ``k`` (bhsd) of every cache front end (KVCache, attention_with_kvcache,
+    flash_attn_with_kvcache), checked before any write: ``(keys, rotate_while_writing)``.
+    Unrotated: k in the cache dtype ``dt``.  Rotated (``rot`` at positions ``pos``): k itself
+    when the rotation cannot overflow ``dt`` (then rotated and converted in the C pass that
+    writes it), else rotated into a checked buffer (ValueError naming ``name`` when a
+    rotated value overflows), written as unrotated keys are."""
+    if rot is not None and rotation_fits(k, dt):
+        return k, True
+    return to_cache_dtype(k, dt, name, rot, pos, num_threads, bshd), False
+
+
+def write_tokens(
+    kc: Array,
+    vc: Array,
+    rows: Array | None,
+    starts: Array,
+    kw: Array,
+    vw: Array,
+    rot: Any = None,
+    kpos: Array | None = None,
+    num_threads: int | None = None,
+) -> None:
+    """Write the new tokens ``kw``/``vw`` (bhsd ``(n, Hk, T, D/Dv)``, from :func:`keys_to_write`
+    and :func:`to_cache_dtype`) into the bhsd caches ``kc``/``vc``: token t of row r into
+    cache row ``rows[r]`` (None: r) at position ``starts[r] + t``.  With ``rot``, kw is
+    rotated at ``kpos`` in the C pass that writes it."""
+    n, T = kw.shape[0], kw.shape[2]
+    if not (n and T):
+        return
+    kv = kc[:n] if rows is None else row_view(kc, rows)
+    vv = vc[:n] if rows is None else row_view(vc, rows)
+    rows_l = list(range(n)) if rows is None else rows.tolist()
+    if rot is not None:
+        assert kpos is not None
+        if kv is not None:
+            rot.append(kw, kv, kpos, num_threads)
+        else:
+            for r, b in enumerate(rows_l):
+                rot.append(kw[r : r + 1], kc[b : b + 1], kpos[r : r + 1], num_threads)
+    starts_l = starts.tolist()
+    if starts_l.count(starts_l[0]) == len(starts_l):  # one slice per cache (a few rows: no ufunc)
+        s0 = starts_l[0]
+        if kv is not None and vv is not None:
+            if rot is None:
+                kv[:, :, s0 : s0 + T] = kw
+            vv[:, :, s0 : s0 + T] = vw
+        else:
+            if rot is None:
+                kc[rows_l, :, s0 : s0 + T] = kw
+            vc[rows_l, :, s0 : s0 + T] = vw
+        return
+    for r, (b, s) in enumerate(zip(rows_l, starts_l)):
+        if rot is None:
+            kc[b, :, s : s + T] = kw[r]
+        vc[b, :, s : s + T] = vw[r]
+
+
+def reread_written(call: Call, kc: Array, vc: Array, starts: Array, T: int) -> None:
+    """After :func:`write_tokens`: make ``call`` see the tokens just written.
+
+    A call checked before the write reads the caches in place, unless the kernel cannot
+    read them there: a last axis that is not contiguous (K kept transposed), a misaligned
+    or byte-swapped cache.  Then its plan holds a copy made before the write, which would
+    miss the new tokens; copy them into it from the cache (``kc``/``vc``: the bhsd views of
+    the rows the call reads, row r written at ``starts[r] .. + T``), so that the attention
+    sees exactly what the cache holds (O(new tokens), not a second copy of the cache)."""
+    plan = call.plan
+    if plan is None or T == 0:
+        return
+    for held, cache in ((plan.k, kc), (plan.v, vc)):
+        if held.size == 0 or np.may_share_memory(held, cache):
+            continue  # read in place: sees the write
+        if np.all(starts == starts[0]):
+            s0 = int(starts[0])
+            held[:, :, s0 : s0 + T] = cache[:, :, s0 : s0 + T]
+        else:
+            for r, s in enumerate(starts.tolist()):
+                held[r, :, s : s + T] = cache[r, :, s : s + T]
 
 
 def seqlens_value(x: Any, name: str, B: int, limit: int | None = None, note: str = "") -> Array:
     """Per-sequence lengths from an int or a ``(B,)`` (or 0-D) integer array, as int64
-    ``(B,)``; with ``limit``, each in ``[0, limit]``."""
-    if isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_)):
-        if limit is not None and not 0 <= int(x) <= limit:  # before np.full: beyond int64 is OverflowError
-            raise ValueError(f"{name} must lie in [0, {limit}], got {x}")
-        return np.full(B, int(x), dtype=np.int64)
-    a = as_array(x, name)
-    if a.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be an int or an integer array, got dtype {a.dtype}")
+    ``(B,)``; each in ``[0, limit]`` (``[0, 2**63 - 1]`` without a limit)."""
+    a = indices_value(x, name, 0, INT64_MAX if limit is None else limit)
     if a.ndim == 0:
-        a = np.broadcast_to(a, (B,))
+        return np.full(B, int(a), dtype=np.int64)
     if a.shape != (B,):
         raise ValueError(f"{name} must have shape ({B},){note}, got {a.shape}")
-    seq = a.astype(np.int64)
-    if limit is not None and seq.size and (seq.min() < 0 or seq.max() > limit):
-        raise ValueError(f"{name} values must lie in [0, {limit}], got range [{seq.min()}, {seq.max()}]")
-    return seq
+    return a
 
 
 def cache_operands(

@@ -2,13 +2,28 @@
 and nowhere else, except the CUDA launcher's escape hatches and test hooks
 (``FASTATTN_CUDA_MMA``, ``FASTATTN_CUDA_DECODE``, ``FASTATTN_CUDA_SPLITS``),
 which csrc/cuda/attention.cu reads at each launch so that they can change
-between calls; ``show_config()`` reports every one of them."""
+between calls; ``show_config()`` reports every one of them.
+
+An invalid ``FASTATTN_NUM_THREADS``, ``FASTATTN_ISA`` or ``FASTATTN_TILES``
+(garbage, out of range, or an ISA path this CPU cannot run) does not make
+``import fastattn`` fail: the knob is ignored (its default is used), a
+``RuntimeWarning`` naming the variable and its accepted values is issued at
+import, and :func:`env_problems` / ``show_config()`` list it.  Why not an
+ImportError: the command line (``fastattn info``, the diagnosis command, and
+``--help``) lives in this package, so a failing import would leave no way to
+show the problem but a traceback.  The commands that compute (``fastattn check``,
+``fastattn bench``) refuse to run while a knob is ignored, and the test suite
+refuses to start (tests/conftest.py), so no result is reported for a
+configuration that was asked for but not applied.
+"""
 
 from __future__ import annotations
 
 import os
 import platform
 import sys
+import warnings
+from numbers import Integral
 from typing import Any, Literal, cast
 
 from . import _build_config, _kernels
@@ -25,6 +40,7 @@ __all__ = [
     "set_float32_matmul_precision",
     "get_tiles",
     "set_tiles",
+    "env_problems",
 ]
 
 # Read by the CUDA launcher itself at each call (see the module docstring); reported here.
@@ -35,16 +51,65 @@ _ENV_ISA = os.environ.get("FASTATTN_ISA")
 _ENV_TILES = os.environ.get("FASTATTN_TILES")
 _thread_override: int | None = None
 
+# Knobs ignored at import: variable -> the one-line reason (see the module docstring).
+_ENV_PROBLEMS: dict[str, str] = {}
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def env_problems() -> dict[str, str]:
+    """The ``FASTATTN_*`` environment variables ignored at import (invalid values), each
+    with a one-line message naming it and its accepted values; empty when all are valid."""
+    return dict(_ENV_PROBLEMS)
+
+
+def refusal_lines(command: str) -> list[str]:
+    """What ``command`` (a command that checks or times the kernel: ``fastattn check``,
+    ``fastattn bench``) prints instead of running while a knob is ignored: one line per
+    variable; empty when none is."""
+    return [
+        f"{command}: not run, because {msg}; fix or unset {var} (`fastattn info` runs with it)"
+        for var, msg in _ENV_PROBLEMS.items()
+    ]
+
+
+def _importer_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside this package: the code that imported
+    fastattn (the import system's own frames are skipped by ``warnings``, and so here)."""
+    level, f = 2, sys._getframe(2)  # 1: _ignore_env, 2: its caller
+    while f is not None:
+        name = f.f_code.co_filename
+        internal = "importlib" in name and "_bootstrap" in name
+        if not internal:
+            if not os.path.abspath(name).startswith(_HERE + os.sep):
+                return level
+            level += 1
+        f = f.f_back  # type: ignore[assignment]
+    return 1
+
+
+def _ignore_env(var: str, value: str, expected: str, default: str) -> None:
+    """Record an invalid knob and warn once, at import, on one line."""
+    msg = f"{var}={value!r} ignored: expected {expected}; using {default}"
+    _ENV_PROBLEMS[var] = msg
+    warnings.warn(msg, RuntimeWarning, stacklevel=_importer_stacklevel())
+
 
 def _parse_threads(value: str | None) -> int | None:
+    """FASTATTN_NUM_THREADS: None when unset or empty; an integer in [1, MAX_THREADS]."""
     if value is None or value.strip() == "":
         return None
     try:
         n = int(value)
     except ValueError:
-        raise ValueError(f"FASTATTN_NUM_THREADS must be a positive integer, got {value!r}") from None
+        n = 0
     if not 1 <= n <= MAX_THREADS:
-        raise ValueError(f"FASTATTN_NUM_THREADS must be an integer in [1, {MAX_THREADS}], got {value!r}")
+        _ignore_env(
+            "FASTATTN_NUM_THREADS",
+            value,
+            f"an integer in [1, {MAX_THREADS}]",
+            "the default thread count (OpenMP's)",
+        )
+        return None
     return n
 
 
@@ -71,11 +136,12 @@ def set_num_threads(n: int | None) -> None:
     if n is None:
         _thread_override = None
         return
-    if isinstance(n, bool) or not isinstance(n, int):
+    # Any integer but a bool (NumPy's too), like every integer argument (_checks.int_value).
+    if isinstance(n, bool) or not isinstance(n, Integral):
         raise TypeError(f"num_threads must be an int, got {type(n).__name__}")
-    if not 1 <= n <= MAX_THREADS:
+    if not 1 <= int(n) <= MAX_THREADS:
         raise ValueError(f"num_threads must be in [1, {MAX_THREADS}], got {n}")
-    _thread_override = n
+    _thread_override = int(n)
 
 
 # torch's float32 matmul precision levels (codes shared with csrc/fastattn.h); the
@@ -146,11 +212,17 @@ def set_isa(isa: str) -> None:
         )
 
 
-if _ENV_ISA:
+if _ENV_ISA and _ENV_ISA.strip():
     try:
         set_isa(_ENV_ISA.strip().lower())
-    except ValueError as e:
-        raise ImportError(f"FASTATTN_ISA={_ENV_ISA!r}: {e}") from None
+    except ValueError:
+        _ignore_env(
+            "FASTATTN_ISA",
+            _ENV_ISA,
+            f"one of {', '.join(_kernels.ISA_NAMES)} that this CPU runs "
+            f"({', '.join(i for i in _kernels.ISA_NAMES if _kernels.cpu_has(i))})",
+            f"the default path {_kernels.isa_get()!r}",
+        )
 
 # The most stacked rows per task a row block may have (csrc/tiles.h, FA_ROWS_MAX).
 TILES_ROWS_MAX = 4096
@@ -173,11 +245,12 @@ def set_tiles(rows: int | None) -> None:
     if rows is None:
         _kernels.tiles_set_rows(0)
         return
-    if isinstance(rows, bool) or not isinstance(rows, int):
+    # Any integer but a bool (NumPy's too), like every integer argument (_checks.int_value).
+    if isinstance(rows, bool) or not isinstance(rows, Integral):
         raise TypeError(f"rows must be an int or None, got {type(rows).__name__}")
-    if not 1 <= rows <= TILES_ROWS_MAX:
+    if not 1 <= int(rows) <= TILES_ROWS_MAX:
         raise ValueError(f"rows must be in [1, {TILES_ROWS_MAX}], got {rows}")
-    _kernels.tiles_set_rows(rows)
+    _kernels.tiles_set_rows(int(rows))
 
 
 def get_tiles() -> int | None:
@@ -189,18 +262,30 @@ def get_tiles() -> int | None:
 if _ENV_TILES and _ENV_TILES.strip():
     try:
         set_tiles(int(_ENV_TILES))
-    except ValueError as e:
-        raise ImportError(
-            f"FASTATTN_TILES={_ENV_TILES!r}: must be an integer in [1, {TILES_ROWS_MAX}] ({e})"
-        ) from None
+    except ValueError:
+        _ignore_env(
+            "FASTATTN_TILES",
+            _ENV_TILES,
+            f"an integer in [1, {TILES_ROWS_MAX}]",
+            "the row blocks derived from the caches",
+        )
 
 
 def _module_version(name: str) -> str | None:
-    """Version of an imported-or-importable module, None when it is missing."""
-    try:
-        return str(__import__(name).__version__)
-    except Exception:  # noqa: BLE001 - optional dependency
-        return None
+    """Installed version of a distribution, None when it is missing.
+
+    Read from the package metadata, not by importing the module: ``import ml_dtypes``
+    alone took 4.2 s of ``fastattn info``'s 4-7 s (it imports its own dependencies)."""
+    from importlib import metadata
+
+    for dist in dict.fromkeys((name, name.replace("_", "-"))):  # Python 3.9 does not normalize
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        except Exception:  # noqa: BLE001 - broken metadata: report it as missing, never fail
+            return None
+    return None
 
 
 def config() -> dict[str, Any]:
@@ -257,10 +342,18 @@ def config() -> dict[str, Any]:
         "cuda_built": cuda_built,
         "cuda_available": cuda_available,
         **{k: os.environ.get(k) for k in _CUDA_LAUNCH_KNOBS},
+        # ignored at import (invalid values; their defaults are in use): variable -> why
+        "ignored environment variables": env_problems(),
     }
 
 
 def show_config() -> None:
     """Print version, compiler, kernel path, OpenMP, threads and CUDA build."""
     for k, v in config().items():
+        if k == "ignored environment variables":
+            # one line each, in full: the line says what was expected and what is used instead
+            print(f"{k:32s} {'none' if not v else ''}".rstrip())
+            for msg in v.values():
+                print(f"  {msg}")
+            continue
         print(f"{k:32s} {v}")

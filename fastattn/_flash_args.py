@@ -10,7 +10,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _torch_bridge
-from ._checks import as_array, int_value
+from ._cache_args import index_value
+from ._checks import as_array
 
 
 def array_value(x: Any, name: str, *, writable: bool = False) -> np.ndarray:
@@ -50,8 +51,8 @@ def window_size_value(window_size: Any) -> tuple[int, int] | None:
     """flash-attn's (left, right), -1 = unbounded; None when both sides are unbounded."""
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
-    left = int_value(window_size[0], "window_size[0]", -1)
-    right = int_value(window_size[1], "window_size[1]", -1)
+    left = index_value(window_size[0], "window_size[0]", -1)
+    right = index_value(window_size[1], "window_size[1]", -1)
     return None if (left, right) == (-1, -1) else (left, right)
 
 

@@ -4,17 +4,25 @@ the attention over the cache."""
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import numpy as np
 
 from . import _torch_bridge, positions
 from ._args import sdpa_call
+from ._cache_args import (
+    index_value,
+    indices_value,
+    keys_to_write,
+    reread_written,
+    seqlens_value,
+    to_cache_dtype,
+    write_tokens,
+)
 from ._cache_args import is_real_float as _is_real_float
 from ._cache_args import query_dtype_ok as _query_dtype_ok
 from ._cache_args import row_view as _rows
-from ._checks import int_value, is_storage_dtype
+from ._checks import is_storage_dtype
 from ._flash_args import alibi_value as _alibi
 from ._flash_args import array_value as _array
 from ._flash_args import check_ndim as _ndim
@@ -27,28 +35,10 @@ from ._flash_args import wrap as _wrap
 _CacheRotary: Any = positions.CacheRotary
 
 
-def _per_batch_ints(x: Any, name: str, B: int) -> np.ndarray:
-    if isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_)):
-        return np.full(B, int(x), dtype=np.int64)
-    a = _array(x, name)
-    if a.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be an int or an integer array, got dtype {a.dtype}")
-    if a.ndim == 0:
-        a = np.broadcast_to(a, (B,))
-    if a.shape != (B,):
-        raise ValueError(f"{name} must have shape ({B},) (the batch of q), got {a.shape}")
-    return a.astype(np.int64)
-
-
-def _to_cache_dtype(x: np.ndarray, dt: np.dtype, name: str) -> np.ndarray:
-    if x.dtype == dt:
-        return x
-    with np.errstate(over="ignore", invalid="ignore"):
-        y = x.astype(dt)
-        overflow = ~np.isfinite(y) & np.isfinite(x)
-    if np.any(overflow):
-        raise ValueError(f"{name} holds values beyond the range of the {dt} cache (they would become inf)")
-    return y
+def _ints(x: Any, name: str) -> Any:
+    """An integer argument as the shared checker takes it: a CPU tensor as its array, anything
+    else as given (a list of Python ints beyond int64 must reach the checker unconverted)."""
+    return _array(x, name) if _torch_bridge.is_tensor(x) else x
 
 
 def flash_attn_with_kvcache(
@@ -100,7 +90,9 @@ def flash_attn_with_kvcache(
     rotary_dim up to headdim is accepted (flash-attn's GPU kernel needs a
     multiple of 16).
 
-    Every check runs before anything is written.  ``block_table``, and rotary
+    Every check runs before anything is written; the attention reads exactly what
+    the caches hold after the write, strided or misaligned caches included (K kept
+    transposed).  ``block_table``, and rotary
     together with a nonzero ``cache_leftpad``, raise ``NotImplementedError``;
     ``num_splits`` only tunes flash-attn's GPU kernel and changes nothing here.
     """
@@ -108,7 +100,7 @@ def flash_attn_with_kvcache(
     if block_table is not None:
         raise NotImplementedError("block_table (paged KV cache) is not supported by fastattn")
     _flag(rotary_interleaved, "rotary_interleaved")
-    int_value(num_splits, "num_splits", 0)
+    index_value(num_splits, "num_splits", 0)
     ret = _flag(return_softmax_lse, "return_softmax_lse")
     is_causal = _flag(causal, "causal")
     window = _window_size(window_size)
@@ -147,14 +139,8 @@ def flash_attn_with_kvcache(
             raise ValueError(f"k_cache holds {Bc} sequences but q has {B}; pass cache_batch_idx")
         idx = None
     else:
-        ia = _array(cache_batch_idx, "cache_batch_idx")
-        if ia.shape != (B,):
-            raise ValueError(f"cache_batch_idx must have shape ({B},) (the batch of q), got {ia.shape}")
-        if ia.dtype.kind not in "iu":
-            raise TypeError(f"cache_batch_idx must be an integer array, got dtype {ia.dtype}")
-        if ia.size and (ia.min() < 0 or ia.max() >= Bc):
-            raise ValueError(f"cache_batch_idx values must lie in [0, {Bc}), got [{ia.min()}, {ia.max()}]")
-        idx = ia.astype(np.int64)
+        ia = _ints(cache_batch_idx, "cache_batch_idx")
+        idx = indices_value(ia, "cache_batch_idx", 0, Bc - 1, "an integer array", half_open=True, shape=(B,))
         if appending and np.unique(idx).size != idx.size:
             raise ValueError("cache_batch_idx must not repeat an index when k and v are appended")
     rows = np.arange(B, dtype=np.int64) if idx is None else idx
@@ -164,13 +150,13 @@ def flash_attn_with_kvcache(
             raise ValueError("cache_seqlens must be given with k and v (where to write them)")
         seq = np.full(B, S, dtype=np.int64)
     else:
-        seq = _per_batch_ints(cache_seqlens, "cache_seqlens", B)
-    if seq.size and (seq.min() < 0 or seq.max() > S):
-        raise ValueError(f"cache_seqlens values must lie in [0, {S}], got [{seq.min()}, {seq.max()}]")
+        seq = seqlens_value(_ints(cache_seqlens, "cache_seqlens"), "cache_seqlens", B, S, " (the batch of q)")
     left = None
     if cache_leftpad is not None:
-        left = _per_batch_ints(cache_leftpad, "cache_leftpad", B)
-        if left.size and (left.min() < 0 or np.any(left > seq)):
+        left = seqlens_value(
+            _ints(cache_leftpad, "cache_leftpad"), "cache_leftpad", B, S, " (the batch of q)"
+        )
+        if np.any(left > seq):
             raise ValueError("cache_leftpad values must lie in [0, cache_seqlens]")
 
     T = 0
@@ -191,8 +177,8 @@ def flash_attn_with_kvcache(
             )
         if np.may_share_memory(kc, vc):
             raise ValueError("k_cache and v_cache must not share memory")
-        vw = _to_cache_dtype(va, cdt, "v")
     rot = None
+    kpos = qpos = None
     if rotary_cos is not None or rotary_sin is not None:
         rot = _CacheRotary(rotary_cos, rotary_sin, rotary_interleaved, D, cdt)
         if not appending:
@@ -204,12 +190,13 @@ def flash_attn_with_kvcache(
         qpos = rot.positions(seq, Lq) if (is_causal or local) else np.broadcast_to(seq[:, None], (B, Lq))
         rot.check(kpos, "the new keys' positions (cache_seqlens + t)")
         rot.check(qpos, "the queries' positions")
-        ka_h = np.swapaxes(ka, 1, 2)  # (B, Hk, T, D)
-        if cdt.itemsize == 2 and ka.size and np.abs(ka).max() * 1.4143 >= float(np.finfo(cdt).max):
-            # a rotated pair can grow by sqrt(2): check the rotated keys before writing anything
-            _to_cache_dtype(rot.rotate_q(ka_h, kpos), cdt, "k (rotated)")
-    elif appending:
-        kw = _to_cache_dtype(ka, cdt, "k")
+        qr = rot.rotate_q(qa.swapaxes(1, 2), qpos)  # bhsd; before any write: it checks overflow
+    if appending:
+        # The new tokens as bhsd views, converted (and checked: a value, rotated or not, that
+        # would overflow the cache dtype raises) before any write: the checks of
+        # attention_with_kvcache and KVCache.append.
+        kw, rot_direct = keys_to_write(ka.swapaxes(1, 2), cdt, "k", rot, kpos, bshd=True)
+        vw = to_cache_dtype(va.swapaxes(1, 2), cdt, "v", bshd=True)
     total = seq + T
     mask = None
     if left is not None and np.any(left):
@@ -225,7 +212,8 @@ def flash_attn_with_kvcache(
     )
     al = _alibi(alibi_slopes)
     # Every check of the attention, once, before anything is written: the calls read
-    # the caches in place (views), so they see the tokens written below.
+    # the caches in place (views), so they see the tokens written below (a cache the
+    # kernel cannot read in place is copied here, and the copy updated by reread_written).
     kview = kc[:B] if idx is None else _rows(kc, idx)
     vview = vc[:B] if idx is None else _rows(vc, idx)
     if kview is not None and vview is not None:
@@ -248,25 +236,17 @@ def flash_attn_with_kvcache(
 
     # ---- write (nothing has been modified before this point)
     if T and B:
-        seq_l = seq.tolist()
-        if rot is not None:  # keys rotated and written in one C pass over the new tokens
-            if kview is not None:
-                rot.append(ka_h, np.swapaxes(kview, 1, 2), kpos)
-            else:
-                for b, c in enumerate(rows.tolist()):
-                    rot.append(ka_h[b : b + 1], np.swapaxes(kc[c : c + 1], 1, 2), kpos[b : b + 1])
-        if len(set(seq_l)) == 1 and kview is not None and vview is not None:
-            s0 = seq_l[0]
-            if rot is None:
-                kview[:, s0 : s0 + T] = kw
-            vview[:, s0 : s0 + T] = vw
+        kch, vch = kc.swapaxes(1, 2), vc.swapaxes(1, 2)  # the caches' bhsd views
+        write_tokens(kch, vch, idx, seq, kw, vw, rot if rot_direct else None, kpos)
+        # A cache the kernel cannot read in place (a last axis that is not contiguous, a
+        # misaligned buffer) was copied by the checks above, before the write: the copies
+        # take the new tokens too, read back from the cache.
+        if kview is not None and vview is not None:
+            reread_written(calls[0], kview.swapaxes(1, 2), vview.swapaxes(1, 2), seq, T)
         else:
-            for b, (c, s0) in enumerate(zip(rows.tolist(), seq_l)):
-                if rot is None:
-                    kc[c, s0 : s0 + T] = kw[b]
-                vc[c, s0 : s0 + T] = vw[b]
-    if rot is not None:  # the queries rotated after every check (bhsd, as the plans hold them)
-        qr = rot.rotate_q(np.swapaxes(qa, 1, 2), qpos)
+            for b, c in enumerate(rows.tolist()):
+                reread_written(calls[b], kch[c : c + 1], vch[c : c + 1], seq[b : b + 1], T)
+    if rot is not None:  # the rotated queries (bhsd, as the plans hold them)
         calls = [c.with_queries(qr if len(calls) == 1 else qr[b : b + 1]) for b, c in enumerate(calls)]
 
     # ---- attend

@@ -66,7 +66,9 @@ def additive_attention(
 
     attn_mask: bool (True = may attend) or float (added to the scores; -inf
         excludes), broadcastable to ``(..., L, S)``.  A row whose keys are all
-        excluded gives zeros (and zero weights).
+        excluded gives zeros (and zero weights); a row with a NaN or +inf
+        score (a +inf mask entry, an infinite ``v``) gives NaN (and NaN
+        weights), as a softmax does.
     return_weights: also return the softmax weights ``(..., L, S)`` (compute
         dtype), the ones that produced the output.
     num_threads: threads for this call; None uses ``fastattn.get_num_threads()``.

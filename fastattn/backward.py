@@ -15,6 +15,7 @@ from ._args import (
     check_dtypes,
     check_shapes,
     compute_dtype,
+    layout_value,
     lengths,
     mask_value,
     per_head,
@@ -22,14 +23,29 @@ from ._args import (
     softcap_value,
     window_value,
 )
-from ._checks import F32, F64, as_array, check_float, kernel_ready, scale_value, threads_value
-from ._config import get_num_threads
+from ._checks import (
+    F32,
+    F64,
+    as_array,
+    bfloat16_dtype,
+    check_float,
+    flag_value,
+    kernel_ready,
+    scale_value,
+    threads_value,
+)
+from ._config import get_num_threads, precision_code
 from ._plan import Plan, element_strides, merged_stride
 
 __all__ = ["scaled_dot_product_attention_backward"]
 
 # Rows of the -inf LSE check gathered at a time (rows x S mask values).
 _CHECK_CHUNK = 1 << 22
+
+# The fewest stacked rows (query positions x GQA group) per key/value head for which
+# the forward sends float32 inputs to the bfloat16 tile kernel: FA_AMX_MIN_ROWS of
+# csrc/kernel.h (the extension does not export it).
+_BF16_MIN_ROWS = 32
 
 NDArray = npt.NDArray[Any]
 
@@ -54,6 +70,7 @@ def scaled_dot_product_attention_backward(
     key_lengths: npt.ArrayLike | None = None,
     query_lengths: npt.ArrayLike | None = None,
     num_threads: int | None = None,
+    precision: str | None = None,
 ) -> tuple[NDArray, ...]:
     """Gradients of :func:`fastattn.scaled_dot_product_attention` with respect to
     query, key and value (and sinks), fused and tiled as in FlashAttention-2.
@@ -77,19 +94,38 @@ def scaled_dot_product_attention_backward(
     bit-identical for every thread count.
 
     The LSE convention is the forward's: natural log, sinks included.
+
+    ``precision`` is the forward's (same values; None: the process default,
+    :func:`fastattn.get_float32_matmul_precision`): pass what the forward used.
+    Where the forward rounded float32 query, key and value to bfloat16 (precision
+    "medium" on the ``amx`` or ``avx512bf16`` path, >= 32 stacked rows per key/value
+    head), the backward rounds them the same way (copies of the three, in float32)
+    so that its recomputed scores, and so P against the forward's LSE, are the
+    forward's; elsewhere it computes float32 (at "high" the forward's bf16x3 scores
+    are within ~1e-5 relative of float32 ones).
+
+    NaN (or +inf) in the LSE, as NaN or inf inputs give the forward (float16
+    overflow under mixed precision), is not an error: as in torch, NaN propagates
+    wherever the math takes it: the row's dQ, and dK and dV of every key that
+    row sees (with sinks, d sinks of its head); dK may also be NaN where the
+    kernel multiplies the row's zero dS by a NaN query element (0 x NaN, as
+    torch's dS^T Q does).  Rows with a finite LSE keep finite gradients unless
+    they see a NaN key or value.
     """
-    if layout not in ("bhsd", "bshd"):
-        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    # The forward's checks, in its order (fastattn._args.sdpa_call).
+    prec = precision_code(precision)
+    layout = layout_value(layout)
+    causal = flag_value(is_causal, "is_causal")
     q = as_array(query, "query")
     k = as_array(key, "key")
     v = as_array(value, "value")
     check_dtypes(q, k, v)
     lead, (Hq, L, D), (Hk, S, Dv) = check_shapes(q, k, v, layout, enable_gqa)
-    sc = scale_value(scale, D, F64 if q.dtype == F64 else F32)
-    threads = threads_value(num_threads, get_num_threads)
-    wl, wr = window_value(window)
-    cap = softcap_value(softcap)
     cdt = compute_dtype(q.dtype)
+    sc = scale_value(scale, D, cdt)
+    threads = threads_value(num_threads, get_num_threads)
+    wl, wr = (-1, -1) if window is None else window_value(window)
+    cap = 0.0 if softcap is None else softcap_value(softcap)
     B = math.prod(lead)
     mask, mask_kind = mask_value(attn_mask, lead + (Hq, L, S), cdt)
     alibi = None
@@ -116,10 +152,20 @@ def scaled_dot_product_attention_backward(
         )
     if la.shape != lse_shape:
         raise ValueError(f"lse must have shape {lse_shape} (the forward's LSE), got {la.shape}")
-    if np.isnan(la).any() or np.isposinf(la).any():
-        raise ValueError("lse must not be NaN or +inf (a NaN LSE comes from NaN inputs to the forward)")
     lse3 = np.asarray(la, dtype=cdt).reshape(B, Hq, L)
-    _check_dead_rows(lse3, mask, lead, Hq, L, S, is_causal, wl, wr, k_lens, q_lens, sk is not None)
+    poisoned = ~(lse3 < np.inf) & ~np.isneginf(lse3)  # NaN or +inf
+    if poisoned.any():
+        # NaN / inf inputs (the forward's NaN rows): NaN gradients, as torch gives
+        # (GradScaler looks for them), not an error.  +inf (scores that overflowed)
+        # becomes NaN too: the kernel would read it as P = 0, a silent zero gradient.
+        # On a copy: the caller's lse is not modified.
+        lse3 = np.where(poisoned, np.array(np.nan, dtype=cdt), lse3)
+    _check_dead_rows(lse3, mask, lead, Hq, L, S, causal, wl, wr, k_lens, q_lens, sk is not None)
+    if forward_rounds_to_bf16(q.dtype, k.dtype, v.dtype, prec, L * (Hq // Hk)):
+        # The forward's scores were products of bf16-rounded Q and K (exact in
+        # float32) and its output used bf16 V: recompute P from the same values.
+        bf16 = bfloat16_dtype()
+        q, k, v = (a.astype(bf16).astype(F32) for a in (q, k, v))
 
     # bhsd views in the compute dtype (16-bit inputs are computed in float32).
     def bhsd(a: NDArray) -> NDArray:
@@ -152,7 +198,7 @@ def scaled_dot_product_attention_backward(
         mask=m4,
         mask_kind=mask_kind,
         scale=sc,
-        causal=bool(is_causal),
+        causal=causal,
         window_left=wl,
         window_right=wr,
         softcap=cap,
@@ -172,7 +218,7 @@ def scaled_dot_product_attention_backward(
             part = None if dsinks is None else np.zeros(Hq, dtype=F64)
             sub = Plan(
                 q=qh[sl], k=kh[sl], v=vh[sl], o=oh[sl], lse=lse3[sl], mask=mask[idx][None],
-                mask_kind=mask_kind, scale=sc, causal=bool(is_causal), window_left=wl, window_right=wr,
+                mask_kind=mask_kind, scale=sc, causal=causal, window_left=wl, window_right=wr,
                 softcap=cap, alibi=None if alibi is None else alibi[sl], sinks=sk,
                 q_lens=None if q_lens is None else q_lens[sl], k_lens=None if k_lens is None else k_lens[sl],
                 num_threads=threads, precision=plan.precision, L=L, S=S,
@@ -182,9 +228,26 @@ def scaled_dot_product_attention_backward(
                 dsinks += part
     else:
         _kernels.attention_backward(plan, goh, dqh, dkh, dvh, dsinks)
-    if q.dtype != cdt:
-        dq, dk, dv = dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    # Each gradient typed as its input (a float32 query may come with bf16/fp16 key and value).
+    dq, dk, dv = (g if g.dtype == a.dtype else g.astype(a.dtype) for g, a in ((dq, q), (dk, k), (dv, v)))
     return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
+
+
+def forward_rounds_to_bf16(
+    q_dtype: np.dtype[Any], k_dtype: np.dtype[Any], v_dtype: np.dtype[Any], prec: int, rows: int
+) -> bool:
+    """Whether the forward, for these dtypes, precision code and stacked rows per
+    key/value head (L x Hq/Hk), rounds float32 Q, K and V to bfloat16: the
+    condition of csrc/dispatch.c fa_select_kernel (keep the two in step).  That
+    happens at "medium" on the ``amx`` and ``avx512bf16`` paths (the ISA can only be
+    one of those where the extension was built with its kernel).  At "high" the
+    ``amx`` path computes bf16x3, which no float32 rounding reproduces: the backward
+    computes float32 there."""
+    if not (q_dtype == F32 and k_dtype == F32 and v_dtype == F32):
+        return False
+    if prec != _kernels.FA_PRECISION_MEDIUM or rows < _BF16_MIN_ROWS:
+        return False
+    return _kernels.isa_get() in ("amx", "avx512bf16")
 
 
 def _check_dead_rows(

@@ -8,11 +8,16 @@ point that works from any directory), ``python -m fastattn`` and
   (PASS/FAIL each, exit status 1 on any failure), then time fastattn and a plain
   NumPy ``softmax(Q Kᵀ) V`` (float32) on typical shapes;
 - ``check``: the check only;
-- ``info``: :func:`fastattn.show_config`;
+- ``info``: :func:`fastattn.show_config` (it lists the ``FASTATTN_*`` environment
+  variables ignored at import for invalid values);
 - ``bench ARGS``: the benchmark suite (:mod:`fastattn.bench`; ``bench --backward``: forward +
   backward).
 
-Every command takes ``--help`` (which only prints help) and ``--version``.
+Every command takes ``--help`` (which only prints help) and ``--version``.  While an
+invalid ``FASTATTN_*`` knob is ignored (``import fastattn`` warns, see
+:mod:`fastattn._config`), ``--help``, ``--version`` and ``info`` work and the commands
+that check or time the kernel refuse to run (exit status 2): their results would be
+for a configuration other than the one asked for.
 """
 
 from __future__ import annotations
@@ -227,6 +232,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def refuse_ignored_knobs(command: str) -> bool:
+    """Print one line per ``FASTATTN_*`` variable ignored at import and return True when
+    there is any: ``command`` (which checks or times the kernel) must not run then."""
+    from fastattn._config import refusal_lines
+
+    lines = refusal_lines(command)
+    for line in lines:
+        print(line, file=sys.stderr)
+    return bool(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -235,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "info":
         import fastattn
 
-        fastattn.show_config()
+        fastattn.show_config()  # ignored knobs included: the diagnosis runs whatever they hold
         return 0
     if args.command == "bench":
         try:
@@ -248,6 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         status: int = bench.run(bench.finish_args(parser, args))
         return status or 0
+    if refuse_ignored_knobs(f"fastattn {args.command or ''}".rstrip()):
+        return 2
     if not self_check():
         print("\nFAIL: the kernel disagrees with the reference (see above)")
         return 1

@@ -44,7 +44,7 @@ import numpy as np
 
 from . import _torch_bridge
 from ._args import sdpa_call, varlen_call
-from ._checks import int_value
+from ._cache_args import index_value, indices_value
 from ._flash_args import Opts as _Opts
 from ._flash_args import array_value as _array
 from ._flash_args import check_ndim as _ndim
@@ -204,7 +204,7 @@ def flash_attn_kvpacked_func(
 # ------------------------------------------------------------ packed batches
 def _max_seqlen(m: Any, name: str, cu: np.ndarray, cu_name: str) -> None:
     """flash-attn sizes its grid by max_seqlen: a smaller value would skip rows there."""
-    m = int_value(m, name, 0)
+    m = index_value(m, name, 0)
     if cu.dtype.kind not in "iu" or cu.ndim != 1:
         return  # varlen_attention reports the malformed cu_seqlens
     longest = int(np.max(np.diff(cu.astype(np.int64)))) if cu.size > 1 else 0
@@ -228,7 +228,11 @@ def _varlen(
         raise NotImplementedError("block_table (paged KV cache) is not supported by fastattn")
     opts = o.common()
     ret = _flag(o.return_attn_probs, "return_attn_probs")
-    cq, ck = _array(cu_seqlens_q, "cu_seqlens_q"), _array(cu_seqlens_k, "cu_seqlens_k")
+    # Offsets as given (uint64, Python ints beyond int64) checked before any conversion.
+    cq, ck = (
+        indices_value(_array(c, n) if _torch_bridge.is_tensor(c) else c, n, 0, what="an integer array")
+        for c, n in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"))
+    )
     _max_seqlen(max_seqlen_q, "max_seqlen_q", cq, "cu_seqlens_q")
     _max_seqlen(max_seqlen_k, "max_seqlen_k", ck, "cu_seqlens_k")
     res = varlen_call(

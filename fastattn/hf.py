@@ -38,7 +38,13 @@ What :func:`attention_forward` covers, with sdpa's semantics:
 raises ``NotImplementedError``).  While autograd records and an input requires
 grad, the call goes through :func:`fastattn.torch_compat.scaled_dot_product_attention`
 (fused backward) when no softcap, sinks or position bias are involved, and
-raises otherwise.  Attention weights are not returned (``None``, as sdpa).
+raises otherwise.  ``output_attentions=True`` (the model's kwarg) returns the
+attention weights ``(batch, heads, q_len, kv_len)`` in the query's dtype, as
+the "eager" backend does (sdpa only warns and returns none): computed by
+:func:`fastattn.attention_weights` from the kernel's own normalisers (the
+weights that produced the output; a row that sees no key is zeros), or, while
+autograd records, by differentiable torch operations.  Otherwise the weights
+are ``None``, as sdpa.
 
 Neither ``import fastattn`` nor ``import fastattn.hf`` imports transformers or
 torch; :func:`register` imports transformers.
@@ -53,6 +59,7 @@ import numpy as np
 
 from . import _torch_bridge
 from .functional import scaled_dot_product_attention
+from .weights import attention_weights
 
 __all__ = ["register", "attention_forward", "NAME"]
 
@@ -104,12 +111,14 @@ def attention_forward(
     s_aux: Any = None,
     position_bias: Any = None,
     **kwargs: Any,
-) -> tuple[Any, None]:
+) -> tuple[Any, Any]:
     """transformers' attention-function interface, computed by fastattn.
 
     query ``(batch, heads, q_len, head_dim)``, key/value ``(batch, kv_heads,
     kv_len, head_dim)`` CPU tensors; returns ``(output (batch, q_len, heads,
-    head_dim_v), None)``.  See the module docstring for each argument."""
+    head_dim_v), weights)``: weights ``(batch, heads, q_len, kv_len)`` when
+    ``output_attentions=True`` is passed, else None.  See the module docstring
+    for each argument."""
     for t, n in ((query, "query"), (key, "key"), (value, "value")):
         if not _torch_bridge.is_tensor(t):
             raise TypeError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
@@ -126,6 +135,9 @@ def attention_forward(
         )
     B, Hq, L, D = query.shape
     S = key.shape[2]
+    # transformers passes the model's output_attentions through to the attention function;
+    # its hooks then collect what comes back as the weights.
+    want_weights = bool(kwargs.get("output_attentions", False))
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     mask = attention_mask
     if mask is not None:
@@ -151,7 +163,8 @@ def attention_forward(
         out = torch_sdpa(
             query, key, value, mask, is_causal=causal, scale=scaling, enable_gqa=key.shape[1] != Hq
         )
-        return out.transpose(1, 2).contiguous(), None
+        weights = _torch_weights(query, key, mask, causal, scaling) if want_weights else None
+        return out.transpose(1, 2).contiguous(), weights
 
     q = _torch_bridge.to_numpy(query, "query")
     k = _torch_bridge.to_numpy(key, "key")
@@ -186,6 +199,14 @@ def attention_forward(
         sinks = _torch_bridge.to_numpy(s_aux, "s_aux") if _torch_bridge.is_tensor(s_aux) else s_aux
         sinks = np.asarray(sinks, dtype=np.float32)
     cap = None if softcap is None or softcap == 0 else softcap
+    weights = None
+    if want_weights:
+        w = attention_weights(
+            q, k, m, scale=scaling, enable_gqa=k.shape[1] != Hq, softcap=cap, sinks=sinks, **opts
+        )
+        if w.shape[-1] < key.shape[2]:  # keys cropped above (never visible): zero weights, as eager
+            w = np.concatenate([w, np.zeros(w.shape[:-1] + (key.shape[2] - w.shape[-1],), w.dtype)], -1)
+        weights = _torch_bridge.from_numpy(w).to(query.dtype)  # (eager: float32 softmax, then this cast)
     buf = np.empty((B, L, Hq, v.shape[3]), dtype=q.dtype)
     scaled_dot_product_attention(
         q,
@@ -199,4 +220,27 @@ def attention_forward(
         sinks=sinks,
         **opts,
     )
-    return _torch_bridge.from_numpy(buf), None
+    return _torch_bridge.from_numpy(buf), weights
+
+
+def _torch_weights(query: Any, key: Any, mask: Any, causal: bool, scaling: float | None) -> Any:
+    """The attention weights as differentiable torch operations (the grad path:
+    no softcap, sinks or position bias there), softmax in float32 as eager; a
+    row that sees no key is zeros, as fastattn's kernel and output give."""
+    torch = _torch_bridge.torch_module()
+    L, D, S = query.shape[2], query.shape[3], key.shape[2]
+    k = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+    scale = D**-0.5 if scaling is None else scaling
+    scores = torch.matmul(query.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask.float()
+    if causal:  # top-left, as torch: query i sees keys j <= i
+        tri = torch.ones(L, S, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~tri, float("-inf"))
+    # Rows without a visible key: softmax of zeros times 0 (no NaN, in the values or their gradients).
+    seen = torch.isfinite(scores).any(dim=-1, keepdim=True)
+    scores = torch.where(seen, scores, torch.zeros((), dtype=scores.dtype))
+    return (torch.softmax(scores, dim=-1) * seen).to(query.dtype)

@@ -16,19 +16,26 @@ import functools
 import importlib
 import numbers
 import sys
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from ._args import check_dtypes, check_heads
 from ._checks import as_array, scale_value, threads_value
+from ._config import Precision, get_float32_matmul_precision
+from ._jax_bias import bias_grad as _bias_gradient
 from .backward import scaled_dot_product_attention_backward
 from .functional import scaled_dot_product_attention
 
 __all__ = ["dot_product_attention"]
 
 _IMPLEMENTATIONS = (None, "xla", "fastattn")
+
+
+def _level(precision: str | None) -> Precision | None:
+    """A precision read from get_float32_matmul_precision (a str, one of the levels)."""
+    return cast(Precision | None, precision)
 
 
 def _ensure_4d(a: np.ndarray) -> np.ndarray:
@@ -90,8 +97,14 @@ def dot_product_attention(
     ``jax.jit`` and under ``jax.vmap`` (each vmapped element is one kernel call).
     ``jax.grad`` works through a ``jax.custom_vjp``: gradients with respect to
     query, key and value by :func:`fastattn.scaled_dot_product_attention_backward`
-    (the backward runs the forward once more on the host); bias, mask and the
-    residual are treated as constants (no gradient flows through them).
+    (the backward runs the forward once more on the host, at the float32 matmul
+    precision, :func:`fastattn.get_float32_matmul_precision`, that was in force
+    when the forward was traced).  The gradient with respect to ``bias``, computed
+    only when ``bias`` is differentiated, is the explicit
+    ``dS = P * (dP - rowsum(P * dP))`` summed over the bias's broadcast axes, in
+    float64 on the host, one (batch, head) at a time: a few ``(T, S)`` float64
+    temporaries beyond the result.  mask, the lengths and the residual are
+    constants (no gradient flows through them).
 
     Args:
         query: ``(B, T, N, H)`` or ``(T, N, H)``.
@@ -168,6 +181,7 @@ def _numpy_forward(
     is_causal: bool,
     window: tuple[int, int] | None,
     num_threads: int | None,
+    precision: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The computation on NumPy arrays: ``(output, residual)``, residual ``(B, T, N)``
     (``(T, N)`` for 3-D inputs) in the key's dtype."""
@@ -175,7 +189,7 @@ def _numpy_forward(
         query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths, is_causal, window
     )
     out, lse = scaled_dot_product_attention(
-        q4, k4, v4, scale=scale, num_threads=num_threads, return_lse=True, **kw
+        q4, k4, v4, scale=scale, num_threads=num_threads, return_lse=True, precision=_level(precision), **kw
     )
     res = np.swapaxes(lse, 1, 2).astype(k4.dtype)  # (B, N, T) -> (B, T, N), as JAX
     return (out[0], res[0]) if squeeze else (out, res)
@@ -195,20 +209,27 @@ def _numpy_backward(
     is_causal: bool,
     window: tuple[int, int] | None,
     num_threads: int | None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    precision: str | None = None,
+    bias_grad: bool = False,
+) -> tuple[np.ndarray, ...]:
     """Gradients of the output with respect to query, key and value (4-D inputs):
     the forward is run again for its output and float32/float64 LSE, then
-    :func:`fastattn.scaled_dot_product_attention_backward` with the same options."""
+    :func:`fastattn.scaled_dot_product_attention_backward` with the same options
+    (precision included).  With ``bias_grad``, also the bias's (:func:`fastattn._jax_bias.bias_grad`)."""
     q4, k4, v4, kw, _ = _numpy_prepare(
         query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths, is_causal, window
     )
     out, lse = scaled_dot_product_attention(
-        q4, k4, v4, scale=scale, num_threads=num_threads, return_lse=True, **kw
+        q4, k4, v4, scale=scale, num_threads=num_threads, return_lse=True, precision=_level(precision), **kw
     )
     go = np.asarray(grad_out, dtype=out.dtype)
     bwd: Any = scaled_dot_product_attention_backward  # (fastattn.backward is typed by its owner)
-    dq, dk, dv = bwd(go, q4, k4, v4, out, lse, scale=scale, num_threads=num_threads, **kw)
-    return dq, dk, dv
+    dq, dk, dv = bwd(
+        go, q4, k4, v4, out, lse, scale=scale, num_threads=num_threads, precision=precision, **kw
+    )
+    if not bias_grad:
+        return dq, dk, dv
+    return dq, dk, dv, _bias_gradient(q4, k4, v4, as_array(bias, "bias"), go, kw, scale, precision)
 
 
 def _numpy_prepare(
@@ -318,9 +339,11 @@ _BASE_NDIM = (4, 4, 4, 4, 4, 1, 1)
 
 
 def _host_callback(
-    *arrays: Any, scale: Any, is_causal: bool, window: Any, num_threads: Any
+    *arrays: Any, scale: Any, is_causal: bool, window: Any, num_threads: Any, precision: str
 ) -> tuple[np.ndarray, np.ndarray]:
-    opts: dict[str, Any] = dict(scale=scale, is_causal=is_causal, window=window, num_threads=num_threads)
+    opts: dict[str, Any] = dict(
+        scale=scale, is_causal=is_causal, window=window, num_threads=num_threads, precision=precision
+    )
     leads = [a.shape[: a.ndim - nd] for a, nd in zip(arrays, _BASE_NDIM) if a is not None]
     lead = np.broadcast_shapes(*leads)
     if lead == ():
@@ -345,17 +368,32 @@ def _host_callback(
 
 
 def _host_backward(
-    *arrays: Any, scale: Any, is_causal: bool, window: Any, num_threads: Any
+    *arrays: Any,
+    scale: Any,
+    is_causal: bool,
+    window: Any,
+    num_threads: Any,
+    precision: str,
+    bias_grad: bool,
 ) -> tuple[Any, ...]:
-    """Host side of the backward: ``(dq, dk, dv)`` for the 4-D arrays (plus the
-    output cotangent, 4-D), one kernel call per element under jax.vmap."""
-    opts: dict[str, Any] = dict(scale=scale, is_causal=is_causal, window=window, num_threads=num_threads)
+    """Host side of the backward: ``(dq, dk, dv)`` (with ``bias_grad``, and dbias) for
+    the 4-D arrays (plus the output cotangent, 4-D), one kernel call per element
+    under jax.vmap."""
+    opts: dict[str, Any] = dict(
+        scale=scale,
+        is_causal=is_causal,
+        window=window,
+        num_threads=num_threads,
+        precision=precision,
+        bias_grad=bias_grad,
+    )
     base = _BASE_NDIM + (4,)
     leads = [a.shape[: a.ndim - nd] for a, nd in zip(arrays, base) if a is not None]
     lead = np.broadcast_shapes(*leads)
     if lead == ():
         return _numpy_backward(*arrays, **opts)
-    grads: list[list[Any]] = [[], [], []]
+    typed = arrays[:4] if bias_grad else arrays[:3]  # (each gradient is typed as its input)
+    grads: list[list[Any]] = [[] for _ in typed]
     for idx in np.ndindex(*lead):
         sub: list[Any] = []
         for a, nd in zip(arrays, base):
@@ -367,7 +405,7 @@ def _host_backward(
             sub.append(a[tuple(i if d != 1 else 0 for i, d in zip(tail, la))])
         for acc, g in zip(grads, _numpy_backward(*sub, **opts)):
             acc.append(g)
-    return tuple(np.stack(g).reshape(lead + g[0].shape).astype(a.dtype) for g, a in zip(grads, arrays[:3]))
+    return tuple(np.stack(g).reshape(lead + g[0].shape).astype(a.dtype) for g, a in zip(grads, typed))
 
 
 def _to_4d(jnp: Any, a: Any) -> Any:
@@ -464,16 +502,23 @@ def _jax_forward(
         scale_value(scale, H)
     if num_threads is not None:
         threads_value(num_threads, lambda: 1)
-    # bias and the residual are constants for jax.grad (see _jax_core).
-    b = None if b is None else jax.lax.stop_gradient(b)
-    out, res = _jax_core(scale, is_causal, window, num_threads)(q, k, v, b, m, *lens)
+    # The process's float32 matmul precision, read at trace time (as JAX reads its own
+    # default_matmul_precision) and given to the forward and the backward alike, so
+    # that the backward recomputes the forward's scores.  The residual is a constant
+    # for jax.grad; bias gets its gradient in _jax_core.
+    prec = get_float32_matmul_precision()
+    out, res = _jax_core(scale, is_causal, window, num_threads, prec)(q, k, v, b, m, *lens)
     res = jax.lax.stop_gradient(res)
     return (out[0], res[0]) if squeeze else (out, res)
 
 
 @functools.lru_cache(maxsize=64)
 def _jax_core(
-    scale: float | None, is_causal: bool, window: tuple[int, int] | None, num_threads: int | None
+    scale: float | None,
+    is_causal: bool,
+    window: tuple[int, int] | None,
+    num_threads: int | None,
+    precision: str,
 ) -> Any:
     """``(q, k, v, bias, mask, q_lens, kv_lens) -> (output, residual)`` on 4-D JAX
     arrays for these (static) options: a ``jax.custom_vjp`` whose forward and
@@ -482,10 +527,14 @@ def _jax_core(
     the fused forward again on the host (for its output and a float32/float64
     LSE, since the residual is in the key's dtype) and then
     :func:`fastattn.scaled_dot_product_attention_backward`.  Gradients flow to
-    query, key and value only: bias, mask and lengths get none (the caller
-    stops them), nor does the residual."""
+    query, key, value and (when it is differentiated: ``symbolic_zeros`` tells the
+    forward rule which inputs are perturbed) bias; mask and lengths are not
+    differentiable, and the residual is stopped by the caller."""
     jax: Any = importlib.import_module("jax")  # typed as Any: see _jax_forward
-    opts: dict[str, Any] = dict(scale=scale, is_causal=is_causal, window=window, num_threads=num_threads)
+    cd: Any = importlib.import_module("jax.custom_derivatives")
+    opts: dict[str, Any] = dict(
+        scale=scale, is_causal=is_causal, window=window, num_threads=num_threads, precision=precision
+    )
 
     def forward(q: Any, k: Any, v: Any, b: Any, m: Any, ql: Any, kl: Any) -> Any:
         B, T, N, _ = q.shape
@@ -498,18 +547,26 @@ def _jax_core(
 
     core: Any = jax.custom_vjp(forward)
 
-    def core_fwd(q: Any, k: Any, v: Any, b: Any, m: Any, ql: Any, kl: Any) -> Any:
-        return forward(q, k, v, b, m, ql, kl), (q, k, v, b, m, ql, kl)
+    def core_fwd(*primals: Any) -> Any:
+        # symbolic_zeros: each array argument comes as (value, perturbed).  Whether
+        # bias is differentiated is carried to core_bwd in the residuals' structure
+        # (a static pytree: (b,) or ()), so dbias is computed only when asked for;
+        # a silent zero (the bias as a constant) would be a wrong gradient.
+        q, k, v, b, m, ql, kl = (None if a is None else a.value for a in primals)
+        want_db = (b,) if primals[3] is not None and primals[3].perturbed else ()
+        return forward(q, k, v, b, m, ql, kl), (q, k, v, b, m, ql, kl, want_db)
 
     def core_bwd(saved: Any, cts: Any) -> Any:
-        q, k, v, b, m, ql, kl = saved
+        q, k, v, b, m, ql, kl, want_db = saved
         d_out = cts[0]  # the residual's cotangent is dropped: it is stopped in _jax_forward
-        result = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v))
-        callback = functools.partial(_host_backward, **opts)
-        dq, dk, dv = jax.pure_callback(
-            callback, result, q, k, v, b, m, ql, kl, d_out, vmap_method="expand_dims"
-        )
-        return dq, dk, dv, None, None, None, None
+        if isinstance(d_out, cd.SymbolicZero):  # only the (constant) residual was used
+            return None, None, None, None, None, None, None
+        grads = (q, k, v) + tuple(want_db)
+        result = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in grads)
+        callback = functools.partial(_host_backward, **opts, bias_grad=bool(want_db))
+        out = jax.pure_callback(callback, result, q, k, v, b, m, ql, kl, d_out, vmap_method="expand_dims")
+        db = out[3] if want_db else None
+        return out[0], out[1], out[2], db, None, None, None
 
-    core.defvjp(core_fwd, core_bwd)
+    core.defvjp(core_fwd, core_bwd, symbolic_zeros=True)
     return core

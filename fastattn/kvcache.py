@@ -30,11 +30,15 @@ from ._cache_args import (
     cache_dtype_value,
     cache_operands,
     cache_tokens,
-    rotation_fits,
+    index_value,
+    indices_value,
+    keys_to_write,
+    reread_written,
     row_view,
     to_cache_dtype,
+    write_tokens,
 )
-from ._checks import F32, F64, as_array, flag_value, int_value
+from ._checks import F32, F64, as_array, flag_value
 from ._config import Precision, precision_code
 
 __all__ = ["KVCache", "attention_with_kvcache"]
@@ -51,7 +55,8 @@ class KVCache:
 
     Keys are stored as ``(batch, num_kv_heads, capacity, head_dim)`` and values
     as ``(batch, num_kv_heads, capacity, value_dim)`` in ``dtype`` (float32 by
-    default; float16, bfloat16 and float64 on request); ``lengths[b]`` tokens of
+    default, ``dtype=None`` included, unlike NumPy's ``np.dtype(None)``: float64;
+    float16, bfloat16 and float64 on request); ``lengths[b]`` tokens of
     sequence ``b`` are valid.  With an int ``max_len`` the capacity is
     ``max_len``, allocated once; with ``max_len=None`` the cache starts small
     and doubles its capacity whenever an append needs more (amortised O(1) per
@@ -98,15 +103,21 @@ class KVCache:
         rotary_sin: npt.ArrayLike | None = None,
         rotary_interleaved: bool = False,
     ) -> None:
-        B = int_value(batch, "batch", 1)
-        Hk = int_value(num_kv_heads, "num_kv_heads", 1)
-        self._max_len = None if max_len is None else int_value(max_len, "max_len", 1)
-        D = int_value(head_dim, "head_dim", 1)
-        Dv = D if value_dim is None else int_value(value_dim, "value_dim", 1)
+        B = index_value(batch, "batch", 1)
+        Hk = index_value(num_kv_heads, "num_kv_heads", 1)
+        self._max_len = None if max_len is None else index_value(max_len, "max_len", 1)
+        D = index_value(head_dim, "head_dim", 1)
+        Dv = D if value_dim is None else index_value(value_dim, "value_dim", 1)
         dt = cache_dtype_value(dtype)
         S = self._INITIAL_CAPACITY if self._max_len is None else self._max_len
-        self._k = np.zeros((B, Hk, S, D), dtype=dt)
-        self._v = np.zeros((B, Hk, S, Dv), dtype=dt)
+        try:
+            self._k = np.zeros((B, Hk, S, D), dtype=dt)
+            self._v = np.zeros((B, Hk, S, Dv), dtype=dt)
+        except ValueError:  # "array is too big": NumPy's words name no argument
+            raise ValueError(
+                f"a KVCache of batch={B}, num_kv_heads={Hk}, max_len={S}, head_dim={D} and "
+                f"value_dim={Dv} holds more {dt} values than an array can; lower max_len"
+            ) from None
         self._len = np.zeros(B, dtype=np.int64)
         self._lock = threading.Lock()  # append/reset/crop/reorder_cache (see the class doc)
         # Rotary (RoPE): keys rotated at their positions as they are appended, queries as they attend.
@@ -219,42 +230,19 @@ class KVCache:
             )
         rows = np.arange(self.batch, dtype=np.int64) if idx is None else idx
         rot = self._rot
+        kpos = None
         if rot is not None:  # keys rotated at positions lengths[b] + t while written (C)
             kpos = rot.positions(self._len[rows], T)
             rot.check(kpos, "the appended tokens' positions")
         # Convert (and check that every value fits) before the first write, so that a
-        # failing conversion changes nothing.  Rotated keys are rotated and converted in
-        # one C pass while written, unless the rotation could overflow the cache dtype:
-        # then into a checked buffer first (kc), written like unrotated keys.
-        rot_direct = rot is not None and rotation_fits(k, dt)
-        kc = k if rot_direct else to_cache_dtype(k, dt, "k_new", rot, kpos if rot is not None else None)
+        # failing conversion changes nothing (the check attention_with_kvcache and
+        # flash_attn_with_kvcache make: keys_to_write).
+        kc, rot_direct = keys_to_write(k, dt, "k_new", rot, kpos)
         vc = to_cache_dtype(v, dt, "v_new")
         if need > self.capacity:
             self._grow(need)
         if T and rows.size:
-            if rot_direct:
-                if idx is None:
-                    rot.append(k, self._k, kpos)
-                else:
-                    for r, b in enumerate(rows.tolist()):
-                        rot.append(k[r : r + 1], self._k[b : b + 1], kpos[r : r + 1])
-            start = self._len[rows]
-            if np.all(start == start[0]):
-                s0 = int(start[0])
-                kv, vv = row_view(self._k, idx), row_view(self._v, idx)
-                if kv is not None and vv is not None:
-                    if not rot_direct:
-                        kv[:, :, s0 : s0 + T] = kc
-                    vv[:, :, s0 : s0 + T] = vc
-                else:
-                    if not rot_direct:
-                        self._k[rows, :, s0 : s0 + T] = kc
-                    self._v[rows, :, s0 : s0 + T] = vc
-            else:
-                for r, (b, s) in enumerate(zip(rows.tolist(), start.tolist())):
-                    if not rot_direct:
-                        self._k[b, :, s : s + T] = kc[r]
-                    self._v[b, :, s : s + T] = vc[r]
+            write_tokens(self._k, self._v, idx, self._len[rows], kc, vc, rot if rot_direct else None, kpos)
             self._len[rows] += T
         return self._len[rows].copy()
 
@@ -275,7 +263,7 @@ class KVCache:
         int >= 0 (ValueError for a negative one, TypeError for a non-int); the
         tokens past ``n`` are forgotten, the memory is kept.
         """
-        n = int_value(n, "n")
+        n = index_value(n, "n")
         if n < 0:
             raise ValueError(f"n must be >= 0 (the tokens to keep per sequence), got {n}")
         with self._lock:
@@ -288,17 +276,8 @@ class KVCache:
         beam may be continued by several); checked before anything changes.
         Copies the valid tokens of the selected rows (O(batch x longest length)).
         """
-        a = as_array(beam_idx, "beam_idx")
-        if a.dtype.kind not in "iu":
-            raise TypeError(f"beam_idx must be an integer array, got dtype {a.dtype}")
-        if a.shape != (self.batch,):
-            raise ValueError(
-                f"beam_idx must have shape ({self.batch},) (one source row per row), got {a.shape}"
-            )
-        if a.size and (a.min() < 0 or a.max() >= self.batch):
-            raise ValueError(
-                f"beam_idx values must lie in [0, {self.batch}), got range [{a.min()}, {a.max()}]"
-            )
+        B = self.batch
+        a = indices_value(beam_idx, "beam_idx", 0, B - 1, "an integer array", half_open=True, shape=(B,))
         idx = a.astype(np.intp)
         with self._lock:
             used = int(self._len[idx].max()) if idx.size else 0
@@ -502,7 +481,9 @@ def attention_with_kvcache(
     place into the caches at positions ``cache_seqlens[b] .. + T`` (converted
     to the cache dtype), and attention runs over ``cache_seqlens + T`` keys;
     ``cache_seqlens`` itself is not modified (the caller advances it, as with
-    flash-attn).  All checks run before anything is written.
+    flash-attn).  All checks run before anything is written.  The caches may be
+    any strided views (K kept transposed, a misaligned or byte-swapped buffer):
+    the attention reads exactly what the caches hold after the write.
 
     ``is_causal`` (default True) aligns bottom-right: query i of sequence b
     sees keys ``j <= i + n_b - Lq`` with ``n_b`` the attended length; it then
@@ -519,7 +500,8 @@ def attention_with_kvcache(
     q is rotated at ``cache_seqlens[b] + i`` when causal or windowed, else at
     ``cache_seqlens[b]`` for every query (flash-attn's rule).  NeoX
     rotate-half by default, GPT-J pairs with ``rotary_interleaved=True``.
-    q and k_new are not modified.
+    q and k_new are not modified; a finite q or k_new whose rotation overflows
+    its dtype (the cache's for k_new) raises ValueError before anything is written.
     """
     lay = layout_value(layout)
     is_causal = flag_value(is_causal, "is_causal")
@@ -538,7 +520,8 @@ def attention_with_kvcache(
             "(or pass is_causal=False)"
         )
     # Every check of the attention itself, once, before anything is written; the
-    # plan reads the caches in place, so it sees the tokens written below.
+    # plan reads the caches in place, so it sees the tokens written below (a cache the
+    # kernel cannot read in place is copied here, and the copy updated by reread_written).
     call = sdpa_call(
         qa,
         k_cache,
@@ -556,6 +539,7 @@ def attention_with_kvcache(
         precision=precision,
     )
     rot: Any = None
+    kpos = qpos = None
     if rotary_cos is not None or rotary_sin is not None:
         rot = _CacheRotary(rotary_cos, rotary_sin, rotary_interleaved, D, cdt)
         if k_new is None:
@@ -565,26 +549,15 @@ def attention_with_kvcache(
         qpos = rot.positions(seq, Lq) if (is_causal or local) else np.broadcast_to(seq[:, None], (B, Lq))
         rot.check(kpos, "the new keys' positions (cache_seqlens + t)")
         rot.check(qpos, "the queries' positions")
+        qr = rot.rotate_q(qh, qpos, num_threads)  # before any write: its overflow check raises
     if T and B and kn is not None and vn is not None:
-        rot_direct = rot is not None and rotation_fits(kn, cdt)
-        kw = (
-            kn
-            if rot_direct
-            else to_cache_dtype(kn, cdt, "k_new", rot, kpos if rot is not None else None, num_threads)
-        )
-        vw = to_cache_dtype(vn, cdt, "v_new")  # raises before any write when a value does not fit
-        if rot_direct:  # rotate and write in one C pass over the new tokens
-            rot.append(kw, kc, kpos, num_threads)
-        if np.all(seq == seq[0]):
-            s0 = int(seq[0])
-            if not rot_direct:
-                kc[:, :, s0 : s0 + T] = kw
-            vc[:, :, s0 : s0 + T] = vw
-        else:
-            for b, s0 in enumerate(seq.tolist()):
-                if not rot_direct:
-                    kc[b, :, s0 : s0 + T] = kw[b]
-                vc[b, :, s0 : s0 + T] = vw[b]
+        # Converted and checked (a value that would overflow the cache dtype raises) before any write.
+        kw, rot_direct = keys_to_write(kn, cdt, "k_new", rot, kpos, num_threads)
+        vw = to_cache_dtype(vn, cdt, "v_new")
+        write_tokens(kc, vc, None, seq, kw, vw, rot if rot_direct else None, kpos, num_threads)
+        # A cache the kernel cannot read in place was copied by the check above, before the
+        # write: the copy takes the new tokens too, read back from the cache.
+        reread_written(call, kc, vc, seq, T)
     if rot is not None:
-        call = call.with_queries(rot.rotate_q(qh, qpos, num_threads))
+        call = call.with_queries(qr)
     return call.run()

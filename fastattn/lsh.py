@@ -99,7 +99,8 @@ def lsh_attention(
         raise ValueError(f"the length L = {L} must be below 2**31")
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    sc = scale_value(scale, D)
+    # The scale's limit is the compute dtype's: float64 inputs run the float64 kernels.
+    sc = scale_value(scale, D, x.dtype)
     threads = threads_value(num_threads, get_num_threads)
     if rotations is not None:
         if seed is not None:

@@ -28,7 +28,8 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _family
-from ._checks import F32, F64, as_array, int_value, is_storage_dtype
+from ._cache_args import index_value, indices_value, overflow_error
+from ._checks import F32, F64, as_array, is_storage_dtype
 from ._config import get_num_threads
 
 __all__ = ["sinusoidal_positions", "rotary_cos_sin", "apply_rotary"]
@@ -61,8 +62,8 @@ def sinusoidal_positions(
     """The ``(length, dim)`` sinusoidal table: ``PE[p, 2i] = sin(p / base**(2i/dim))``,
     ``PE[p, 2i+1] = cos(p / base**(2i/dim))`` (Vaswani et al.).  An odd ``dim``
     ends with a sine column.  Computed in float64, returned in ``dtype``."""
-    n = int_value(length, "length", 0)
-    d = int_value(dim, "dim", 1)
+    n = index_value(length, "length", 0)
+    d = index_value(dim, "dim", 1)
     b = _base_value(base)
     dt = _out_dtype(dtype)
     i2 = np.arange(0, d, 2, dtype=F64)  # the even feature indices 2i
@@ -80,8 +81,8 @@ def rotary_cos_sin(
     ``cos[p, i] = cos(p * base**(-2i/rotary_dim))`` (and sin), flash-attn's
     ``rotary_cos``/``rotary_sin`` layout.  ``rotary_dim`` must be even.
     Computed in float64, returned in ``dtype``."""
-    n = int_value(length, "length", 0)
-    rd = int_value(rotary_dim, "rotary_dim", 2)
+    n = index_value(length, "length", 0)
+    rd = index_value(rotary_dim, "rotary_dim", 2)
     if rd % 2:
         raise ValueError(f"rotary_dim must be even, got {rd}")
     b = _base_value(base)
@@ -184,7 +185,10 @@ def apply_rotary(
     ``x2 = x[h:2h]``: ``(x1 cos - x2 sin, x2 cos + x1 sin)``.
     ``interleaved=True`` (GPT-J): pairs ``(x[2i], x[2i+1])`` rotate by angle i.
     Returns a new array of x's shape and dtype; x is not modified.  Computed
-    in float32 (float64 for float64 x)."""
+    in float32 (float64 for float64 x).  A rotated pair grows by up to sqrt(2):
+    where a finite x rotates beyond x's dtype (e.g. float16 values above ~46300)
+    ValueError names x instead of returning inf (as the KV caches refuse such
+    keys); an inf or NaN already in x passes through."""
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     xa = as_array(x, "x")
@@ -211,9 +215,8 @@ def apply_rotary(
         check_positions(pos, npos, "positions (0 .. L-1)")
         pos = np.broadcast_to(pos, lead + (L,))
     else:
-        pa = as_array(positions, "positions")
-        if pa.dtype.kind not in "iu":
-            raise TypeError(f"positions must be an integer array, got dtype {pa.dtype}")
+        # int64, the values as given checked first (uint64, Python ints beyond int64)
+        pa = indices_value(positions, "positions", what="an integer array")
         try:
             pos = np.broadcast_to(pa, lead + (L,))
         except ValueError:
@@ -230,7 +233,17 @@ def apply_rotary(
     dst = oh.reshape((B, H, L, D))  # out is fresh and C-contiguous: always a view
     p2 = pos.reshape((B, L))  # a view with broadcast strides where it can be
     rotate(src, dst, p2, c, s, interleaved)
+    check_rotated(xa, out, "x")
     return out
+
+
+def check_rotated(x: NDArray, out: NDArray, name: str) -> None:
+    """ValueError when the rotation of a finite ``x`` overflowed ``out``'s dtype to inf
+    (a pair (a, b) rotates to up to sqrt(2) max(|a|, |b|): e.g. float16 beyond ~46300):
+    the cache paths refuse such keys (nothing is lost silently), and so does every rotation."""
+    msg = overflow_error(x, out, name, rotated=True)
+    if msg is not None:
+        raise ValueError(f"{msg}; use a wider dtype or rescale {name}")
 
 
 class CacheRotary:
@@ -271,15 +284,23 @@ class CacheRotary:
         if cache4.flags.aligned and (cache4.shape[-1] <= 1 or cache4.strides[-1] == cache4.itemsize):
             rotate(src, cache4, pos, self.cos, self.sin, self.interleaved, num_threads, dst_at_pos=True)
             return
-        # A cache whose rows are not contiguous: rotate into a buffer, then copy row by row.
+        # A cache whose rows are not contiguous, or misaligned: rotate into a buffer, then
+        # copy row by row.
         buf: NDArray = np.empty(src.shape, dtype=cache4.dtype)
         rotate(src, buf, pos, self.cos, self.sin, self.interleaved, num_threads)
         for b in range(buf.shape[0]):
             s0 = int(pos[b, 0])
             cache4[b, :, s0 : s0 + buf.shape[2]] = buf[b]
 
+    def rotate_into(self, x4: NDArray, out4: NDArray, pos: NDArray, num_threads: int | None = None) -> None:
+        """Rotate x (B, H, T, D), any real floating dtype, into a fresh out4 of a storage
+        dtype (unchecked: fastattn._cache_args.to_cache_dtype checks it for overflow)."""
+        src = x4 if is_storage_dtype(x4.dtype) else x4.astype(self.cos.dtype)
+        rotate(last_contiguous(src), out4, pos, self.cos, self.sin, self.interleaved, num_threads)
+
     def rotate_q(self, q4: NDArray, pos: NDArray, num_threads: int | None = None) -> NDArray:
         """A rotated copy of q (B, H, L, D) in q's dtype (its bhsd view is returned)."""
         out = np.empty(q4.shape, dtype=q4.dtype)
         rotate(last_contiguous(q4), out, pos, self.cos, self.sin, self.interleaved, num_threads)
+        check_rotated(q4, out, "q")  # an inf query would make the output NaN silently
         return out

@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from ._config import get_float32_matmul_precision
 from .backward import scaled_dot_product_attention_backward
 from .functional import scaled_dot_product_attention as _sdpa
 
@@ -66,33 +67,174 @@ def _causal_top_left(
     return np.where(tril, mask, np.array(-np.inf, dtype=mask.dtype)), {}
 
 
+class _Options:
+    """The forward's non-tensor arguments: ``is_causal`` (torch's top-left),
+    ``scale``, ``enable_gqa`` and the float32 ``precision`` captured when the
+    forward ran (so the backward recomputes P exactly as the forward did, even
+    if the process default changes in between)."""
+
+    __slots__ = ("is_causal", "scale", "enable_gqa", "precision")
+
+    def __init__(self, is_causal: bool, scale: float | None, enable_gqa: bool, precision: str) -> None:
+        self.is_causal = is_causal
+        self.scale = scale
+        self.enable_gqa = enable_gqa
+        self.precision = precision
+
+    def arrays(
+        self, mask_t: torch.Tensor | None, L: int, S: int
+    ) -> tuple[npt.NDArray[Any] | None, dict[str, Any]]:
+        """The NumPy mask and keyword arguments shared by fastattn's forward and backward."""
+        mask = None if mask_t is None else _np(mask_t)
+        kw: dict[str, Any] = {"scale": self.scale, "enable_gqa": self.enable_gqa, "precision": self.precision}
+        if self.is_causal:
+            mask, extra = _causal_top_left(mask, L, S)
+            kw.update(extra)
+        return mask, kw
+
+
+def _batched_front(
+    args: tuple[torch.Tensor | None, ...], in_dims: tuple[int | None, ...], size: int, mask_at: int, ndim: int
+) -> list[torch.Tensor | None]:
+    """For a ``vmap`` rule: every tensor with its vmapped dim moved to the front
+    (unbatched query/key/value-like tensors expanded there, a view), so one call
+    computes the whole batch as extra leading dims.  The mask (position
+    ``mask_at``) is right-aligned against ``ndim``-dim logical inputs: a batched
+    one gets singleton dims after the batch dim; an unbatched one broadcasts."""
+    res: list[torch.Tensor | None] = []
+    for i, (t, d) in enumerate(zip(args, in_dims)):
+        if t is None:
+            res.append(None)
+        elif i == mask_at:
+            if d is None:
+                res.append(t)
+            else:
+                t = t.movedim(d, 0)
+                pad = ndim - (t.dim() - 1)
+                res.append(t.reshape((size,) + (1,) * pad + tuple(t.shape[1:])) if pad > 0 else t)
+        elif d is None:
+            res.append(t.expand((size,) + tuple(t.shape)))
+        else:
+            res.append(t.movedim(d, 0))
+    return res
+
+
 class _FusedSDPA(torch.autograd.Function):
+    """out, lse = attention(query, key, value, mask); lse is saved for the
+    backward (an output, so that torch.func transforms accept saving it)."""
+
     @staticmethod
     def forward(
-        ctx: Any,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        mask: npt.NDArray[Any] | None,
-        kw: dict[str, Any],
-    ) -> torch.Tensor:
-        q, k, v = _np(query), _np(key), _np(value)
-        out, lse = _sdpa(q, k, v, mask, return_lse=True, **kw)
-        ctx.save_for_backward(query, key, value)
-        ctx.fa = (out, lse, mask, kw)
-        return _torch(out)
+        mask_t: torch.Tensor | None,
+        opts: _Options,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        mask, kw = opts.arrays(mask_t, query.shape[-2], key.shape[-2])
+        out, lse = _sdpa(_np(query), _np(key), _np(value), mask, return_lse=True, **kw)
+        return _torch(out), _torch(lse)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+        query, key, value, mask_t, opts = inputs
+        out, lse = output
+        # All through save_for_backward, the returned output and the user's
+        # mask included: torch's version counters then refuse a backward after
+        # any of them was modified in place (it would compute wrong gradients).
+        ctx.save_for_backward(query, key, value, out, lse, mask_t)
+        ctx.mark_non_differentiable(lse)
+        ctx.opts = opts
 
     @staticmethod
     def backward(
-        ctx: Any, grad_out: torch.Tensor
+        ctx: Any, grad_out: torch.Tensor, _grad_lse: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
-        query, key, value = ctx.saved_tensors
-        out, lse, mask, kw = ctx.fa
+        query, key, value, out, lse, mask_t = ctx.saved_tensors
+        # Through a second Function: its forward gets plain tensors under
+        # torch.func.grad (whose wrapped tensors have no NumPy view), and its
+        # backward refuses double backward instead of dropping that term.
+        dq, dk, dv = _FusedSDPABackward.apply(  # type: ignore[no-untyped-call]  # (torch's apply is untyped)
+            grad_out, query, key, value, out, lse, mask_t, ctx.opts
+        )
+        return dq, dk, dv, None, None
+
+    @staticmethod
+    def vmap(
+        info: Any,
+        in_dims: tuple[int | None, ...],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask_t: torch.Tensor | None,
+        opts: _Options,
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[int, int]]:
+        # The vmapped dim becomes one more leading (batch) dim: one fused call.
+        ndim = query.dim() - (in_dims[0] is not None)  # the query's per-sample (logical) dims
+        q, k, v, m = _batched_front((query, key, value, mask_t), in_dims[:4], info.batch_size, 3, ndim)
+        assert q is not None and k is not None and v is not None
+        out, lse = _FusedSDPA.apply(q, k, v, m, opts)  # type: ignore[no-untyped-call]
+        return (out, lse), (0, 0)
+
+
+class _FusedSDPABackward(torch.autograd.Function):
+    """(dq, dk, dv) of _FusedSDPA; not differentiable again."""
+
+    @staticmethod
+    def forward(
+        grad_out: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        mask_t: torch.Tensor | None,
+        opts: _Options,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mask, kw = opts.arrays(mask_t, query.shape[-2], key.shape[-2])
         go = _np(grad_out.to(query.dtype))
         dq, dk, dv = scaled_dot_product_attention_backward(
-            go, _np(query), _np(key), _np(value), out, lse, mask, **kw
+            go, _np(query), _np(key), _np(value), _np(out), _np(lse), mask, **kw
         )
-        return _torch(dq), _torch(dk), _torch(dv), None, None
+        return _torch(dq), _torch(dk), _torch(dv)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        # torch's flash backend refuses the same way ("derivative for
+        # aten::_scaled_dot_product_flash_attention_backward is not implemented").
+        raise RuntimeError(
+            "fastattn.torch_compat.scaled_dot_product_attention does not support double backward: "
+            "its gradient (taken with create_graph=True, or under torch.func.grad) cannot be "
+            "differentiated again (e.g. a gradient penalty); use torch.nn.functional."
+            "scaled_dot_product_attention for that"
+        )
+
+    @staticmethod
+    def vmap(
+        info: Any,
+        in_dims: tuple[int | None, ...],
+        grad_out: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        mask_t: torch.Tensor | None,
+        opts: _Options,
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], tuple[int, int, int]]:
+        args = _batched_front(
+            (grad_out, query, key, value, out, lse, mask_t),
+            in_dims[:7],
+            info.batch_size,
+            6,
+            query.dim() - (in_dims[1] is not None),
+        )
+        res = _FusedSDPABackward.apply(*args, opts)  # type: ignore[no-untyped-call]
+        return res, (0, 0, 0)
 
 
 def scaled_dot_product_attention(
@@ -113,16 +255,41 @@ def scaled_dot_product_attention(
     float32, float64, float16 or bfloat16 (16-bit computed in float32).
     attn_mask: bool (**True = may attend**, as torch) or float added to the
     scores, broadcastable to ``(..., Hq, L, S)``; a constant (a mask that
-    requires grad is refused).  is_causal: **top-left** as torch (query i sees
+    requires grad is refused while autograd records; under ``torch.no_grad()``
+    or ``torch.inference_mode()`` it is accepted).  is_causal: **top-left** as torch (query i sees
     keys j <= i, also when L != S), combined with attn_mask when both are given,
     as torch 2.13 does.  scale: None = 1/sqrt(D).  enable_gqa: Hq a multiple of
     Hk.  dropout_p must be 0 (NotImplementedError otherwise).  A row with no
     visible key gives zeros (as torch 2.13 on the CPU) and zero gradients.
+
+    As torch: under ``torch.autocast("cpu")`` every floating input but float64
+    (the mask included) is cast to the autocast dtype; ``torch.func.vmap`` and
+    ``torch.func.grad`` (and their compositions) work; the backward refuses to
+    run after the output, an input or the mask was modified in place; the
+    gradient is not differentiable again (double backward, e.g. a gradient
+    penalty, raises RuntimeError).  float32 is computed at
+    ``fastattn.get_float32_matmul_precision()`` as of the forward call, by the
+    forward and its backward alike.
     """
     for t, n in ((query, "query"), (key, "key"), (value, "value")):
         _check_tensor(t, n)
         if t.dtype not in _DTYPES:
             raise TypeError(f"{n} must be float32, float64, float16 or bfloat16, got {t.dtype}")
+    if attn_mask is not None:
+        _check_tensor(attn_mask, "attn_mask")
+    if torch.is_autocast_enabled("cpu"):
+        # torch's autocast rule for SDPA (a lower-precision op on the CPU): every
+        # floating input except float64, the mask included, is cast to the
+        # autocast dtype (a differentiable cast: gradients return in the
+        # caller's dtype).
+        low = torch.get_autocast_dtype("cpu")
+
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t.to(low) if t.is_floating_point() and t.dtype != torch.float64 else t
+
+        query, key, value = cast(query), cast(key), cast(value)
+        if attn_mask is not None:
+            attn_mask = cast(attn_mask)
     if not (query.dtype == key.dtype == value.dtype):
         raise TypeError(
             f"query, key and value must have the same dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
@@ -131,19 +298,15 @@ def scaled_dot_product_attention(
         raise TypeError(f"dropout_p must be a number, got {type(dropout_p).__name__}")
     if dropout_p != 0:
         raise NotImplementedError("dropout_p must be 0: fastattn's fused kernels have no dropout")
-    mask = None
-    if attn_mask is not None:
-        _check_tensor(attn_mask, "attn_mask")
-        if attn_mask.requires_grad:
+    if attn_mask is not None and attn_mask.requires_grad:
+        if torch.is_grad_enabled():
             raise NotImplementedError(
-                "attn_mask is a constant here: gradients with respect to it are not computed"
+                "attn_mask is a constant here: gradients with respect to it are not computed "
+                "(under torch.no_grad() or torch.inference_mode() such a mask is accepted)"
             )
-        mask = _np(attn_mask)
+        attn_mask = attn_mask.detach()  # nothing is recorded: it is just a constant
     if query.dim() < 2:
         raise ValueError(f"query must have at least 2 dimensions, got shape {tuple(query.shape)}")
-    kw: dict[str, Any] = {"scale": scale, "enable_gqa": bool(enable_gqa)}
-    if is_causal:
-        mask, extra = _causal_top_left(mask, query.shape[-2], key.shape[-2])
-        kw.update(extra)
-    out: torch.Tensor = _FusedSDPA.apply(query, key, value, mask, kw)
+    opts = _Options(bool(is_causal), scale, bool(enable_gqa), get_float32_matmul_precision())
+    out: torch.Tensor = _FusedSDPA.apply(query, key, value, attn_mask, opts)[0]
     return out

@@ -31,6 +31,9 @@ def _rows_value(rows: npt.ArrayLike | None, L: int) -> npt.NDArray[np.int64]:
     if rows is None:
         return np.arange(L, dtype=np.int64)
     r = as_array(rows, "rows")
+    if r.size == 0 and r.dtype.kind == "f" and r.ndim == 1:
+        # rows=[] (NumPy makes an empty list float64): no rows selected, an empty result
+        return np.zeros(0, dtype=np.int64)
     if r.dtype.kind not in "iu":
         raise TypeError(f"rows must be an integer array of query indices, got dtype {r.dtype}")
     if r.ndim != 1:
@@ -66,13 +69,17 @@ def attention_weights(
     alibi_slopes, softcap, sinks, key_lengths, query_lengths, block_mask);
     a bool ``attn_mask`` is True = may attend, a float one is added.
 
-    The kernel computes each row's log-sum-exp; the weights are then
-    ``exp(score - lse)`` computed one tile of rows at a time (scores in
-    float64), so they sum to 1 per row (less what ``sinks`` take) and are
-    exactly what multiplies the values.  Rows with no visible key, and padded
-    query rows, are zeros.
+    The scores are recomputed in float64 one tile of rows at a time and
+    normalised there (a float64 softmax over the keys the kernel saw, the
+    ``sinks`` logits joining the denominator), so each row sums to 1 (less
+    what ``sinks`` take) to the output dtype's rounding, whatever the logits'
+    magnitude, and ``weights @ value`` is the attention output to the
+    kernel's precision.  The kernel's log-sum-exp decides only which rows are
+    NaN (a NaN or +inf score) and which have no visible key: those, and
+    padded query rows, are zeros.
 
-    rows: query indices (1-D integer array) to return; None returns all L.
+    rows: query indices (1-D integer array; ``[]`` gives no rows) to return;
+    None returns all L.
     Returns float32 (float64 for float64 inputs), shape ``(..., Hq, R, S)``
     for either layout.
     """
@@ -135,6 +142,9 @@ def attention_weights(
         assert block_size is not None  # (the call above requires it with block_mask)
         bq, bk = int(block_size[0]), int(block_size[1])
         bm = np.broadcast_to(np.asarray(block_mask), lead + (Hq, -(-L // bq), -(-S // bk)))
+    sink = None  # (Hq, 1, 1) float64 logits in each row's denominator
+    if sinks is not None:
+        sink = np.asarray(sinks, dtype=F64).reshape(Hq, 1, 1)
     kf = np.repeat(kh.astype(F64), G, axis=-3) if G > 1 else kh.astype(F64)  # (..., Hq, S, D)
 
     out = np.empty(lead + (Hq, sel.size, S), dtype=cdt)
@@ -164,8 +174,20 @@ def attention_weights(
         if bm is not None:
             allowed = allowed & np.take(bm[..., ri // bq, :], j[0] // bk, axis=-1)
         lt = lse[..., ri].astype(F64)[..., None]
-        with np.errstate(invalid="ignore", over="ignore"):
-            w = np.where(allowed & np.isfinite(lt), np.exp(s - np.where(np.isfinite(lt), lt, 0.0)), 0.0)
+        # Normalise in float64 here rather than with the kernel's LSE: a float32 LSE
+        # is off by ~|logit| * 2**-24, which at logits ~1e4 left rows summing to
+        # 0.998-1.002 (exp of an absolute error is a relative error).
+        z = np.where(allowed & np.isfinite(lt), s, -np.inf)
+        mx = np.max(z, axis=-1, keepdims=True, initial=-np.inf)
+        if sink is not None:
+            mx = np.maximum(mx, sink)
+        mx = np.where(np.isfinite(mx), mx, 0.0)
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            e = np.exp(z - mx)
+            den = np.sum(e, axis=-1, keepdims=True)
+            if sink is not None:
+                den = den + np.exp(sink - mx)
+            w = np.where(den > 0, e / den, 0.0)
         w = np.where(np.isnan(lt), np.nan, w)  # a NaN row stays NaN, as in the output
         out[..., t0 : t0 + ri.size, :] = w
     return out

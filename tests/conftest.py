@@ -34,6 +34,10 @@ def pytest_report_header(config):
 
 
 def pytest_configure(config):
+    # An invalid FASTATTN_* knob is ignored with a warning at import; a session run with one
+    # (FASTATTN_ISA=avx512 on a CPU without it) would test another path and pass: refuse.
+    if fastattn._config.env_problems():
+        raise pytest.UsageError("; ".join(fastattn._config.env_problems().values()))
     if os.environ.get("FASTATTN_TEST_INSTALLED") == "1":
         path = os.path.realpath(fastattn.__file__)
         if "site-packages" not in path and "dist-packages" not in path:

@@ -76,7 +76,8 @@ def test_grad_under_vmap_and_3d(rng):
         assert_close(np.asarray(g), np.asarray(e), np.float32, tol=2e-4)
 
 
-def test_bias_and_residual_are_constants(rng):
+def test_bias_gets_jax_gradient_and_residual_is_constant(rng):
+    # (Issue 48.1: the bias gradient used to be a silent zero.)
     q = randn(rng, (1, 4, 2, 8))
     bias = jnp.asarray(randn(rng, (1, 2, 4, 4)))
 
@@ -84,4 +85,12 @@ def test_bias_and_residual_are_constants(rng):
         out, res = dpa(q, q, q, bias, return_residual=True)
         return jnp.sum(out) + jnp.sum(res)
 
-    assert np.all(np.asarray(jax.grad(loss)(bias)) == 0)
+    def xla_loss(bias):
+        return jnp.sum(jax.nn.dot_product_attention(q, q, q, bias, implementation="xla"))
+
+    assert_close(np.asarray(jax.grad(loss)(bias)), np.asarray(jax.grad(xla_loss)(bias)), np.float32, tol=2e-4)
+
+    def res_loss(bias):  # the residual alone: a constant
+        return jnp.sum(dpa(q, q, q, bias, return_residual=True)[1])
+
+    assert np.all(np.asarray(jax.grad(res_loss)(bias)) == 0)

@@ -156,7 +156,8 @@ def test_bad_environment_value_is_reported():
             timeout=60,
             cwd=d,
         )
-    assert r.returncode != 0 and "FASTATTN_NUM_THREADS" in r.stderr
+    # ignored with a warning naming it (fastattn._config's docstring), not an import failure
+    assert r.returncode == 0 and "FASTATTN_NUM_THREADS='zero' ignored" in r.stderr
 
 
 def test_calls_from_many_python_threads(rng):

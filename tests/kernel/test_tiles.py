@@ -314,7 +314,8 @@ def test_env_knob():
     r = _import_with_env("200")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "200"
+    # an invalid value is ignored with a warning naming it (fastattn._config's docstring)
     r = _import_with_env("lots")
-    assert r.returncode != 0 and "FASTATTN_TILES='lots'" in r.stderr
+    assert r.returncode == 0 and r.stdout.strip() == "None" and "FASTATTN_TILES='lots' ignored" in r.stderr
     r = _import_with_env("0")
-    assert r.returncode != 0 and "FASTATTN_TILES='0'" in r.stderr
+    assert r.returncode == 0 and r.stdout.strip() == "None" and "FASTATTN_TILES='0' ignored" in r.stderr
