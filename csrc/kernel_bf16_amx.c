@@ -603,7 +603,7 @@ static void amx_softmax_full(const amx_ws *w, int64_t g0, int64_t nr, const floa
  * running max m and sum l (from the fp32 values), O rows rescaled when m grows. */
 static void amx_softmax(const fa_params *p, const fa_task *t, const amx_ws *w, int64_t g, int64_t jt, int64_t nj,
                         int64_t njp, float *S, uint16_t *P, uint16_t *Pl, int64_t ni, int64_t delta, int elem_always,
-                        int use_log2, float qscale, int64_t R, int64_t Dvq, amx_jobs *jobs)
+                        int mask_only, int use_log2, float qscale, int64_t R, int64_t Dvq, amx_jobs *jobs)
 {
     const int64_t G = p->Hq / p->Hk, b = t->b, g0 = g * AMX_RG, nr = fa_min64(AMX_RG, R - g0);
     const int partial = jt < w->gflo[g] || jt + nj > w->gfhi[g];
@@ -634,10 +634,13 @@ static void amx_softmax(const fa_params *p, const fa_task *t, const amx_ws *w, i
         for (int64_t jj = nfull; jj < njp; jj++) s[jj] = jj < nj ? s[jj] * (fast ? 1.0f : qscale) : -INFINITY;
         if (!fast) {
             const int64_t h = t->hk * G + rr / ni, i = t->i0 + rr % ni, ip = i + delta;
-            if (!elem_always) {
+            if (!elem_always || mask_only) { /* the key range, then the attn_mask alone */
                 const int64_t a0 = fa_min64(fa_max64(lo - jt, 0), nj), a1 = fa_max64(fa_min64(hi - jt, nj), a0);
                 for (int64_t jj = 0; jj < a0; jj++) s[jj] = -INFINITY;
                 for (int64_t jj = a1; jj < nj; jj++) s[jj] = -INFINITY;
+                if (elem_always)
+                    fa_mask_apply_f32(p, s, (const char *)p->mask + (b * p->m_sb + h * p->m_sh + i * p->m_sl + jt * p->m_ss) *
+                                      (int64_t)fa_mask_size(p->mask_kind), a0, a1);
             } else {
                 const char *mrow = p->mask ? (const char *)p->mask +
                     (b * p->m_sb + h * p->m_sh + i * p->m_sl) * (p->mask_kind == FA_MASK_BOOL ? 1 : p->mask_kind == FA_MASK_F32 ? 4 : 8) : NULL;
@@ -783,6 +786,10 @@ static void amx_run(const fa_params *p, const fa_task *t, void *scratch)
     const char *kbase = (const char *)p->k + (b * p->k_sb + t->hk * p->k_sh + bi.koff * p->k_sl) * (f32in ? 4 : 2);
     const char *vbase = (const char *)p->v + (b * p->v_sb + t->hk * p->v_sh + bi.koff * p->v_sl) * (f32in ? 4 : 2);
     const int elem_always = p->mask_kind != FA_MASK_NONE || p->alibi || !use_log2 || p->bmask;
+    /* the attn_mask is the one per-element transform: tiles it hides are
+     * skipped, tiles it leaves alone take the unmasked softmax, and the rest
+     * apply it branch-free (fa_tile_mask_state, fa_mask_apply_f32: mask.h) */
+    const int mask_only = p->mask_kind != FA_MASK_NONE && !p->alibi && use_log2 && !p->bmask;
 
     /* Queries (bf16, unscaled: the scale is applied to the fp32 scores), the
      * running max / sum, the output accumulator and each row's key range. */
@@ -837,6 +844,9 @@ static void amx_run(const fa_params *p, const fa_task *t, void *scratch)
                 any = fa_bmask_any(p, b, t->hk * G + g, t->i0, t->i0 + ni, jt, jt + nj);
             if (!any) continue;
         }
+        const int mst = mask_only ? fa_tile_mask_state(p, b, t->hk * G, G, t->i0, ni, jt, nj) : FA_TM_MIXED;
+        if (mst == FA_TM_HIDDEN) continue;
+        const int elem = elem_always && mst != FA_TM_VISIBLE; /* this tile per element */
         int64_t na = 0; /* the row groups that see a key of this tile */
         for (int64_t g = 0; g < NG; g++)
             if (!(w.ghi[g] <= jt || w.glo[g] >= jt + nj || w.glo[g] >= w.ghi[g])) w.act[na++] = g;
@@ -878,7 +888,7 @@ static void amx_run(const fa_params *p, const fa_task *t, void *scratch)
             uint16_t *Pl = x3 ? w.Pl + (a & 1) * AMX_RG * AMX_BN : NULL;
             AMX_PT(ta1);
             amx_softmax(p, t, &w, w.act[a], jt, nj, njp, w.S + (a & 1) * AMX_RG * AMX_BN,
-                        w.P + (a & 1) * AMX_RG * AMX_BN, Pl, ni, delta, elem_always, use_log2, qscale, R, Dvq, &jb);
+                        w.P + (a & 1) * AMX_RG * AMX_BN, Pl, ni, delta, elem, mask_only, use_log2, qscale, R, Dvq, &jb);
             AMX_PT(ta2);
             while (amx_step(&jb)) {}
             AMX_PT(ta3);

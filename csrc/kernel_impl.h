@@ -74,6 +74,8 @@ typedef struct fa_stream {
 
 #define FA_LOG2E 1.4426950408889634
 #define FA_REAL_MAX (sizeof(REAL) == 8 ? 1.7976931348623157e308 : 3.4028234663852886e38)
+/* mask.h's attn_mask arithmetic for this kernel's REAL. */
+#define FA_MASK_APPLY(p, s, m, a, e) _Generic((REAL)0, float: fa_mask_apply_f32, double: fa_mask_apply_f64)(p, s, m, a, e)
 #define FA_LN2 0.6931471805599453
 
 static inline int64_t fa_rup(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -232,6 +234,7 @@ typedef struct fa_ctx {
     int64_t flo, fhi;                /* keys every row sees */
     int use_log2;                    /* no softcap: Q carries log2(e), exp2 replaces exp */
     int elem_always;                 /* mask, ALiBi, softcap or block mask: every tile per element */
+    int mask_only;                   /* attn_mask is the one per-element transform (tile_mask_state) */
     int kfuse, vfuse;                /* K / V rows read in place, widened on load (decode) */
     int vdirect;                     /* V rows are whole vectors of REAL: usable as they lie */
     int panel_outer;                 /* Q.K^T panel by panel over the row blocks (qk_packed) */
@@ -393,6 +396,15 @@ FA_INLINE int FA_NAME(tile_hidden)(const fa_ctx *c, int64_t jt, int64_t nj)
     return !any;
 }
 
+/* What the attn_mask does to the tile of nj keys at jt for every row of the
+ * task (fa_tile_mask_state, mask.h), where it is the one per-element
+ * transform (mask_only); else FA_TM_MIXED. */
+FA_INLINE int FA_NAME(tile_mask_state)(const fa_ctx *c, int64_t jt, int64_t nj)
+{
+    if (!c->mask_only) return FA_TM_MIXED;
+    return fa_tile_mask_state(c->p, c->b, c->t->hk * c->G, c->G, c->t->i0, c->ni, jt, nj);
+}
+
 /* Whether some row of the task sees only part of the tile of nj keys at jt
  * (the causal diagonal, a window's edge, a key length inside it). */
 FA_INLINE int FA_NAME(tile_partial)(const fa_ctx *c, int64_t jt, int64_t nj)
@@ -406,23 +418,25 @@ FA_INLINE int FA_NAME(tile_partial)(const fa_ctx *c, int64_t jt, int64_t nj)
  * the tile is partial (causal diagonal, window); every element when a mask,
  * ALiBi, softcap or block mask applies. */
 FA_INLINE void FA_NAME(mask_row)(const fa_ctx *c, REAL *s, int64_t r, int64_t jt, int64_t nj, int64_t ja,
-                                 int64_t jb, int partial)
+                                 int64_t jb, int partial, int elem)
 {
     const fa_params *p = c->p;
     const fa_task *t = c->t;
     const int64_t b = c->b, je = fa_min64(jb, nj);
     for (int64_t jj = fa_max64(nj, ja); jj < jb; jj++) s[jj] = -INFINITY;
-    if (!(c->elem_always || partial)) return;
+    if (!(elem || partial)) return;
     int64_t h = t->hk * c->G + r / c->ni, i = t->i0 + r % c->ni, ip = i + c->delta, lo, hi;
     fa_row_range(p, ip, c->bi.Sb, &lo, &hi);
-    if (!c->elem_always) { /* only the visible range to apply (causal diagonal, window edge) */
+    const char *mrow = p->mask ? (const char *)p->mask +
+        (b * p->m_sb + h * p->m_sh + i * p->m_sl) * (p->mask_kind == FA_MASK_BOOL ? 1 : p->mask_kind == FA_MASK_F32 ? 4 : 8) : NULL;
+    if (!elem || c->mask_only) { /* the visible range (causal diagonal, window edge), then the mask */
         const int64_t a0 = fa_min64(fa_max64(lo - jt, 0), nj), a1 = fa_max64(fa_min64(hi - jt, nj), a0);
         for (int64_t jj = ja; jj < a0; jj++) s[jj] = -INFINITY;
         for (int64_t jj = fa_max64(a1, ja); jj < je; jj++) s[jj] = -INFINITY;
+        if (elem) FA_MASK_APPLY(p, s, mrow + jt * p->m_ss * (int64_t)fa_mask_size(p->mask_kind),
+                                fa_max64(a0, ja), fa_min64(a1, je));
         return;
     }
-    const char *mrow = p->mask ? (const char *)p->mask +
-        (b * p->m_sb + h * p->m_sh + i * p->m_sl) * (p->mask_kind == FA_MASK_BOOL ? 1 : p->mask_kind == FA_MASK_F32 ? 4 : 8) : NULL;
     const double slope = p->alibi ? p->alibi[b * p->alibi_sb + h * p->alibi_sh] * FA_LOG2E : 0.0;
     for (int64_t jj = ja; jj < je; jj++) {
         int64_t j = jt + jj;
@@ -464,11 +478,11 @@ FA_INLINE void FA_NAME(mask_row)(const fa_ctx *c, REAL *s, int64_t r, int64_t jt
 
 /* The masks of every row of a score tile S (R rows of stride TN, nj keys at
  * jt) over the tile's padded width. */
-FA_INLINE void FA_NAME(mask_tile)(const fa_ctx *c, REAL *S, int64_t TN, int64_t jt, int64_t nj)
+FA_INLINE void FA_NAME(mask_tile)(const fa_ctx *c, REAL *S, int64_t TN, int64_t jt, int64_t nj, int elem)
 {
     const int64_t njp = fa_rup(nj, VW);
     const int partial = FA_NAME(tile_partial)(c, jt, nj);
-    for (int64_t r = 0; r < c->R; r++) FA_NAME(mask_row)(c, S + r * TN, r, jt, nj, 0, njp, partial);
+    for (int64_t r = 0; r < c->R; r++) FA_NAME(mask_row)(c, S + r * TN, r, jt, nj, 0, njp, partial, elem);
 }
 
 /* P = exp2(s - m) in place over s[j0, j1) (multiples of VW), summed into the
@@ -628,10 +642,11 @@ FA_INLINE void FA_NAME(path_row1)(const fa_ctx *c, const fa_ws *w)
     for (int64_t jt = c->jlo; jt < c->jhi; jt += TN) {
         const int64_t nj = fa_min64(TN, c->jhi - jt);
         const fa_stream st = FA_NAME(tile_stream)(c, jt, nj);
-        if (FA_NAME(tile_hidden)(c, jt, nj)) continue;
+        const int mst = FA_NAME(tile_mask_state)(c, jt, nj);
+        if (mst == FA_TM_HIDDEN || FA_NAME(tile_hidden)(c, jt, nj)) continue;
         FA_NAME(qk_rows_nd)(1, p->k_dtype, w->Qs, c->Dp, st.k, p->k_sl, nj, w->S, TN, st.v,
                             p->v_sl * c->vsz, c->Dv * c->vsz, &st);
-        FA_NAME(mask_tile)(c, w->S, TN, jt, nj);
+        FA_NAME(mask_tile)(c, w->S, TN, jt, nj, c->elem_always && mst != FA_TM_VISIBLE);
         FA_NAME(softmax_tile)(c, w, TN, nj);
         FA_NAME(pv_row1_n)(c->Dvp / VW, p->v_dtype, w->S, nj, st.v, p->v_sl, w->O, &st);
     }
@@ -651,7 +666,8 @@ FA_INLINE void FA_NAME(path_rows)(const fa_ctx *c, const fa_ws *w)
     for (int64_t jt = c->jlo; jt < c->jhi; jt += TN) {
         const int64_t nj = fa_min64(TN, c->jhi - jt);
         const fa_stream st = FA_NAME(tile_stream)(c, jt, nj);
-        if (FA_NAME(tile_hidden)(c, jt, nj)) continue;
+        const int mst = FA_NAME(tile_mask_state)(c, jt, nj);
+        if (mst == FA_TM_HIDDEN || FA_NAME(tile_hidden)(c, jt, nj)) continue;
         const void *kr = st.k;
         const char *vpf = c->vfuse ? st.v : NULL;
         int64_t ldk = p->k_sl;
@@ -664,7 +680,7 @@ FA_INLINE void FA_NAME(path_rows)(const fa_ctx *c, const fa_ws *w)
         }
         FA_NAME(qk_rows_nd)(c->R, kdt, w->Qs, Dp, kr, ldk, nj, w->S, TN, vpf, p->v_sl * c->vsz,
                             c->Dv * c->vsz, NULL);
-        FA_NAME(mask_tile)(c, w->S, TN, jt, nj);
+        FA_NAME(mask_tile)(c, w->S, TN, jt, nj, c->elem_always && mst != FA_TM_VISIBLE);
         FA_NAME(softmax_tile)(c, w, TN, nj);
         fa_stream next;
         const fa_stream *nx = NULL;
@@ -890,8 +906,10 @@ FA_PATH void FA_NAME(path_prefill)(const fa_ctx *c, const fa_ws *w)
     for (int64_t jt = c->jlo; jt < c->jhi; jt += TN) {
         const int64_t nj = fa_min64(TN, c->jhi - jt);
         const fa_stream st = FA_NAME(tile_stream)(c, jt, nj);
-        if (FA_NAME(tile_hidden)(c, jt, nj)) continue;
+        const int mst = FA_NAME(tile_mask_state)(c, jt, nj);
+        if (mst == FA_TM_HIDDEN || FA_NAME(tile_hidden)(c, jt, nj)) continue;
         const int partial = FA_NAME(tile_partial)(c, jt, nj);
+        const int elem = c->elem_always && mst != FA_TM_VISIBLE; /* this tile per element */
         /* The next tile's K and V rows are prefetched while this tile's
          * products run (spread over the register blocks of Q.K^T): a task
          * reads each K and V row once from beyond L2, and the transposes
@@ -906,10 +924,10 @@ FA_PATH void FA_NAME(path_prefill)(const fa_ctx *c, const fa_ws *w)
         }
         /* A whole tile that needs no mask takes its softmax in qk_packed,
          * in one pass (softmax_block). */
-        const int fused = !partial && nj == TN && !c->elem_always;
+        const int fused = !partial && nj == TN && !elem;
         FA_NAME(qk_packed)(c, w, jt, nj, partial, fused, nx);
         if (!partial && !fused) {
-            FA_NAME(mask_tile)(c, w->S, TN, jt, nj);
+            FA_NAME(mask_tile)(c, w->S, TN, jt, nj, elem);
             FA_NAME(softmax_tile)(c, w, TN, nj);
         } else if (partial) {
             /* Each register block's rows masked and normalised over the
@@ -921,7 +939,7 @@ FA_PATH void FA_NAME(path_prefill)(const fa_ctx *c, const fa_ws *w)
                 FA_NAME(block_keys)(c, partial, r0, mr, jt, nj, &a, &b);
                 const int64_t va = a / VW * VW, vb = fa_rup(b, VW);
                 for (int64_t r = r0; r < r0 + mr && a < b; r++) {
-                    FA_NAME(mask_row)(c, w->S + r * TN, r, jt, nj, va, vb, partial);
+                    FA_NAME(mask_row)(c, w->S + r * TN, r, jt, nj, va, vb, partial, elem);
                     FA_NAME(softmax_row_lazy)(c, w, TN, r, va, vb, nj);
                 }
             }
@@ -979,6 +997,7 @@ FA_PATH void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
         c.fhi = hi0;
     }
     c.elem_always = p->mask_kind != FA_MASK_NONE || p->alibi || !c.use_log2 || p->bmask;
+    c.mask_only = p->mask_kind != FA_MASK_NONE && !p->alibi && c.use_log2 && !p->bmask;
     /* Q.K^T's loop order (qk_packed): panel by panel when the packed K tile
      * would not stay in L1 beside a block's queries and scores (over 3/4 of
      * L1d; 32 KiB where cpuid does not tell). */

@@ -147,6 +147,32 @@ def test_valgrind_subset():
     assert np.allclose(o, reference.scaled_dot_product_attention(q, k, k), atol=1e-5)
 
 
+def test_valgrind_subset_round3():
+    """The C paths added by reliability round 3 and the mask work, for tools/valgrind.sh:
+    attn_mask tiles hidden / visible / mixed (prefill, stacked rows, one decode row),
+    additive attention with a +inf logit, the backward with a NaN row."""
+    rng = np.random.default_rng(5)
+    for L, S in ((70, 300), (3, 300), (1, 300)):
+        q = rng.standard_normal((2, 4, L, 32)).astype(np.float32)
+        k = rng.standard_normal((2, 2, S, 32)).astype(np.float32)
+        v = rng.standard_normal((2, 2, S, 16)).astype(np.float32)
+        keep = np.arange(S)[None, :] < np.array([S, 130])[:, None]  # batch 1: tiles past 130 hidden
+        for m in (keep[:, None, None, :], np.where(keep, 0.0, -np.inf).astype(np.float32)[:, None, None, :]):
+            o = fastattn.scaled_dot_product_attention(q, k, v, m, enable_gqa=True)
+            r = reference.scaled_dot_product_attention(q, k, v, m, enable_gqa=True)
+            assert np.allclose(o, r, atol=1e-4, rtol=1e-4)
+        dense = rng.random((2, 1, L, S)) > 0.5
+        o = fastattn.scaled_dot_product_attention(q, k, v, dense, enable_gqa=True)
+        assert np.allclose(o, reference.scaled_dot_product_attention(q, k, v, dense, enable_gqa=True), atol=1e-4)
+    q = rng.standard_normal((1, 2, 8, 16))
+    k = rng.standard_normal((1, 2, 12, 16))
+    v = rng.standard_normal((1, 2, 12, 16))
+    q[0, 1, 3, 0] = np.nan
+    o, lse = fastattn.scaled_dot_product_attention(q, k, v, return_lse=True)
+    dq, dk, dv = fastattn.scaled_dot_product_attention_backward(np.ones_like(o), q, k, v, o, lse)
+    assert np.isnan(dq[0, 1, 3]).all() and np.isfinite(dq[0, 0]).all()
+
+
 @pytest.mark.skipif(not HUGE, reason="needs ~14 GB free (FASTATTN_TEST_HUGE=1 forces)")
 @pytest.mark.parametrize("causal", [False, True])
 def test_score_space_beyond_2_31(causal):
