@@ -80,13 +80,15 @@ static inline int fa_bmask_at(const fa_params *p, int64_t b, int64_t h, int64_t 
 /* What the attn_mask does to a tile of nj keys at jt for the rows of a task
  * (batch b, heads h0 .. h0 + G - 1, query rows i0 .. i0 + ni - 1), where the
  * mask is the one per-element transform (no ALiBi, softcap or block mask):
- * FA_TM_HIDDEN when it removes every key from every row (bool False, float
- * -inf: the tile adds nothing and is skipped), FA_TM_VISIBLE when it leaves
- * every score as it is (bool True, float +-0: the tile computes as an
- * unmasked one, the fused softmax included), else FA_TM_MIXED (the mask is
- * applied per element, fa_mask_apply_*).  A float mask of finfo.min is not
- * hidden: such keys stay in a row's softmax (a row of only such keys is
- * uniform over them, as in torch).  Cost: one read of the tile's mask
+ * FA_TM_HIDDEN when it removes every key from every row (bool False: the
+ * tile adds nothing and is skipped), FA_TM_VISIBLE when it leaves every
+ * score as it is (bool True, float +-0: the tile computes as an unmasked
+ * one, the fused softmax included), else FA_TM_MIXED (the mask is applied
+ * per element, fa_mask_apply_*).  A float mask is never hidden: it is added,
+ * so a NaN or +-inf score under -inf makes the row NaN (as in torch and the
+ * reference), which a skipped tile would lose; and keys at finfo.min stay
+ * in a row's softmax (a row of only such keys is uniform over them).  Pass
+ * a bool mask to have padded tiles skipped.  Cost: one read of the tile's mask
  * values, fewer where the mask broadcasts over heads (m_sh == 0) or rows
  * (m_sl == 0): at most G ni nj bytes against the tile's G ni nj (D + Dv)
  * multiply-adds.  The state depends on the task's rows, which depend on the
@@ -106,10 +108,12 @@ static inline int fa_tile_mask_state(const fa_params *p, int64_t b, int64_t h0, 
                 for (int64_t jj = 0; jj < nj; jj++) { all &= m[jj * ms] != 0; none &= m[jj * ms] == 0; }
             } else if (p->mask_kind == FA_MASK_F32) {
                 const float *m = (const float *)p->mask + off;
-                for (int64_t jj = 0; jj < nj; jj++) { all &= m[jj * ms] == 0.0f; none &= m[jj * ms] == -INFINITY; }
+                for (int64_t jj = 0; jj < nj; jj++) all &= m[jj * ms] == 0.0f;
+                none = 0;
             } else {
                 const double *m = (const double *)p->mask + off;
-                for (int64_t jj = 0; jj < nj; jj++) { all &= m[jj * ms] == 0.0; none &= m[jj * ms] == -INFINITY; }
+                for (int64_t jj = 0; jj < nj; jj++) all &= m[jj * ms] == 0.0;
+                none = 0;
             }
             vis &= all;
             hid &= none;
