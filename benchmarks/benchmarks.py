@@ -43,6 +43,10 @@ BF16 = {
     "B1 H32 S8192 D128 decode bf16kv": (cases.by_name("B1 H32 S8192 D128 decode bf16kv"), "float32"),
 }
 
+# The masked benchmark's shape: B8 H12 L512 D64 of ``fastattn bench`` with 4 sequences, each
+# mask as case_mask builds it (None: the same shape unmasked).
+MASKED = dataclasses.replace(cases.by_name("B8 H12 L512 D64"), name="B4 H12 L512 D64", B=4)
+
 
 def _inputs(case, dtype="float32"):
     return cases.random_inputs(case, dtype)
@@ -156,6 +160,55 @@ class Bfloat16:
         self.fn = run
 
     def time_attention(self, case, impl):
+        self.fn()
+
+
+class Masked:
+    """An explicit attn_mask (``fastattn bench``'s masked cases at B4 H12 L512 D64, float32):
+    a bool key-padding mask (B, 1, 1, S), the same padding as Hugging Face's dense float
+    (B, 1, L, S) mask, a dense random bool mask; None is the shape unmasked.  fastattn,
+    torch's SDPA given the same mask (when torch is installed) and the NumPy baseline."""
+
+    params = ([None, "padding", "hf_float", "random"], ["fastattn", "torch", "numpy"])
+    param_names = ["mask", "impl"]
+    timeout = 120
+
+    def setup(self, mask, impl):
+        c = dataclasses.replace(MASKED, name=f"{MASKED.name} {mask}", mask=mask)
+        q, k, v = _inputs(c)
+        m = cases.case_mask(c)  # bool: True = may attend; float: added to the scores
+        if impl == "fastattn":
+            self.fn = lambda: fastattn.scaled_dot_product_attention(q, k, v, attn_mask=m, num_threads=THREADS)
+            try:
+                self.fn()
+            except (TypeError, ValueError) as e:  # a commit without this mask form: not timed
+                raise NotImplementedError(f"attn_mask: {e}") from None
+        elif impl == "torch":
+            try:
+                import torch
+            except ImportError:
+                raise NotImplementedError("torch is not installed") from None
+            torch.set_num_threads(THREADS)
+            tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
+            tm = None if m is None else torch.from_numpy(m)
+
+            def run():
+                with torch.inference_mode():
+                    torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=tm)
+
+            self.fn = run
+        else:
+            # (B, 1, L or 1, S) -> (B, 1, 1, L or 1, S): the baseline's scores are (B, Hk, g, L, S)
+            add = None if m is None else cases.mask_additive(m)[:, :, None]
+            self.limits = _blas_limit(THREADS)
+            self.fn = lambda: cases.numpy_attention(q, k, v, add)
+
+    def teardown(self, mask, impl):
+        limits = getattr(self, "limits", None)
+        if limits is not None:
+            limits.restore_original_limits()
+
+    def time_attention(self, mask, impl):
         self.fn()
 
 

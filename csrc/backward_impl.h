@@ -353,6 +353,10 @@ static void FB_NAME(fb_run)(const fa_bwd_params *bp, const fa_bwd_task *t, void 
     const int64_t delta = bi.Sb - bi.Lb;
     const int use_log2 = p->softcap == 0.0;
     const int elem_always = p->mask_kind != FA_MASK_NONE || p->alibi || !use_log2;
+    /* the attn_mask is the one per-element transform: a tile a bool mask hides
+     * from the tile's rows is skipped (its P and dS are 0), one it leaves alone
+     * takes the unmasked pass (fa_tile_mask_state, mask.h; as the forward) */
+    const int mask_only = p->mask_kind != FA_MASK_NONE && !p->alibi && use_log2;
     const REAL c1 = (REAL)(p->scale * FB_LOG2E); /* the fused path's S -> log2-domain logit */
     const REAL *K = (const REAL *)p->k + b * p->k_sb + hk * p->k_sh;
     const REAL *V = (const REAL *)p->v + b * p->v_sb + hk * p->v_sh;
@@ -418,6 +422,9 @@ static void FB_NAME(fb_run)(const fa_bwd_params *bp, const fa_bwd_task *t, void 
                 for (int64_t u = 0; u < ntile; u++) {
                     const int64_t jt = jb + u * FB_BK, nk = fa_min64(FB_BK, jend - jt);
                     if (hi1 <= jt || lo0 >= jt + nk) continue; /* the forward's masked-tile skipping */
+                    const int mst = mask_only ? fa_tile_mask_state(p, b, h, 1, i0, nq, jt, nk) : FA_TM_MIXED;
+                    if (mst == FA_TM_HIDDEN) continue;
+                    const int elem = elem_always && mst != FA_TM_VISIBLE; /* this tile per element */
                     const int full = lo1 <= jt && hi0 >= jt + nk && nk == FB_BK;
                     const REAL *Kt = w.Kt + u * Dp * FB_BK, *Vt = w.Vt + u * Dvp * FB_BK;
                     const REAL *Kr = w.Kr + u * FB_BK * Dp;
@@ -428,7 +435,7 @@ static void FB_NAME(fb_run)(const fa_bwd_params *bp, const fa_bwd_task *t, void 
                     if (!full) FB_NAME(fb_ranges)(p, i0, nq, delta, bi.Sb, jt, nk, a0, a1, qlo, qhi);
                     const int32_t *rl = full ? NULL : a0, *rh = full ? NULL : a1;   /* keys per row */
                     const int32_t *kl = full ? NULL : qlo, *kh = full ? NULL : qhi; /* rows per key */
-                    if (!elem_always) {
+                    if (!elem) {
                         /* ---- P and dS in one pass (fb_sdp) ---- */
                         FB_NAME(fb_sdp)(nq, D, Dv, qt, qst, Kt, ot, ost, Vt, l2t, dit, c1, w.S, w.dP, rl, rh);
                         if (!full) FB_NAME(fb_edge)(nq, a0, a1, w.S, w.dP);

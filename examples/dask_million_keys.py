@@ -10,7 +10,7 @@ log-sum-exp rule in a tree.
     python examples/dask_million_keys.py --causal --check   # + compare a few rows in memory
 
 Prints the wall time and every worker's peak resident memory next to the size
-of K/V.  Needs ``pip install fastattn[dask]``.
+of K/V.  Needs the dask extra: ``pip install ".[dask]"`` in a clone (no PyPI wheels yet).
 """
 
 from __future__ import annotations

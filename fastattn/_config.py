@@ -122,6 +122,17 @@ def get_num_threads() -> int:
     In order: the value given to :func:`set_num_threads`, else the environment
     variable ``FASTATTN_NUM_THREADS``, else OpenMP's current default (which
     follows ``OMP_NUM_THREADS`` and ``threadpoolctl.threadpool_limits``).
+
+    Returns
+    -------
+    int
+        The default thread count, at least 1.
+
+    Examples
+    --------
+    >>> import fastattn
+    >>> fastattn.get_num_threads() >= 1
+    True
     """
     if _thread_override is not None:
         return _thread_override
@@ -131,7 +142,25 @@ def get_num_threads() -> int:
 
 
 def set_num_threads(n: int | None) -> None:
-    """Set the default thread count for later calls (``None`` restores the default)."""
+    """Set the default thread count for later calls (``None`` restores the default).
+
+    Results are bit-identical for every thread count; a call's ``num_threads=``
+    overrides this default for that call.
+
+    Parameters
+    ----------
+    n : int or None
+        Threads, 1 to 1024 (ValueError otherwise); None returns to the default
+        described in :func:`get_num_threads`.
+
+    Examples
+    --------
+    >>> import fastattn
+    >>> fastattn.set_num_threads(1)
+    >>> fastattn.get_num_threads()
+    1
+    >>> fastattn.set_num_threads(None)
+    """
     global _thread_override
     if n is None:
         _thread_override = None
@@ -176,6 +205,19 @@ def set_float32_matmul_precision(precision: str) -> None:
     ``"medium"`` also on the ``avx512bf16`` path, and elsewhere compute as ``"highest"``.
     float64 and float16 inputs ignore the level (float16 is never rounded to bfloat16).
     Per call: ``precision=``.
+
+    Parameters
+    ----------
+    precision : {"highest", "high", "medium"}
+        The level for later calls (TypeError / ValueError for anything else).
+
+    Examples
+    --------
+    >>> import fastattn
+    >>> fastattn.set_float32_matmul_precision("high")
+    >>> fastattn.get_float32_matmul_precision()
+    'high'
+    >>> fastattn.set_float32_matmul_precision("highest")
     """
     global _f32_precision
     precision_code(precision)  # TypeError / ValueError on bad values; None is not a level
@@ -185,7 +227,19 @@ def set_float32_matmul_precision(precision: str) -> None:
 
 
 def get_float32_matmul_precision() -> str:
-    """The process default set by :func:`set_float32_matmul_precision` ("highest" at start)."""
+    """The process default set by :func:`set_float32_matmul_precision` ("highest" at start).
+
+    Returns
+    -------
+    str
+        ``"highest"``, ``"high"`` or ``"medium"``.
+
+    Examples
+    --------
+    >>> import fastattn
+    >>> fastattn.get_float32_matmul_precision()
+    'highest'
+    """
     return _f32_precision
 
 
@@ -197,12 +251,43 @@ def get_isa() -> str:
     key/value head; it is the default where the CPU and OS allow AMX.
     'avx512bf16' is the AVX-512 path plus the same kernel with VDPBF16PS
     products (bfloat16 inputs, and float32 ones at precision "medium"), for
-    CPUs with AVX512-BF16 and no AMX."""
+    CPUs with AVX512-BF16 and no AMX.
+
+    Returns
+    -------
+    str
+        The current path: the best the CPU supports unless :func:`set_isa` or
+        ``FASTATTN_ISA`` chose another.
+
+    Examples
+    --------
+    >>> import fastattn
+    >>> fastattn.get_isa() in ("amx", "avx512bf16", "avx512", "avx2", "scalar")
+    True
+    """
     return _kernels.isa_get()
 
 
 def set_isa(isa: str) -> None:
-    """Force an ISA path ('amx', 'avx512bf16', 'avx512', 'avx2', 'scalar'); ValueError if the CPU lacks it."""
+    """Force an ISA path ('amx', 'avx512bf16', 'avx512', 'avx2', 'scalar'); ValueError if the CPU lacks it.
+
+    For testing and measurement: every path gives results within the same
+    accuracy contract.
+
+    Parameters
+    ----------
+    isa : str
+        One of the names above; the CPU (and OS) must support it.
+
+    Examples
+    --------
+    >>> import fastattn
+    >>> best = fastattn.get_isa()
+    >>> fastattn.set_isa("scalar")      # every CPU has the portable C path
+    >>> fastattn.get_isa()
+    'scalar'
+    >>> fastattn.set_isa(best)
+    """
     if isa not in _kernels.ISA_NAMES:
         raise ValueError(f"isa must be one of {', '.join(_kernels.ISA_NAMES)}, got {isa!r}")
     if not _kernels.isa_set(isa):
@@ -241,6 +326,20 @@ def set_tiles(rows: int | None) -> None:
     into near-equal blocks of at most that size.  Results do not depend on the thread count either way,
     but they may differ in the last bits between row blocks.  The environment
     variable ``FASTATTN_TILES`` (an integer, read at import) sets the same.
+
+    Parameters
+    ----------
+    rows : int or None
+        Rows per task, at least 1 (ValueError above the kernel's limit); None
+        returns to the derived block.
+
+    Examples
+    --------
+    >>> import fastattn
+    >>> fastattn.set_tiles(64)
+    >>> fastattn.get_tiles()
+    64
+    >>> fastattn.set_tiles(None)
     """
     if rows is None:
         _kernels.tiles_set_rows(0)
@@ -254,7 +353,19 @@ def set_tiles(rows: int | None) -> None:
 
 
 def get_tiles() -> int | None:
-    """The row block forced by :func:`set_tiles` or ``FASTATTN_TILES`` (None: derived)."""
+    """The row block forced by :func:`set_tiles` or ``FASTATTN_TILES`` (None: derived).
+
+    Returns
+    -------
+    int or None
+        The forced rows per task, or None when the kernels derive it.
+
+    Examples
+    --------
+    >>> import fastattn
+    >>> fastattn.get_tiles() is None    # unless FASTATTN_TILES is set
+    True
+    """
     rows = _kernels.tiles_get_rows()
     return rows if rows > 0 else None
 
@@ -348,7 +459,18 @@ def config() -> dict[str, Any]:
 
 
 def show_config() -> None:
-    """Print version, compiler, kernel path, OpenMP, threads and CUDA build."""
+    """Print version, compiler, kernel path, OpenMP, threads and CUDA build.
+
+    What ``fastattn info`` (``python -m fastattn info``) prints: one line per
+    setting, with the environment variables that set them.  Include it in a bug
+    report.
+
+    Examples
+    --------
+    >>> import fastattn
+    >>> fastattn.show_config()          # doctest: +ELLIPSIS
+    version                          ...
+    """
     for k, v in config().items():
         if k == "ignored environment variables":
             # one line each, in full: the line says what was expected and what is used instead

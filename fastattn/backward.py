@@ -111,6 +111,49 @@ def scaled_dot_product_attention_backward(
     kernel multiplies the row's zero dS by a NaN query element (0 x NaN, as
     torch's dS^T Q does).  Rows with a finite LSE keep finite gradients unless
     they see a NaN key or value.
+
+    Parameters
+    ----------
+    grad_out : array_like
+        Gradient of the loss with respect to ``out``, same shape and dtype.
+    query, key, value : array_like
+        The forward's inputs.
+    out, lse : array_like
+        The forward's results for the same inputs and options (``return_lse=True``).
+    attn_mask, is_causal, scale, enable_gqa, layout
+        As for :func:`fastattn.scaled_dot_product_attention`.
+    window, alibi_slopes, softcap, sinks, key_lengths, query_lengths
+        As for :func:`fastattn.scaled_dot_product_attention`.
+    num_threads : int, optional
+        Threads for this call; None uses :func:`fastattn.get_num_threads`.
+    precision : {None, "highest", "high", "medium"}, optional
+        The forward's float32 matmul level, as described above.
+
+    Returns
+    -------
+    dq, dk, dv : ndarray
+        Shaped and typed as query, key and value.
+    dsinks : ndarray
+        Only with ``sinks``: float64 ``(Hq,)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import fastattn
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 1, 2, 6, 8))
+    >>> out, lse = fastattn.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True)
+    >>> dout = np.ones_like(out)                        # the loss is out.sum()
+    >>> dq, dk, dv = fastattn.scaled_dot_product_attention_backward(
+    ...     dout, q, k, v, out, lse, is_causal=True)
+    >>> dq.shape, dk.shape, dv.shape
+    ((1, 2, 6, 8), (1, 2, 6, 8), (1, 2, 6, 8))
+
+    dV is P^T @ dout, with P the attention weights:
+
+    >>> p = fastattn.attention_weights(q, k, is_causal=True)
+    >>> bool(np.allclose(dv, p.transpose(0, 1, 3, 2) @ dout))
+    True
     """
     # The forward's checks, in its order (fastattn._args.sdpa_call).
     prec = precision_code(precision)

@@ -118,39 +118,69 @@ def scaled_dot_product_attention(
     ``layout="bshd"``: ``(..., L, H, D)`` as flash-attn and JAX use.  The output
     has the query's layout and dtype, last dimension Dv.
 
-    attn_mask: bool (True = may attend) or float (added to the scores; -inf
-        excludes), broadcastable to ``(..., Hq, L, S)``; read in place through
-        broadcasting strides, never expanded.
-    is_causal: query i may see keys j <= i + (S - L), aligned to the bottom
-        right (flash-attn's convention, what a KV cache needs).  Equal to the
-        usual lower triangle when L == S; torch aligns top-left when L != S.
-    scale: multiplies the scores; None means 1/sqrt(D).
-    enable_gqa: allow Hq to be a multiple of Hk (grouped-query attention); each
-        key/value head serves Hq/Hk consecutive query heads, without copies.
-    return_lse: also return the natural-log sum of exponentials of each row,
-        shape ``(..., Hq, L)`` (``(B, Hq, L)`` for bshd), float32 (float64 for
-        float64 inputs).  A row whose keys are all masked gives zeros and -inf.
-    out: write the result into this array (right shape and dtype, writable,
-        not overlapping an input) and return it.
-    num_threads: threads for this call; None uses ``fastattn.get_num_threads()``.
-        Results are bit-identical for every thread count.
-    window: ``(left, right)`` sliding window: query at bottom-right position i'
-        sees keys in ``[i' - left, i' + right]``; -1 is unbounded.
-    alibi_slopes: ``(Hq,)`` or ``(..., Hq)``: adds ``-slope * |i' - j|``.
-    softcap: scores become ``softcap * tanh(scores / softcap)`` before masks.
-    sinks: ``(Hq,)`` logits that join each row's softmax denominator only.
-    key_lengths, query_lengths: integer arrays of the batch dims' shape; keys
-        ``j >= key_lengths[b]`` are ignored (their tiles skipped), output rows
-        ``i >= query_lengths[b]`` are zeros with LSE -inf.  Causal alignment
-        uses these lengths.
-    block_mask, block_size: block-sparse pattern, bool ``(..., Hq, ceil(L/bq),
-        ceil(S/bk))`` with ``block_size=(bq, bk)``; True blocks are computed,
-        the others skipped entirely.
-
     Order of score transforms: scale, softcap, ALiBi, attn_mask, then the
     causal / window / length / block restrictions.
 
-    precision: float32 inputs only, torch's names: "highest" (float32 arithmetic),
+    Parameters
+    ----------
+    query, key, value : array_like
+        float32, float64, float16 or bfloat16 (``ml_dtypes``); key and value share
+        a dtype, and a float32 query may be used with 16-bit keys and values.
+        Read in place through their strides; never modified.
+    attn_mask : array_like, optional
+        bool (True = may attend) or float (added to the scores; -inf
+        excludes), broadcastable to ``(..., Hq, L, S)``; read in place through
+        broadcasting strides, never expanded.
+    dropout_p : float, default 0.0
+        Must be 0 (torch's signature; NotImplementedError otherwise: no training dropout).
+    is_causal : bool, default False
+        Query i may see keys j <= i + (S - L), aligned to the bottom
+        right (flash-attn's convention, what a KV cache needs).  Equal to the
+        usual lower triangle when L == S; torch aligns top-left when L != S.
+    scale : float, optional
+        Multiplies the scores; None means 1/sqrt(D).
+    enable_gqa : bool, default False
+        Allow Hq to be a multiple of Hk (grouped-query attention); each
+        key/value head serves Hq/Hk consecutive query heads, without copies.
+    layout : {"bhsd", "bshd"}, default "bhsd"
+        Where the heads axis is, for the inputs and the output.
+    return_lse : bool, default False
+        Also return the natural-log sum of exponentials of each row,
+        shape ``(..., Hq, L)`` (``(B, Hq, L)`` for bshd), float32 (float64 for
+        float64 inputs).  A row whose keys are all masked gives zeros and -inf.
+    out : ndarray, optional
+        Write the result into this array (right shape and dtype, writable,
+        not overlapping an input) and return it.
+    num_threads : int, optional
+        Threads for this call; None uses ``fastattn.get_num_threads()``.
+        Results are bit-identical for every thread count.
+    window : tuple of (int, int), optional
+        ``(left, right)`` sliding window: query at bottom-right position i'
+        sees keys in ``[i' - left, i' + right]``; -1 is unbounded.
+    alibi_slopes : array_like, optional
+        ``(Hq,)`` or ``(..., Hq)``: adds ``-slope * |i' - j|``.
+    softcap : float, optional
+        Scores become ``softcap * tanh(scores / softcap)`` before masks.
+    sinks : array_like, optional
+        ``(Hq,)`` logits that join each row's softmax denominator only.
+    key_lengths, query_lengths : array_like of int, optional
+        Integer arrays of the batch dims' shape; keys
+        ``j >= key_lengths[b]`` are ignored (their tiles skipped), output rows
+        ``i >= query_lengths[b]`` are zeros with LSE -inf.  Causal alignment
+        uses these lengths.
+    block_mask : array_like of bool, optional
+        Block-sparse pattern, ``(..., Hq, ceil(L/bq), ceil(S/bk))``; True blocks
+        are computed, the others skipped entirely (see :mod:`fastattn.sparse`).
+    block_size : tuple of (int, int), optional
+        ``(bq, bk)``, the query and key rows per block of ``block_mask``.
+    device : {None, "cpu", "cuda"}, optional
+        None or "cpu" (this kernel), or "cuda": run
+        :func:`fastattn.cuda.scaled_dot_product_attention` (NumPy or
+        ``__cuda_array_interface__`` inputs; RuntimeError when fastattn was
+        built without CUDA or no GPU is present).  ``num_threads``, ``sinks``,
+        ``query_lengths`` and ``block_mask`` are CPU-only.
+    precision : {None, "highest", "high", "medium"}, optional
+        float32 inputs only, torch's names: "highest" (float32 arithmetic),
         "high" (bf16x3: three bfloat16 products per float32 product, ~16 mantissa
         bits) or "medium" (Q, K, V and P rounded to bfloat16); None uses
         ``fastattn.get_float32_matmul_precision()`` ("highest" unless set).  The lower
@@ -158,11 +188,46 @@ def scaled_dot_product_attention(
         compute as "highest" elsewhere; float64 and float16 ignore it.  bfloat16
         inputs on the ``amx`` path always use bf16 products (P rounded to bf16).
 
-    device: None or "cpu" (this kernel), or "cuda": run
-        :func:`fastattn.cuda.scaled_dot_product_attention` (NumPy or
-        ``__cuda_array_interface__`` inputs; RuntimeError when fastattn was
-        built without CUDA or no GPU is present).  ``num_threads``, ``sinks``,
-        ``query_lengths`` and ``block_mask`` are CPU-only.
+    Returns
+    -------
+    out : ndarray
+        The attention output, the query's shape with last dimension Dv, in the
+        query's dtype and layout (``out`` itself when given).
+    lse : ndarray
+        Only with ``return_lse=True``: the rows' log-sum-exp, as described above.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For a bad argument (wrong dtype, shape, option), before any computation.
+
+    See Also
+    --------
+    fastattn.reference.scaled_dot_product_attention : The float64 oracle.
+    fastattn.torch_compat.scaled_dot_product_attention : torch's semantics on tensors.
+    scaled_dot_product_attention_backward : The gradients.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import fastattn
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((2, 4, 8, 16), dtype=np.float32)
+    >>> k = rng.standard_normal((2, 4, 12, 16), dtype=np.float32)
+    >>> v = rng.standard_normal((2, 4, 12, 16), dtype=np.float32)
+    >>> out = fastattn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    >>> out.shape, out.dtype
+    ((2, 4, 8, 16), dtype('float32'))
+    >>> ref = fastattn.reference.scaled_dot_product_attention(q, k, v, is_causal=True)
+    >>> bool(np.allclose(out, ref, atol=1e-5))
+    True
+
+    A padding mask (True = may attend) and the log-sum-exp:
+
+    >>> mask = np.arange(12) < 10                       # the last two keys are padding
+    >>> out, lse = fastattn.scaled_dot_product_attention(q, k, v, attn_mask=mask, return_lse=True)
+    >>> lse.shape
+    (2, 4, 8)
     """
     # Fast path for the common small call: float32 NumPy arrays in bhsd layout
     # with the default options (only is_causal, scale, num_threads and precision
@@ -341,6 +406,49 @@ def varlen_attention(
     sequences and no padding is computed.  Causal alignment is bottom-right per
     sequence.  ``precision``: as for :func:`scaled_dot_product_attention`.  Returns
     ``(Tq, Hq, Dv)`` and, with ``return_lse``, ``(Hq, Tq)``.
+
+    Parameters
+    ----------
+    q, k, v : array_like
+        The packed tokens, ``(Tq, Hq, D)``, ``(Tk, Hk, D)`` and ``(Tk, Hk, Dv)``.
+    cu_seqlens_q, cu_seqlens_k : array_like of int
+        ``(B + 1,)`` cumulative lengths starting at 0 and ending at Tq / Tk.
+    is_causal : bool, default False
+        Causal mask, aligned bottom-right within each sequence.
+    scale, enable_gqa, window, alibi_slopes, softcap, sinks, out, num_threads, precision
+        As for :func:`scaled_dot_product_attention` (``alibi_slopes`` ``(Hq,)`` or
+        ``(B, Hq)``).
+    return_lse : bool, default False
+        Also return the log-sum-exp, ``(Hq, Tq)``.
+
+    Returns
+    -------
+    out : ndarray
+        ``(Tq, Hq, Dv)`` in q's dtype.
+    lse : ndarray
+        Only with ``return_lse=True``: ``(Hq, Tq)``.
+
+    Examples
+    --------
+    Two sequences of 3 and 5 tokens, packed:
+
+    >>> import numpy as np
+    >>> import fastattn
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((8, 2, 16), dtype=np.float32)
+    >>> k = rng.standard_normal((8, 2, 16), dtype=np.float32)
+    >>> v = rng.standard_normal((8, 2, 16), dtype=np.float32)
+    >>> cu = np.array([0, 3, 8], dtype=np.int32)
+    >>> out = fastattn.varlen_attention(q, k, v, cu, cu, is_causal=True)
+    >>> out.shape
+    (8, 2, 16)
+
+    Each sequence is attended alone:
+
+    >>> second = fastattn.scaled_dot_product_attention(
+    ...     q[3:], k[3:], v[3:], is_causal=True, layout="bshd")
+    >>> bool(np.allclose(out[3:], second, atol=1e-6))
+    True
     """
     return varlen_call(
         q,

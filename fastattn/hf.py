@@ -85,7 +85,7 @@ def register(name: str = NAME) -> str:
     except ImportError as e:  # pragma: no cover - exercised without transformers
         raise ImportError(
             "fastattn.hf.register() needs transformers with AttentionInterface and "
-            f"AttentionMaskInterface (pip install 'fastattn[hf]'): {e}"
+            f"AttentionMaskInterface (pip install '.[hf]' from a clone): {e}"
         ) from None
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)

@@ -106,38 +106,55 @@ def dot_product_attention(
     temporaries beyond the result.  mask, the lengths and the residual are
     constants (no gradient flows through them).
 
-    Args:
-        query: ``(B, T, N, H)`` or ``(T, N, H)``.
-        key: ``(B, S, K, H)`` or ``(S, K, H)``; ``N`` must be a multiple of ``K``
-            (grouped-query attention: query head ``n`` uses key/value head ``n // (N // K)``).
-        value: ``(B, S, K, Hv)`` or ``(S, K, Hv)``, same dtype as ``key``.
-        bias: float, added to the scaled scores; broadcastable to ``(B, N, T, S)``
-            (a 4-D shape, or fewer dims that numpy broadcasting aligns on the right).
-        mask: bool, ``True`` = the query may attend to that key (keep);
-            broadcastable to ``(B, N, T, S)``.
-        scale: multiplies ``query·keyᵀ``; None means ``1/sqrt(H)``.
-        is_causal: query ``t`` sees keys ``s <= t``.  As in JAX this causal
-            mask is aligned to the TOP LEFT on absolute positions (unlike
-            :func:`fastattn.scaled_dot_product_attention`, which aligns
-            bottom-right); the two agree when ``T == S``.
-        query_seq_lengths: ``(B,)`` ints; query rows ``t >= query_seq_lengths[b]``
-            are padding (their output is zeros).
-        key_value_seq_lengths: ``(B,)`` ints; keys ``s >= key_value_seq_lengths[b]``
-            are ignored.
-        local_window_size: int ``w`` or ``(left, right)``: query ``t`` sees keys
-            ``t - left <= s <= t + right`` (absolute positions, as in JAX);
-            ``w`` means ``(w, w)``.
-        implementation: None, ``"xla"`` or ``"fastattn"`` (all compute the same
-            thing here); ``"cudnn"`` is not available and raises ValueError.
-        return_residual: also return the log-sum-exp of each row's scaled,
-            biased, masked logits, shape ``(B, T, N)`` (or ``(T, N)``), in the
-            key's dtype, as JAX does.
-        num_threads: threads for this call (fastattn extension); None uses
-            :func:`fastattn.get_num_threads`.
+    Parameters
+    ----------
+    query
+        ``(B, T, N, H)`` or ``(T, N, H)``.
+    key
+        ``(B, S, K, H)`` or ``(S, K, H)``; ``N`` must be a multiple of ``K``
+        (grouped-query attention: query head ``n`` uses key/value head ``n // (N // K)``).
+    value
+        ``(B, S, K, Hv)`` or ``(S, K, Hv)``, same dtype as ``key``.
+    bias
+        Float, added to the scaled scores; broadcastable to ``(B, N, T, S)``
+        (a 4-D shape, or fewer dims that numpy broadcasting aligns on the right).
+    mask
+        Bool, ``True`` = the query may attend to that key (keep);
+        broadcastable to ``(B, N, T, S)``.
+    scale
+        Multiplies ``query·keyᵀ``; None means ``1/sqrt(H)``.
+    is_causal
+        Query ``t`` sees keys ``s <= t``.  As in JAX this causal
+        mask is aligned to the TOP LEFT on absolute positions (unlike
+        :func:`fastattn.scaled_dot_product_attention`, which aligns
+        bottom-right); the two agree when ``T == S``.
+    query_seq_lengths
+        ``(B,)`` ints; query rows ``t >= query_seq_lengths[b]``
+        are padding (their output is zeros).
+    key_value_seq_lengths
+        ``(B,)`` ints; keys ``s >= key_value_seq_lengths[b]``
+        are ignored.
+    local_window_size
+        Int ``w`` or ``(left, right)``: query ``t`` sees keys
+        ``t - left <= s <= t + right`` (absolute positions, as in JAX);
+        ``w`` means ``(w, w)``.
+    implementation
+        None, ``"xla"`` or ``"fastattn"`` (all compute the same
+        thing here); ``"cudnn"`` is not available and raises ValueError.
+    return_residual
+        Also return the log-sum-exp of each row's scaled,
+        biased, masked logits, shape ``(B, T, N)`` (or ``(T, N)``), in the
+        key's dtype, as JAX does.
+    num_threads
+        Threads for this call (fastattn extension); None uses
+        :func:`fastattn.get_num_threads`.
 
-    Returns:
-        ``(B, T, N, Hv)`` (or ``(T, N, Hv)``), the query's dtype; with
-        ``return_residual`` the pair ``(output, residual)``.
+    Returns
+    -------
+    output : ndarray
+        ``(B, T, N, Hv)`` (or ``(T, N, Hv)``), the query's dtype.
+    residual : ndarray
+        Only with ``return_residual``: the pair is ``(output, residual)``.
 
     Differences from JAX: a query row that can see no key at all (fully
     masked, or a padded query row) gives zeros here; JAX's XLA path gives the

@@ -86,6 +86,38 @@ class KVCache:
     ``attend`` may see new keys with an old length, or the reverse).
     Concurrent ``attend`` calls (and reads of ``k``/``v``/``lengths``) are safe
     (the kernel releases the GIL and only reads the cache).
+
+    Parameters
+    ----------
+    batch : int
+        Sequences in the cache.
+    num_kv_heads : int
+        Key/value heads Hk.
+    max_len : int or None
+        Tokens per sequence (allocated once), or None for a growing cache.
+    head_dim : int
+        D, the key head dimension.
+    dtype : dtype, default float32
+        float32, float64, float16 or bfloat16 (``ml_dtypes.bfloat16``).
+    value_dim : int, optional
+        Dv, the value head dimension; default ``head_dim``.
+    rotary_cos, rotary_sin : array_like, optional
+        ``(positions, rotary_dim / 2)`` tables (:func:`fastattn.rotary_cos_sin`):
+        keys are rotated as they are appended, queries in :meth:`attend`.
+    rotary_interleaved : bool, default False
+        GPT-J pairs (0, 1), (2, 3), ... instead of NeoX's rotate-half.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import fastattn
+    >>> rng = np.random.default_rng(0)
+    >>> cache = fastattn.KVCache(1, 2, 16, 8)
+    >>> cache.append(rng.standard_normal((1, 2, 4, 8)), rng.standard_normal((1, 2, 4, 8)))
+    array([4]...)
+    >>> out = cache.attend(rng.standard_normal((1, 4, 1, 8)).astype(np.float32))
+    >>> out.shape
+    (1, 4, 1, 8)
     """
 
     _INITIAL_CAPACITY = 16  # tokens per sequence of a growing cache before its first growth
@@ -206,6 +238,28 @@ class KVCache:
         cache dtype and would become inf) the cache and its lengths are
         unchanged.  A growing cache (``max_len=None``) doubles its capacity when
         needed.  Returns the new lengths of the selected sequences.
+
+        Parameters
+        ----------
+        k_new, v_new : array_like
+            The new keys and values, as above.
+        batch_index : int or array_like of int, optional
+            Append only to these sequences.
+
+        Returns
+        -------
+        ndarray
+            The new lengths of the selected sequences.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import fastattn
+        >>> cache = fastattn.KVCache(2, 1, 8, 4)
+        >>> cache.append(np.zeros((2, 1, 3, 4)), np.zeros((2, 1, 3, 4)))
+        array([3, 3]...)
+        >>> cache.append(np.zeros((1, 1, 4)), np.zeros((1, 1, 4)), batch_index=1)   # (Hk, T, D)
+        array([4]...)
         """
         with self._lock:  # the length checks and the writes as one step
             return self._append(k_new, v_new, batch_index)
@@ -354,6 +408,35 @@ class KVCache:
         ``(B, Hq)``), ``softcap``, ``scale``, ``num_threads`` and ``precision``
         (float32 matmul level; None: ``fastattn.get_float32_matmul_precision()``)
         as in :func:`fastattn.scaled_dot_product_attention`.
+
+        Parameters
+        ----------
+        q : array_like
+            The newest queries, as above.
+        window, alibi_slopes, softcap, scale, num_threads, precision
+            As for :func:`fastattn.scaled_dot_product_attention`.
+        return_lse : bool, default False
+            Also return the float32 log-sum-exp ``(.., Hq, Lq)``.
+        batch_index : int or array_like of int, optional
+            Attend only these sequences (their queries stacked in q's first axis).
+
+        Returns
+        -------
+        out : ndarray
+            ``(.., Hq, Lq, Dv)`` in q's dtype.
+        lse : ndarray
+            Only with ``return_lse=True``.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import fastattn
+        >>> cache = fastattn.KVCache(2, 1, 8, 4)
+        >>> lengths = cache.append(np.ones((2, 1, 3, 4)), np.arange(24.0).reshape(2, 1, 3, 4))
+        >>> out = cache.attend(np.zeros((2, 1, 1, 4), np.float32))  # equal scores: the mean value
+        >>> out[:, 0, 0]
+        array([[ 4.,  5.,  6.,  7.],
+               [16., 17., 18., 19.]], dtype=float32)
         """
         precision_code(precision)  # a bad level raises before the queries are rotated (C)
         idx = batch_indices(batch_index, self.batch)
@@ -502,6 +585,57 @@ def attention_with_kvcache(
     rotate-half by default, GPT-J pairs with ``rotary_interleaved=True``.
     q and k_new are not modified; a finite q or k_new whose rotation overflows
     its dtype (the cache's for k_new) raises ValueError before anything is written.
+
+    Parameters
+    ----------
+    q : array_like
+        The queries, ``(B, Hq, Lq, D)`` (bshd: ``(B, Lq, Hq, D)``).
+    k_cache, v_cache : ndarray
+        The caches, written in place when ``k_new``/``v_new`` are given.
+    cache_seqlens : int or array_like of int
+        Tokens already valid per cache row; not modified.
+    k_new, v_new : array_like, optional
+        New tokens to write at ``cache_seqlens`` before attending.
+    is_causal : bool, default True
+        Bottom-right causal mask over the attended keys.
+    window, alibi_slopes, softcap, scale, num_threads, precision
+        As for :func:`fastattn.scaled_dot_product_attention`.
+    return_lse : bool, default False
+        Also return the log-sum-exp ``(B, Hq, Lq)``.
+    layout : {"bhsd", "bshd"}, default "bhsd"
+        The layout of q, the caches and the new tokens.
+    rotary_cos, rotary_sin : array_like, optional
+        Rotary tables, as above.
+    rotary_interleaved : bool, default False
+        GPT-J pairs instead of NeoX's rotate-half.
+
+    Returns
+    -------
+    out : ndarray
+        In q's dtype and layout, last dimension Dv.
+    lse : ndarray
+        Only with ``return_lse=True``.
+
+    See Also
+    --------
+    KVCache : The same with the cache and its lengths kept for you.
+    fastattn.flash_compat.flash_attn_with_kvcache : flash-attn's signature.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import fastattn
+    >>> rng = np.random.default_rng(0)
+    >>> k_cache = np.zeros((1, 2, 16, 8), np.float32)
+    >>> v_cache = np.zeros((1, 2, 16, 8), np.float32)
+    >>> k_new, v_new = rng.standard_normal((2, 1, 2, 3, 8)).astype(np.float32)
+    >>> q = rng.standard_normal((1, 2, 3, 8)).astype(np.float32)
+    >>> out = fastattn.attention_with_kvcache(q, k_cache, v_cache, 0, k_new, v_new)
+    >>> bool(np.array_equal(k_cache[:, :, :3], k_new))           # written in place
+    True
+    >>> ref = fastattn.reference.scaled_dot_product_attention(q, k_new, v_new, is_causal=True)
+    >>> bool(np.allclose(out, ref, atol=1e-5))
+    True
     """
     lay = layout_value(layout)
     is_causal = flag_value(is_causal, "is_causal")

@@ -58,18 +58,29 @@ def lsh_attention(
     dtype and batch dims).  Keys are ``qk / |qk|`` (a zero vector stays zero);
     score ``qk_i . khat_j * scale`` (scale None: ``1/sqrt(D)``).
 
-    n_buckets: even, >= 2.  Per hash round, bucket = argmax of ``[x R, -x R]``
+    Parameters
+    ----------
+    n_buckets
+        Even, >= 2.  Per hash round, bucket = argmax of ``[x R, -x R]``
         with R ``(D, n_buckets/2)``: ``rotations[r]`` when ``rotations``
         ``(n_hashes, D, n_buckets/2)`` is given, else drawn from ``seed``
         (:func:`lsh_rotations`; None draws fresh ones).  Hashing runs in the
         inputs' dtype.
-    chunk_size: L must be a multiple of it.  Chunk c of the sorted order
+    chunk_size
+        L must be a multiple of it.  Chunk c of the sorted order
         attends to chunks c and c-1, chunk 0 to itself and the last chunk (a
         single chunk attends to itself only).
-    causal: key j is excluded when its original position is after query i's.
-    return_lse: also return the combined log-sum-exp ``(..., L)`` (compute dtype).
+    causal
+        Key j is excluded when its original position is after query i's.
+    return_lse
+        Also return the combined log-sum-exp ``(..., L)`` (compute dtype).
 
-    Returns ``(..., L, Dv)`` in qk's dtype.
+    Returns
+    -------
+    out : ndarray
+        ``(..., L, Dv)`` in qk's dtype.
+    lse : ndarray
+        Only with ``return_lse=True``.
     """
     x = as_array(qk, "qk")
     val = as_array(value, "value")

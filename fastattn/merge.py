@@ -31,6 +31,36 @@ def merge_attention_states(
     and -inf.  Computed in float64 for float64 parts, else float32; ``out``
     keeps the dtype of the first part.  A NaN LSE gives a NaN row; a +inf LSE
     (an overflowed denominator) gives NaN outputs and a +inf LSE.
+
+    Parameters
+    ----------
+    outs : sequence of array_like, or ndarray
+        The parts' outputs, each ``(..., L, Dv)``.
+    lses : sequence of array_like, or ndarray
+        The parts' log-sum-exps, each ``(..., L)``.
+
+    Returns
+    -------
+    out : ndarray
+        ``(..., L, Dv)``, attention over all the parts' keys.
+    lse : ndarray
+        ``(..., L)``, its log-sum-exp.
+
+    Examples
+    --------
+    Attention over 10 keys, computed as two parts of 4 and 6 keys:
+
+    >>> import numpy as np
+    >>> import fastattn
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((2, 3, 8))
+    >>> k, v = rng.standard_normal((2, 2, 10, 8))
+    >>> o1, l1 = fastattn.scaled_dot_product_attention(q, k[:, :4], v[:, :4], return_lse=True)
+    >>> o2, l2 = fastattn.scaled_dot_product_attention(q, k[:, 4:], v[:, 4:], return_lse=True)
+    >>> out, lse = fastattn.merge_attention_states([o1, o2], [l1, l2])
+    >>> full = fastattn.scaled_dot_product_attention(q, k, v)
+    >>> bool(np.allclose(out, full))
+    True
     """
     if isinstance(outs, np.ndarray):
         outs = list(outs)

@@ -380,43 +380,72 @@ class MultiHeadAttention:
 
         The arguments, their order and their defaults are torch's.
 
-        query: ``(L, B, E)``, or ``(B, L, E)`` with ``batch_first=True``, or
+        Parameters
+        ----------
+        query
+            ``(L, B, E)``, or ``(B, L, E)`` with ``batch_first=True``, or
             unbatched ``(L, E)``.
-        key: ``(S, B, kdim)`` / ``(B, S, kdim)`` / ``(S, kdim)``; value likewise
+        key
+            ``(S, B, kdim)`` / ``(B, S, kdim)`` / ``(S, kdim)``; value likewise
             with ``vdim``.  (An extension of torch's: key defaults to query,
             self-attention, and value to key.)
-        key_padding_mask: ``(B, S)`` (``(S,)`` unbatched); bool **True = padding,
+        key_padding_mask
+            ``(B, S)`` (``(S,)`` unbatched); bool **True = padding,
             NOT allowed** (the key is ignored), as in torch; a float mask is added.
-        need_weights: also return the attention probabilities (default True, as
+        need_weights
+            Also return the attention probabilities (default True, as
             torch), recomputed from the log-sum-exp the kernel returns so that
             they are the weights that produced the output.  Pass False to skip
             them: then nothing of size L x S is allocated.
-        attn_mask: ``(L, S)``, torch's ``(B * num_heads, L, S)`` (unbatched:
+        attn_mask
+            ``(L, S)``, torch's ``(B * num_heads, L, S)`` (unbatched:
             ``(num_heads, L, S)``) or anything broadcastable to
             ``(B, num_heads, L, S)``; bool **True = NOT allowed**, as in
             torch.nn.MultiheadAttention (the opposite of
             ``fastattn.scaled_dot_product_attention``); a float mask is added.
-        average_attn_weights: weights averaged over heads ``(B, L, S)`` (True,
+        average_attn_weights
+            Weights averaged over heads ``(B, L, S)`` (True,
             the default) or per head ``(B, num_heads, L, S)``; unbatched without B.
-        is_causal: apply a causal mask, query i sees keys j <= i (torch's
+        is_causal
+            Apply a causal mask, query i sees keys j <= i (torch's
             top-left triangle; the usual lower triangle for self-attention).
             torch treats it as a hint that ``attn_mask`` is that mask and
             requires the mask; here the mask may be left out (the triangle is
             then applied in the kernel without a mask when L == S), and when
             both are given both apply (the same result when the hint is right).
-        num_threads: threads of the attention kernel (keyword only; the
+        num_threads
+            Threads of the attention kernel (keyword only; the
             projections use NumPy's BLAS).
-        precision: the attention kernel's float32 matmul precision (keyword
+        precision
+            The attention kernel's float32 matmul precision (keyword
             only): "highest", "high" or "medium" as for
             :func:`fastattn.scaled_dot_product_attention`; None (the default) uses
             ``fastattn.get_float32_matmul_precision()``.  The projections
             (NumPy's BLAS) and the ``need_weights`` weights are float32 or
             float64 arithmetic whatever the level.
 
+        Returns
+        -------
+        attn_output : ndarray
+            In the query's layout with E features, in ``self.dtype``.
+        attn_weights : ndarray or None
+            None when ``need_weights`` is False.  Always a pair, like torch.
+
+        Notes
+        -----
         Rows whose keys are all masked give zeros (torch gives NaN) and zero weights.
-        Returns ``(attn_output, attn_weights)``, always a pair like torch:
-        ``attn_output`` in the query's layout with E features, in ``self.dtype``;
-        ``attn_weights`` None when ``need_weights`` is False.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> import fastattn
+        >>> mha = fastattn.MultiHeadAttention(16, 4, batch_first=True, seed=0)
+        >>> x = np.random.default_rng(0).standard_normal((2, 5, 16)).astype(np.float32)
+        >>> out, w = mha(x)                     # self-attention
+        >>> out.shape, w.shape                  # weights averaged over the heads
+        ((2, 5, 16), (2, 5, 5))
+        >>> bool(np.allclose(w.sum(-1), 1))
+        True
         """
         precision_code(precision)  # a bad level raises before any projection or kernel runs
         need_weights = _flag(need_weights, "need_weights")

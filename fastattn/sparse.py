@@ -145,6 +145,7 @@ def local_global_pattern(
     """Sliding window plus global blocks (Longformer / BigBird style).
 
     Active blocks:
+
     - window: key blocks with ``|delta| <= window`` (``0 <= delta <= window``
       when causal);
     - global keys: the first ``num_global`` key blocks, read by every query block;

@@ -82,6 +82,41 @@ def attention_weights(
     None returns all L.
     Returns float32 (float64 for float64 inputs), shape ``(..., Hq, R, S)``
     for either layout.
+
+    Parameters
+    ----------
+    query, key : array_like
+        As for :func:`fastattn.scaled_dot_product_attention` (no value needed).
+    attn_mask, is_causal, scale, enable_gqa, layout, window, alibi_slopes, softcap
+        The score options of :func:`fastattn.scaled_dot_product_attention`.
+    sinks, key_lengths, query_lengths, block_mask, block_size, num_threads
+        As for :func:`fastattn.scaled_dot_product_attention`.
+    rows : array_like of int, optional
+        The query rows to return; None returns all of them.
+
+    Returns
+    -------
+    ndarray
+        ``(..., Hq, R, S)`` weights, float32 (float64 for float64 inputs).
+
+    See Also
+    --------
+    plot_attention_weights : Draw them.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import fastattn
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 2, 5, 8)).astype(np.float32)
+    >>> w = fastattn.attention_weights(q, k, is_causal=True)
+    >>> w.shape
+    (2, 5, 5)
+    >>> bool(np.allclose(w.sum(-1), 1)), float(w[0, 0, 1])   # causal: row 0 sees key 0 only
+    (True, 0.0)
+    >>> out = fastattn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    >>> bool(np.allclose(w @ v, out, atol=1e-5))
+    True
     """
     q = as_array(query, "query")
     k = as_array(key, "key")

@@ -41,6 +41,13 @@ measure the true limit.
 (torch's levels, ``precision=``) and times fastattn at ``"highest"`` beside it as
 ``fastattn-highest``, so that the report shows the ratio; the header line names the level.
 
+Masked cases (``Case.mask``: a bool key-padding mask, the same padding as Hugging
+Face's dense float mask, a dense random bool mask; :func:`~fastattn.bench.cases.case_mask`)
+give every implementation the same ``attn_mask`` (bool: True = may attend; float: added to
+the scores), each converted to its library's form outside the timing; their FLOPs count
+the pairs the mask leaves visible.  The report adds masked / unmasked time per
+implementation and fastattn's speedup over torch with and without the mask.
+
 Where JAX is installed, ``jax.nn.dot_product_attention`` is timed too (float32; XLA
 runs on its own thread pool, whatever ``--threads`` says).
 

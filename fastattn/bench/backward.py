@@ -6,14 +6,18 @@ Times fastattn's fused forward (``return_lse=True``) plus
 (when torch is installed), float32, at the same thread count (``--threads``).
 Each implementation is first checked against the float64 reference backward on
 a reduced copy of the case (one head, at most 256 queries).  Repetitions are
-interleaved (fastattn, pause, torch, pause, ...) and the median of each is
-reported with the ratio torch / fastattn (> 1: fastattn faster).
+interleaved (fastattn, pause, torch, pause, ...); a sample is the mean of as many
+calls as last ``MIN_TIME`` seconds (one call of a full-size case; many of the small
+``--quick`` shapes).  The median of each is reported with the interquartile range of
+its samples and the ratio torch / fastattn (> 1: fastattn faster), the latter only
+from at least ``MIN_SAMPLES`` samples each: a ratio of two single samples is noise.
+``--quick`` times the shrunk shapes (:meth:`BackwardCase.quick`), and the output
+and the JSON name those.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from typing import Any, Callable, TextIO
 
@@ -21,10 +25,16 @@ import numpy as np
 
 import fastattn
 from fastattn import reference
-from fastattn.bench.cases import BACKWARD_CASES, Array, BackwardCase, select_cases
+from fastattn.bench.cases import BACKWARD_CASES, QUICK_WHAT, Array, BackwardCase, select_cases
 from fastattn.bench.peers import missing, optional
-from fastattn.bench.runner import Timed, interleaved_rounds
+from fastattn.bench.report import write_json
+from fastattn.bench.runner import interleaved_rounds, timed
 from fastattn.bench.yardsticks import cpu_model
+
+# Seconds of calls per sample (a full-size forward + backward takes longer: one call).
+MIN_TIME = 0.05
+# The fewest samples per implementation from which a speedup is printed (and stored).
+MIN_SAMPLES = 3
 
 Maker = Callable[[Array, Array, Array, Array, bool, int], Callable[[], Any]]
 
@@ -83,20 +93,63 @@ def check(name: str, L: int, D: int, causal: bool) -> float:
     return max(float(np.abs(g - e).max()) / max(1.0, float(np.abs(e).max())) for g, e in zip(got, exp))
 
 
-def run_case(case: BackwardCase, impls: list[str], threads: int, repeat: int, pause: float) -> dict[str, Any]:
+def shape_name(case: BackwardCase) -> str:
+    """The shape of ``case`` in the case names' notation (its own name for a full-size case)."""
+    return f"B{case.B} H{case.H} L{case.L} D{case.D}" + (" causal" if case.causal else "")
+
+
+def iqr(times: list[float]) -> tuple[float, float]:
+    """The first and third quartiles of ``times`` (linear interpolation, NumPy's default)."""
+    q1, q3 = np.percentile(times, [25, 75])
+    return float(q1), float(q3)
+
+
+def run_case(
+    case: BackwardCase, impls: list[str], threads: int, repeat: int, pause: float, min_time: float = MIN_TIME
+) -> dict[str, Any]:
     """Time ``impls`` on ``case`` in interleaved rounds; the record of the JSON output."""
     q, k, v, go = inputs(case.B, case.H, case.L, case.D)
-    runs = {i: Timed(IMPLS[i](q, k, v, go, case.causal, threads)) for i in impls}
-    for r in runs.values():  # warm up (thread pools, scratch, page faults)
-        r.fn()
+    # timed(): two warm-up calls (thread pools, scratch, page faults), then calls per sample
+    runs = {i: timed(IMPLS[i](q, k, v, go, case.causal, threads), min_time) for i in impls}
     interleaved_rounds(list(runs.values()), repeat, pause)
-    rec: dict[str, Any] = {"case": case.name, "threads": threads, "repeat": repeat}
+    rec: dict[str, Any] = {
+        "case": case.name,
+        "shape": shape_name(case),
+        "B": case.B,
+        "H": case.H,
+        "L": case.L,
+        "D": case.D,
+        "causal": case.causal,
+        "threads": threads,
+        "repeat": repeat,
+    }
     for i, r in runs.items():
         rec[f"{i}_ms"] = statistics.median(r.times) * 1e3
         rec[f"{i}_all_ms"] = [t * 1e3 for t in r.times]
-    if "torch" in impls and "fastattn" in impls:
+        rec[f"{i}_iqr_ms"] = [t * 1e3 for t in iqr(r.times)]
+        rec[f"{i}_calls_per_sample"] = r.number
+    if "torch" in impls and "fastattn" in impls and repeat >= MIN_SAMPLES:
         rec["speedup_vs_torch"] = rec["torch_ms"] / rec["fastattn_ms"]
     return rec
+
+
+def format_record(rec: dict[str, Any], impls: list[str]) -> str:
+    """The timings of one record: median and IQR per implementation, then the speedup
+    (or why there is none)."""
+    parts = []
+    for i in impls:
+        q1, q3 = rec[f"{i}_iqr_ms"]
+        spread = f" (IQR {q1:.2f}-{q3:.2f})" if rec["repeat"] >= MIN_SAMPLES else ""
+        parts.append(f"{i} {rec[f'{i}_ms']:9.2f} ms{spread}")
+    line = "  ".join(parts)
+    if "speedup_vs_torch" in rec:
+        line += f"  {rec['speedup_vs_torch']:.2f}x torch"
+        (f1, f3), (t1, t3) = rec["fastattn_iqr_ms"], rec["torch_iqr_ms"]
+        if f1 <= t3 and t1 <= f3:
+            line += " (the IQRs overlap: no clear difference)"
+    elif "torch" in impls and "fastattn" in impls:
+        line += f"  (no speedup from {rec['repeat']} sample(s) each: --repeat {MIN_SAMPLES} or more)"
+    return line
 
 
 def finish_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
@@ -122,7 +175,13 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         f"{args.threads} threads, float32",
         file=out,
     )
-    print("forward + backward, median of interleaved repetitions", file=out)
+    print(
+        f"forward + backward: median of {args.repeat} interleaved samples (each the mean of calls "
+        f"lasting >= {MIN_TIME * 1e3:.0f} ms)"
+        + (", IQR in parentheses" if args.repeat >= MIN_SAMPLES else "")
+        + (f"; --quick: the shapes shrunk to {QUICK_WHAT}" if args.quick else ""),
+        file=out,
+    )
     records = []
     for case in cases:
         shape = case.quick() if args.quick else case
@@ -130,15 +189,17 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         for i in impls:
             err = check(i, shape.L, shape.D, shape.causal)
             if err > 1e-3:
-                print(f"  {case.name}: {i} fails the reference check (error {err:.2e}); not timed", file=out)
+                print(
+                    f"  {shape_name(shape)}: {i} fails the reference check (error {err:.2e}); not timed",
+                    file=out,
+                )
             else:
                 ok.append(i)
         rec = run_case(shape, ok, args.threads, args.repeat, args.pause)
+        rec["quick"] = bool(args.quick)
         records.append(rec)
-        line = "  ".join(f"{i} {rec[f'{i}_ms']:9.1f} ms" for i in ok)
-        sp = f"  {rec['speedup_vs_torch']:.2f}x torch" if "speedup_vs_torch" in rec else ""
-        print(f"{case.name + (' (quick)' if args.quick else ''):28s} {line}{sp}", file=out, flush=True)
+        of = f"  [--quick shape of {case.name}]" if args.quick else ""
+        print(f"{shape_name(shape):24s} {format_record(rec, ok)}{of}", file=out, flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"cpu": cpu_model(), "threads": args.threads, "records": records}, f, indent=1)
+        return write_json(args.json, {"cpu": cpu_model(), "threads": args.threads, "records": records}, out)
     return 0

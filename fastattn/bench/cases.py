@@ -12,6 +12,7 @@ baseline.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +24,13 @@ Array = npt.NDArray[Any]
 
 SCORES_LIMIT = 2 * 10**9  # implementations that materialise the scores skip cases above this
 MASK_LIMIT = 1024**3  # peers get an explicit (L, S) mask only below this many bytes
+
+# The attn_mask kinds of a masked case (Case.mask), built by case_mask:
+#   "padding":  bool (B, 1, 1, S) key-padding mask, True = may attend;
+#   "hf_float": the same padding as a dense float32 (B, 1, L, S) mask, 0 where visible and
+#               np.finfo(float32).min where padded (what Hugging Face's eager attention builds);
+#   "random":   a dense bool (B, 1, L, S) mask, about 90% True, every row with a True.
+MASKS = ("padding", "hf_float", "random")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +49,16 @@ class Case:
     kv_dtype: str | None = None  # None: the --dtype of the run
     kind: str = "prefill"
     seqlens: tuple[int, ...] = ()
+    mask: str | None = None  # one of MASKS: an explicit attn_mask (case_mask), the same for every peer
+
+    def __post_init__(self) -> None:
+        if self.mask is not None:
+            if self.mask not in MASKS:
+                raise ValueError(f"Case.mask must be None or one of {MASKS}, got {self.mask!r}")
+            # one mask per case: the peers would otherwise have to merge it with their
+            # causal / window flags (torch takes attn_mask or is_causal, not both)
+            if self.causal or self.window is not None or self.kind == "varlen":
+                raise ValueError("a masked case cannot be causal, windowed or varlen")
 
     @property
     def gqa(self) -> bool:
@@ -59,8 +77,12 @@ class BackwardCase:
     causal: bool = False
 
     def quick(self) -> BackwardCase:
-        """The ``--quick`` smoke-test shape: 2 heads, L / 8 (at least 16)."""
+        """The ``--quick`` smoke-test shape (:data:`QUICK_WHAT`); its name stays the case's."""
         return dataclasses.replace(self, H=2, L=max(self.L // 8, 16))
+
+
+# What BackwardCase.quick does, in the words of ``fastattn bench --backward --quick``'s output.
+QUICK_WHAT = "2 heads and L / 8 (at least 16)"
 
 
 def _varlen_lengths() -> tuple[int, ...]:
@@ -96,6 +118,14 @@ CASES = [
         seqlens=_varlen_lengths(),
     ),
     Case("B1 H8 L16 D64", 1, 8, 8, 16, 16, 64, kind="small"),
+    # explicit attn_mask cases (case_mask), each beside its unmasked shape (MASK_PAIRS)
+    Case("B8 H12 L512 D64", 8, 12, 12, 512, 512, 64),
+    Case("B8 H12 L512 D64 padding", 8, 12, 12, 512, 512, 64, mask="padding"),
+    Case("B8 H12 L512 D64 hf_float", 8, 12, 12, 512, 512, 64, mask="hf_float"),
+    Case("B8 H12 L512 D64 random", 8, 12, 12, 512, 512, 64, mask="random"),
+    Case("B1 H32 L2048 D128", 1, 32, 32, 2048, 2048, 128),
+    Case("B1 H32 L2048 D128 padding", 1, 32, 32, 2048, 2048, 128, mask="padding"),
+    Case("B1 H32 L2048 D128 hf_float", 1, 32, 32, 2048, 2048, 128, mask="hf_float"),
 ]
 
 QUICK_CASES = (
@@ -104,12 +134,22 @@ QUICK_CASES = (
     "B1 H32/8 S8192 D128 decode",
     "B1 H32 S8192 D128 decode f16kv",
     "B1 H8 L16 D64",
+    "B8 H12 L512 D64 padding",
 )
 
 # The pairs of the causal / non-causal summary of a forward run.
 CAUSAL_PAIRS = (
     ("B1 H8 L1024 D64", "B1 H8 L1024 D64 causal"),
     ("B1 H8 L4096 D64", "B1 H8 L4096 D64 causal"),
+)
+
+# The pairs of the masked / unmasked summary: every masked case and the unmasked case of its shape.
+MASK_PAIRS = tuple(
+    (u.name, c.name)
+    for c in CASES
+    if c.mask is not None
+    for u in CASES
+    if u.mask is None and u == dataclasses.replace(c, name=u.name, mask=None)
 )
 
 SWEEP_LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
@@ -200,6 +240,8 @@ def case_flops(case: Case) -> float:
     if case.kind == "varlen":
         pairs = sum(visible_pairs(n, n, case.causal, case.window) for n in case.seqlens)
         return 4.0 * case.Hq * case.D * pairs
+    if case.mask is not None:  # the pairs the mask leaves visible, over the batch
+        return 4.0 * case.Hq * case.D * mask_pairs(case)
     return 4.0 * case.B * case.Hq * case.D * visible_pairs(case.L, case.S, case.causal, case.window)
 
 
@@ -266,9 +308,65 @@ def additive_mask(
     return None if m is None else np.where(m, 0.0, -np.inf).astype(dtype)
 
 
+def padding_lengths(case: Case) -> Array:
+    """The valid key lengths (B,) of the padding masks: drawn (fixed seed) between S/2 and S,
+    batch 0 full, as in a padded batch whose longest sequence sets S; a single sequence
+    (B = 1) keeps 80% of S."""
+    S = case.S
+    if case.B == 1:
+        return np.array([max(1, round(0.8 * S))], dtype=np.int64)
+    n = np.random.default_rng(4321).integers(max(1, S // 2), S + 1, size=case.B)
+    n[0] = S
+    return n
+
+
+def case_mask(case: Case) -> Array | None:
+    """The attn_mask of a masked case (see :data:`MASKS`), None for the others; the same
+    for every implementation (each converts it to its own convention outside the timing)."""
+    if case.mask is None:
+        return None
+    B, L, S = case.B, case.L, case.S
+    if case.mask == "random":
+        m = np.random.default_rng(8765).random((B, 1, L, S)) < 0.9
+        m[..., 0] |= ~m.any(axis=-1)  # no row without a visible key (its softmax would be 0/0)
+        return m
+    keep = np.arange(S)[None, :] < padding_lengths(case)[:, None]  # (B, S)
+    if case.mask == "padding":
+        out: Array = keep[:, None, None, :]
+        return out
+    # "hf_float": materialised at (B, 1, L, S) as Hugging Face's eager attention gets it
+    add = np.where(keep, np.float32(0), np.finfo(np.float32).min).astype(np.float32)
+    return np.ascontiguousarray(np.broadcast_to(add[:, None, None, :], (B, 1, L, S)))
+
+
+def mask_visible(mask: Array) -> Array:
+    """Where ``mask`` lets a query see a key: True of a bool mask; above float32's lowest
+    value (Hugging Face's "masked") and not -inf of a float one."""
+    if mask.dtype == np.bool_:
+        return mask
+    out: Array = mask > np.finfo(np.float32).min
+    return out
+
+
+def mask_additive(mask: Array) -> Array:
+    """``mask`` as a float32 array added to the scores (a bool one as 0 / -inf); same shape."""
+    if mask.dtype == np.bool_:
+        return np.where(mask, np.float32(0), np.float32(-np.inf))
+    return mask.astype(np.float32, copy=False)
+
+
+@functools.lru_cache(maxsize=16)
+def mask_pairs(case: Case) -> int:
+    """The (query, key) pairs of one head the case's mask leaves visible, over the batch."""
+    m = case_mask(case)
+    assert m is not None
+    return int(np.broadcast_to(mask_visible(m), (case.B, 1, case.L, case.S)).sum())
+
+
 def numpy_attention(q: Array, k: Array, v: Array, add: Array | None = None) -> Array:
     """The plain NumPy baseline: softmax(q k^T / sqrt(D) + add) v in float32,
-    materialising the scores; GQA by reshaping q (no copy of K/V)."""
+    materialising the scores; GQA by reshaping q (no copy of K/V), so ``add`` broadcasts
+    against scores shaped (B, Hk, Hq / Hk, L, S)."""
     q, k, v = (a.astype(np.float32, copy=False) for a in (q, k, v))
     B, Hq, L, D = q.shape
     Hk = k.shape[1]

@@ -9,18 +9,19 @@ that depend on others.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 
 import fastattn
+from fastattn._checks import MAX_THREADS
+from fastattn._config import refusal_lines
 from fastattn.bench import backward
 from fastattn.bench.cases import BACKWARD_CASES, CASES, QUICK_CASES, select_cases, sweep_cases
 from fastattn.bench.ort import OrtAttention, OrtMHA
 from fastattn.bench.peers import PRECISIONS, FastAttn, FastAttnHighest, Impl, Jax, NumpyRef, Torch
-from fastattn.bench.report import causal_summary, markdown_table, print_case
+from fastattn.bench.report import causal_summary, markdown_table, mask_summary, print_case, write_json
 from fastattn.bench.runner import Record, run_case
 from fastattn.bench.yardsticks import (
     cpu_model,
@@ -50,7 +51,12 @@ EPILOG = (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``fastattn bench``, added to either parser (see :func:`build_parser`)."""
-    p.add_argument("--threads", type=int, default=None, help="threads for every library (default: all cores)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help=f"threads for every library, 1 to {MAX_THREADS} (default: all cores)",
+    )
     p.add_argument("--cases", nargs="+", default=None, help="case names or substrings")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     p.add_argument(
@@ -60,7 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="fastattn's float32 matmul precision (torch's levels; default highest); below highest, "
         "fastattn at highest is timed too, as fastattn-highest",
     )
-    p.add_argument("--json", metavar="PATH", default=None, help="write records and machine info as JSON")
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        default=None,
+        help="write records and machine info as JSON (PATH is checked before the run)",
+    )
     p.add_argument(
         "--repeat",
         type=int,
@@ -99,12 +110,18 @@ def finish_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argpars
     """Check the parsed options (``p.error`` on a bad one) and fill in the derived settings."""
     if args.threads is None:
         args.threads = os.cpu_count() or 1
-    if args.threads < 1:
-        p.error("--threads must be >= 1")
+    if not 1 <= args.threads <= MAX_THREADS:
+        # fastattn's own bound (set_num_threads, num_threads=); a larger team would only
+        # start thousands of threads per library and hang the machine
+        p.error(f"--threads must be >= 1 and <= {MAX_THREADS} (num_threads' bound), got {args.threads}")
     if args.repeat is not None and args.repeat < 1:
         p.error("--repeat must be >= 1")
     if args.pause is not None and args.pause < 0:
         p.error("--pause must be >= 0")
+    if args.json is not None:
+        why = unwritable(args.json)
+        if why:  # now, not after a run of minutes whose records would be lost
+            p.error(f"--json {args.json}: cannot write there ({why})")
     if args.precision != "highest" and (args.backward or args.dtype != "float32"):
         p.error("--precision applies to float32 forward runs (--dtype float32, without --backward)")
     if args.backward:
@@ -118,6 +135,23 @@ def finish_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argpars
     args.gemm_n = 1024 if args.quick else 2048  # the interleaved GEMM yardstick: n x n x n
     args.budget = 3.0 if args.quick else 10.0  # seconds of timed calls per implementation and case
     return args
+
+
+def unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be written (None: it can): opened for appending, so that an
+    existing file keeps its contents, and removed again when this created it."""
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    if not existed:
+        try:
+            os.remove(path)
+        except OSError:
+            pass  # written later anyway
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,6 +185,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark with parsed options (:func:`finish_args`); returns the exit status."""
+    refusal = refusal_lines("fastattn bench")
+    if refusal:  # timings for a configuration other than the one asked for: refuse (exit 2)
+        print("\n".join(refusal), file=sys.stderr)
+        return 2
     out = sys.stdout
     if args.backward:
         return backward.run(args, out)
@@ -219,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
         out.flush()
         records.extend(recs)
     causal_summary(records, out)
+    masked = mask_summary(records, out)
     if gemm is not None and bw is not None:  # measured again: on a busy machine one may be low
         gemm2 = measure_gemm(args.threads)
         bw2 = measure_bandwidth(args.threads, nbytes=args.bw_bytes)
@@ -242,7 +281,5 @@ def run(args: argparse.Namespace) -> int:
     if args.markdown:
         print("\n" + markdown_table(records, machine), file=out)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine, "records": records}, f, indent=1)
-        print(f"wrote {args.json}", file=out)
+        return write_json(args.json, {"machine": machine, "records": records, "mask_summary": masked}, out)
     return 0

@@ -8,7 +8,7 @@ from typing import Callable
 import numpy as np
 
 from fastattn import reference
-from fastattn.bench.cases import Array, Case, random_inputs
+from fastattn.bench.cases import Array, Case, case_mask, mask_visible, random_inputs
 
 # One array (B, H, n, D), or for varlen cases a list of per-sequence (1, H, n, D) arrays.
 Batch = Array | list[Array]
@@ -16,12 +16,14 @@ Batch = Array | list[Array]
 
 @dataclasses.dataclass
 class Inputs:
-    """q (B,Hq,L,D), k/v (B,Hk,S,D) for one case (lists of per-sequence (1,H,n,D) for varlen)."""
+    """q (B,Hq,L,D), k/v (B,Hk,S,D) for one case (lists of per-sequence (1,H,n,D) for varlen);
+    ``mask``: the masked case's attn_mask (:func:`fastattn.bench.cases.case_mask`), else None."""
 
     case: Case
     q: Batch
     k: Batch
     v: Batch
+    mask: Array | None = None
 
     def seqs(self) -> list[tuple[Array, Array, Array]]:
         """(q, k, v) per sequence: one triple, or one per varlen sequence."""
@@ -40,7 +42,7 @@ class Inputs:
         def f(x: Batch) -> Batch:
             return [a.astype(np.float32) for a in x] if isinstance(x, list) else x.astype(np.float32)
 
-        return Inputs(self.case, f(self.q), f(self.k), f(self.v))
+        return Inputs(self.case, f(self.q), f(self.k), f(self.v), self.mask)
 
 
 def first(x: Batch) -> Array:
@@ -49,14 +51,16 @@ def first(x: Batch) -> Array:
 
 
 def make_inputs(case: Case, dtype: str, seed: int = 0) -> Inputs:
-    """The case's inputs (:func:`fastattn.bench.cases.random_inputs`)."""
-    return Inputs(case, *random_inputs(case, dtype, seed))
+    """The case's inputs (:func:`fastattn.bench.cases.random_inputs`) and mask."""
+    return Inputs(case, *random_inputs(case, dtype, seed), mask=case_mask(case))
 
 
 def check_slice(inp: Inputs) -> Inputs:
     """A cheap slice of the same case to check implementations against the oracle:
     batch 0, key/value head 0 with its query heads, and for square cases the first
-    min(L, 512) rows and keys (causal and window stay the same mask there)."""
+    min(L, 512) rows and keys (causal and window stay the same mask there).  A masked
+    case keeps the batch its mask hides most of (batch 0 of a padding mask is full), all
+    S keys (padding sits at the end) and the first min(L, 512) rows of the mask."""
     case = inp.case
     if case.kind == "varlen":
         n = 4
@@ -72,10 +76,17 @@ def check_slice(inp: Inputs) -> Inputs:
     q, k, v = inp.dense()
     g = case.Hq // case.Hk
     L, S = case.L, case.S
-    if L == S:
-        L = S = min(L, 512)
+    m = inp.mask
+    if m is None:
+        b = 0
+        if L == S:
+            L = S = min(L, 512)
+    else:
+        b = int(np.argmin(np.broadcast_to(mask_visible(m), (case.B, 1, L, S)).sum(axis=(1, 2, 3))))
+        L = min(L, 512)
+        m = m[b : b + 1, :, : min(m.shape[2], L)]
     c = dataclasses.replace(case, B=1, Hq=g, Hk=1, L=L, S=S)
-    return Inputs(c, q[:1, :g, :L], k[:1, :1, :S], v[:1, :1, :S])
+    return Inputs(c, q[b : b + 1, :g, :L], k[b : b + 1, :1, :S], v[b : b + 1, :1, :S], m)
 
 
 def reference_output(inp: Inputs) -> Array:
@@ -86,7 +97,7 @@ def reference_output(inp: Inputs) -> Array:
         # the oracle has no annotations (yet)
         # (without return_lse the oracle returns the output alone)
         out = reference.scaled_dot_product_attention(
-            q, k, v, is_causal=case.causal, enable_gqa=case.gqa, window=case.window
+            q, k, v, inp.mask, is_causal=case.causal, enable_gqa=case.gqa, window=case.window
         )
         assert isinstance(out, np.ndarray)
         return out

@@ -11,7 +11,15 @@ from typing import Any
 
 import numpy as np
 
-from fastattn.bench.cases import MASK_LIMIT, SCORES_LIMIT, Array, Case, additive_mask, scores_bytes
+from fastattn.bench.cases import (
+    MASK_LIMIT,
+    SCORES_LIMIT,
+    Array,
+    Case,
+    additive_mask,
+    mask_additive,
+    scores_bytes,
+)
 from fastattn.bench.inputs import Inputs
 from fastattn.bench.peers import Impl, Runner, Skip, concat_varlen, missing, optional
 
@@ -70,7 +78,7 @@ def one_node_session(
 class OrtBase(Impl):
     """What both ops share: the 16-bit K/V cases run on float32 copies (the ops need one
     dtype for Q and K), cases whose scores would be too large are skipped, varlen runs
-    one graph per sequence."""
+    one graph per sequence, a masked case's mask is an additive bias in the inputs' dtype."""
 
     op = ""
 
@@ -86,19 +94,32 @@ class OrtBase(Impl):
             raise Skip(f"materialises {scores_bytes(case) / 2**30:.1f} GiB of scores")
         if case.kind == "varlen":
             runs = [
-                self.prepare_one(dataclasses.replace(case, B=1, L=q.shape[2], S=q.shape[2]), q, k, v, threads)
+                self.prepare_one(
+                    dataclasses.replace(case, B=1, L=q.shape[2], S=q.shape[2]), q, k, v, None, threads
+                )
                 for q, k, v in inp.seqs()
             ]
             return lambda: concat_varlen([r() for r in runs])
-        return self.prepare_one(case, *inp.dense(), threads)
+        return self.prepare_one(case, *inp.dense(), inp.mask, threads)
 
-    def prepare_one(self, case: Case, q: Array, k: Array, v: Array, threads: int) -> Runner:
+    def prepare_one(
+        self, case: Case, q: Array, k: Array, v: Array, mask: Array | None, threads: int
+    ) -> Runner:
         raise NotImplementedError
 
     @staticmethod
-    def float_mask(case: Case, L: int, S: int, dtype: np.dtype[Any]) -> Array | None:
-        """The window, or causal with L != S, as an additive (L, S) mask; None where the
-        op's own causal flag is the mask (it aligns causal top-left, the cases bottom-right)."""
+    def float_mask(
+        case: Case, L: int, S: int, dtype: np.dtype[Any], mask: Array | None = None
+    ) -> Array | None:
+        """The case's own ``mask`` (B, 1, L or 1, S) as an additive (B, 1, L, S) bias, else the
+        window, or causal with L != S, as an additive (L, S) mask; None where the op's own
+        causal flag is the mask (it aligns causal top-left, the cases bottom-right)."""
+        if mask is not None:
+            B = mask.shape[0]
+            if B * L * S * dtype.itemsize > MASK_LIMIT:
+                raise Skip("the dense mask would be too large")
+            with np.errstate(over="ignore"):  # float32's lowest value is -inf in float16: masked still
+                return np.ascontiguousarray(np.broadcast_to(mask_additive(mask), (B, 1, L, S))).astype(dtype)
         if case.window is None and not (case.causal and L != S):
             return None
         if L * S * dtype.itemsize > MASK_LIMIT:
@@ -110,7 +131,9 @@ class OrtMHA(OrtBase):
     name = "ort-mha"
     op = "com.microsoft.MultiHeadAttention"
 
-    def prepare_one(self, case: Case, q: Array, k: Array, v: Array, threads: int) -> Runner:
+    def prepare_one(
+        self, case: Case, q: Array, k: Array, v: Array, user_mask: Array | None, threads: int
+    ) -> Runner:
         B, Hq, L, D = q.shape
         Hk, S = k.shape[1], k.shape[2]
         dt = q.dtype
@@ -124,7 +147,7 @@ class OrtMHA(OrtBase):
                 self.note = "; ".join(filter(None, [self.note, extra]))
         if case.causal and L != S:
             raise Skip("causal with L != S")
-        mask = self.float_mask(case, L, S, dt)
+        mask = self.float_mask(case, L, S, dt, user_mask)
 
         def packed(a: Array) -> Array:  # (B, H, n, D) -> (B, n, H*D)
             return np.ascontiguousarray(a.transpose(0, 2, 1, 3)).reshape(B, a.shape[2], Hq * D)
@@ -137,7 +160,9 @@ class OrtMHA(OrtBase):
             None,
             None,
         ]
-        if mask is not None:
+        if mask is not None and user_mask is not None:  # attention_bias: (B or 1, H or 1, L, S)
+            inputs.append(("bias", mask, ["B", 1, "L", "S"]))
+        elif mask is not None:
             inputs.append(("bias", mask[None, None], [1, 1, "L", "S"]))
         sess = one_node_session(
             "MultiHeadAttention",
@@ -161,17 +186,20 @@ class OrtAttention(OrtBase):
     name = "ort-attn23"
     op = "ONNX Attention (opset 23)"
 
-    def prepare_one(self, case: Case, q: Array, k: Array, v: Array, threads: int) -> Runner:
+    def prepare_one(
+        self, case: Case, q: Array, k: Array, v: Array, user_mask: Array | None, threads: int
+    ) -> Runner:
         B, Hq, L, D = q.shape
         Hk = k.shape[1]
-        mask = self.float_mask(case, L, k.shape[2], q.dtype)
+        mask = self.float_mask(case, L, k.shape[2], q.dtype, user_mask)
         inputs: list[GraphInput] = [
             ("q", q, ["B", Hq, "L", D]),
             ("k", k, ["B", Hk, "S", D]),
             ("v", v, ["B", Hk, "S", D]),
         ]
-        if mask is not None:
-            inputs.append(("mask", mask, ["L", "S"]))
+        if mask is not None:  # attn_mask: broadcasts to (B, Hq, L, S)
+            shape: list[int | str] = [*mask.shape[:-2], "L", "S"]
+            inputs.append(("mask", mask, shape))
         return one_node_session(
             "Attention",
             inputs,

@@ -17,7 +17,15 @@ import numpy as np
 
 import fastattn
 from fastattn._config import Precision
-from fastattn.bench.cases import MASK_LIMIT, SCORES_LIMIT, Array, additive_mask, bool_mask, numpy_attention
+from fastattn.bench.cases import (
+    MASK_LIMIT,
+    SCORES_LIMIT,
+    Array,
+    additive_mask,
+    bool_mask,
+    mask_additive,
+    numpy_attention,
+)
 from fastattn.bench.cases import scores_bytes as _scores_bytes
 from fastattn.bench.inputs import TOL_16BIT, Inputs, first
 from fastattn.bench.yardsticks import blas_limit
@@ -111,12 +119,14 @@ class FastAttn(Impl):
 
             return run
         q, k, v = inp.dense()
+        mask = inp.mask  # bool: True = may attend; float: added to the scores
 
         def run_dense() -> Array:
             out: Array = fastattn.scaled_dot_product_attention(
                 q,
                 k,
                 v,
+                attn_mask=mask,
                 is_causal=case.causal,
                 enable_gqa=case.gqa,
                 window=case.window,
@@ -170,7 +180,11 @@ class Torch(Impl):
             L, S = q.shape[-2], k.shape[-2]
             m = None
             causal = case.causal
-            if case.window is not None or (causal and L != S):  # torch's causal is top-left aligned
+            if inp.mask is not None:
+                # the case's own mask, as is: torch's bool is True = may attend too, and it
+                # adds a float32 mask to the scores of 16-bit queries as well
+                m = torch.from_numpy(inp.mask)
+            elif case.window is not None or (causal and L != S):  # torch's causal is top-left aligned
                 if L * S > MASK_LIMIT:
                     raise Skip(f"the {L}x{S} mask would exceed {MASK_LIMIT >> 20} MiB")
                 m = torch.from_numpy(bool_mask(L, S, causal, case.window))
@@ -214,21 +228,28 @@ class Jax(Impl):
         calls = []
         for q, k, v in inp.seqs():
             L, S = q.shape[2], k.shape[2]
-            m = None
+            m = bias = None
             causal = case.causal
-            if case.window is not None or (causal and L != S):  # jax's causal is top-left aligned
+            if inp.mask is not None:
+                # (B, 1, L or 1, S) broadcasts to jax's (B, N, T, S): a bool one is its mask=
+                # (True = may attend), a float one its bias= (added to the scores)
+                if inp.mask.dtype == np.bool_:
+                    m = jnp.asarray(inp.mask)
+                else:
+                    bias = jnp.asarray(inp.mask)
+            elif case.window is not None or (causal and L != S):  # jax's causal is top-left aligned
                 if L * S > MASK_LIMIT:
                     raise Skip(f"the {L}x{S} mask would exceed {MASK_LIMIT >> 20} MiB")
                 m = jnp.asarray(bool_mask(L, S, causal, case.window))
                 causal = False
             # jax.nn.dot_product_attention takes (B, T, N, H); GQA: K/V heads divide the query heads
-            calls.append(tuple(jnp.asarray(a.transpose(0, 2, 1, 3)) for a in (q, k, v)) + (m, causal))
+            calls.append(tuple(jnp.asarray(a.transpose(0, 2, 1, 3)) for a in (q, k, v)) + (m, bias, causal))
         fn = jax.jit(jax.nn.dot_product_attention, static_argnames=("is_causal",))
 
         def run() -> Array:
             outs = [
-                np.asarray(fn(q, k, v, mask=m, is_causal=c).block_until_ready()).transpose(0, 2, 1, 3)
-                for q, k, v, m, c in calls
+                np.asarray(fn(q, k, v, bias=b, mask=m, is_causal=c).block_until_ready()).transpose(0, 2, 1, 3)
+                for q, k, v, m, b, c in calls
             ]
             return concat_varlen(outs) if case.kind == "varlen" else outs[0]
 
@@ -247,10 +268,15 @@ class NumpyRef(Impl):
         if first(inp.q).dtype != np.float32 or first(inp.k).dtype != np.float32:
             inp = inp.as_float32()
             self.note = "computed in float32 on upcast inputs"
-        calls = [
-            (q, k, v, additive_mask(q.shape[2], k.shape[2], case.causal, case.window))
-            for q, k, v in inp.seqs()
-        ]
+        calls: list[tuple[Array, Array, Array, Array | None]]
+        if inp.mask is not None:
+            # (B, 1, L or 1, S) -> (B, 1, 1, L or 1, S): the baseline's scores are (B, Hk, g, L, S)
+            calls = [(*inp.dense(), mask_additive(inp.mask)[:, :, None])]
+        else:
+            calls = [
+                (q, k, v, additive_mask(q.shape[2], k.shape[2], case.causal, case.window))
+                for q, k, v in inp.seqs()
+            ]
 
         def run() -> Array:
             with blas_limit(threads):

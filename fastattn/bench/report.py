@@ -1,11 +1,21 @@
-"""What a forward run prints: one block per case, the causal / non-causal summary and the
-Markdown table (``--markdown``).  The JSON output is the records themselves."""
+"""What a forward run prints: one block per case, the causal / non-causal and masked /
+unmasked summaries and the Markdown table (``--markdown``).  The JSON output is the
+records themselves and the masked / unmasked summary."""
 
 from __future__ import annotations
 
+import json
+import sys
 from typing import Any, TextIO
 
-from fastattn.bench.cases import CAUSAL_PAIRS, Case, case_flops, kv_bytes, np_dtype
+from fastattn.bench.cases import (
+    CAUSAL_PAIRS,
+    MASK_PAIRS,
+    Case,
+    case_flops,
+    kv_bytes,
+    np_dtype,
+)
 
 Record = dict[str, Any]
 
@@ -61,11 +71,7 @@ def print_case(case: Case, records: list[Record], machine: dict[str, Any], out: 
             pct += f" {100 * r['gbps'] / r['mem_gbps']:4.0f}% of bw"
         ratio = ""
         if r["impl"] != "fastattn" and r["ratio"] is not None:
-            ratio = (
-                f"  fastattn {r['ratio']:.2f}x faster"
-                if r["ratio"] >= 1
-                else f"  fastattn {1 / r['ratio']:.2f}x slower"
-            )
+            ratio = f"  {faster(r['ratio'])}"
         note = f"  [{r['note']}]" if r["note"] else ""
         print(f"  {r['impl']:{w}s} {fmt_time(r['seconds'])}  {rate}  {pct}{ratio}{note}", file=out)
     g = next((r for r in records if r.get("gemm_gflops")), None)
@@ -103,6 +109,71 @@ def causal_summary(records: list[Record], out: TextIO) -> None:
             print(line, file=out)
 
 
+def faster(ratio: float) -> str:
+    """A speedup (peer time / fastattn time) in words."""
+    return f"fastattn {ratio:.2f}x faster" if ratio >= 1 else f"fastattn {1 / ratio:.2f}x slower"
+
+
+def mask_summary(
+    records: list[Record], out: TextIO, pairs: tuple[tuple[str, str], ...] = MASK_PAIRS
+) -> dict[str, list[Record]]:
+    """Print, and return for the JSON, each masked case against the unmasked case of its
+    shape (``pairs``: (unmasked, masked) case names).  ``masked_over_unmasked``: per
+    implementation, time(masked) / time(unmasked) beside ``visible``, the share of (query,
+    key) pairs the mask leaves.  ``torch_over_fastattn``: fastattn's speedup over torch on
+    the masked case beside the one on the unmasked shape (None where that was not timed)."""
+    by = {(r["case"], r["impl"]): r["seconds"] for r in records}
+    visibles = {r["case"]: r.get("visible") for r in records}
+    impls = list(dict.fromkeys(r["impl"] for r in records))
+    w = max([11] + [len(i) for i in impls])
+    cw = max([0] + [len(m) for _, m in pairs])
+    summary: dict[str, list[Record]] = {"masked_over_unmasked": [], "torch_over_fastattn": []}
+    lines, vs_torch = [], []
+    for full, masked in pairs:
+        if masked not in visibles:
+            continue
+        visible = visibles[masked]
+        for impl in impls:
+            a, b = by.get((full, impl)), by.get((masked, impl))
+            if a and b:
+                summary["masked_over_unmasked"].append(
+                    {"case": masked, "unmasked": full, "impl": impl, "ratio": b / a, "visible": visible}
+                )
+                lines.append(
+                    f"  {impl:{w}s} {masked + ':':{cw + 1}s} {b / a:.2f} of the unmasked time"
+                    + (f" (visible {visible:.2f})" if visible is not None else "")
+                )
+        fa, t = by.get((masked, "fastattn")), by.get((masked, "torch"))
+        if fa and t:
+            fu, tu = by.get((full, "fastattn")), by.get((full, "torch"))
+            unmasked = tu / fu if fu and tu else None
+            summary["torch_over_fastattn"].append(
+                {"case": masked, "unmasked": full, "ratio": t / fa, "unmasked_ratio": unmasked}
+            )
+            vs_torch.append(
+                f"  {masked:{cw}s} {faster(t / fa)}"
+                + (f"  (unmasked: {faster(unmasked)})" if unmasked else "")
+            )
+    if lines:
+        print(
+            "\nmasked / unmasked time (the same shape with and without its attn_mask; visible = the "
+            "share of (query, key) pairs the mask leaves; two cases timed apart, so noisy on a busy "
+            "machine):",
+            file=out,
+        )
+        for line in lines:
+            print(line, file=out)
+    if vs_torch:
+        print(
+            "\nfastattn against torch on the masked cases (the same mask; speedup = torch time / "
+            "fastattn time):",
+            file=out,
+        )
+        for line in vs_torch:
+            print(line, file=out)
+    return summary
+
+
 def markdown_table(records: list[Record], machine: dict[str, Any]) -> str:
     """One row per case: fastattn's time and rate, then fastattn's speedup over each peer."""
     impls = list(dict.fromkeys(r["impl"] for r in records if r["impl"] != "fastattn"))
@@ -138,3 +209,22 @@ def markdown_table(records: list[Record], machine: dict[str, Any]) -> str:
             cells.append("-" if r is None or r["ratio"] is None else f"{r['ratio']:.2f}x")
         lines.append(f"| {c} | {fmt_time(fa['seconds']).strip()} | {rate} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def write_json(path: str, data: object, out: TextIO) -> int:
+    """Write ``--json``'s file (``finish_args`` checked that it is writable before the run);
+    should it fail after all (the disk filled, the directory went away), the JSON goes to
+    stdout instead of being lost.  Returns the exit status (1 then)."""
+    text = json.dumps(data, indent=1)
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as e:
+        print(
+            f"fastattn bench: cannot write --json {path} ({e.strerror or e}); the JSON follows",
+            file=sys.stderr,
+        )
+        print(text, file=out)
+        return 1
+    print(f"wrote {path}", file=out)
+    return 0

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Callable, TextIO
 
-from fastattn.bench.cases import Case, case_flops, kv_bytes, np_dtype
+from fastattn.bench.cases import Case, case_flops, kv_bytes, mask_pairs, np_dtype
 from fastattn.bench.inputs import check, check_slice, make_inputs, reference_output, tolerance
 from fastattn.bench.peers import FastAttn, Impl, Skip
 from fastattn.bench.yardsticks import gemm_reader, kv_reader, mem_reader
@@ -123,6 +123,9 @@ def run_case(
             "dtype": case.kv_dtype or args.dtype,
             "L": case.L,
             "S": case.S,
+            "mask": case.mask,
+            # the share of (query, key) pairs the case's mask leaves visible
+            "visible": mask_pairs(case) / (case.B * case.L * case.S) if case.mask else None,
             "precision": impl.precision if args.dtype == "float32" else None,
         }
         records.append(rec)

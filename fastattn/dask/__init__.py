@@ -1,7 +1,7 @@
 """Exact attention over Dask arrays, sharded along batch, heads, queries and keys.
 
 Import it explicitly (``import fastattn.dask``); ``import fastattn`` never
-imports Dask.  Needs the ``dask`` extra (``pip install fastattn[dask]``).
+imports Dask.  Needs the ``dask`` extra (``pip install ".[dask]"`` from a clone).
 
 Every (query chunk, key chunk) pair runs the in-memory
 :func:`fastattn.scaled_dot_product_attention` with ``return_lse=True`` in one

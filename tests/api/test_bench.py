@@ -1,6 +1,8 @@
 """The benchmark command runs end to end (tiny case, no peers timed for long)."""
 
+import dataclasses
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -224,6 +226,10 @@ PEER_CASES = [
     ("causal L<S", dict(B=1, Hq=2, Hk=1, L=9, S=30, D=8, causal=True)),
     ("f16kv", dict(B=1, Hq=2, Hk=2, L=1, S=50, D=16, kv_dtype="float16", kind="decode")),
     ("varlen", dict(B=2, Hq=2, Hk=2, L=0, S=0, D=16, causal=True, kind="varlen", seqlens=(19, 33))),
+    # the masked cases' attn_mask forms (every batch checked: batch 0 of padding is full)
+    ("padding gqa", dict(B=3, Hq=4, Hk=2, L=12, S=40, D=16, mask="padding")),
+    ("hf_float", dict(B=2, Hq=2, Hk=2, L=24, S=24, D=16, mask="hf_float")),
+    ("random", dict(B=2, Hq=2, Hk=1, L=16, S=33, D=8, mask="random")),
 ]
 
 
@@ -243,8 +249,105 @@ def test_every_peer_agrees_with_the_reference(impl, name, shape):
     except peers.Skip as e:  # the adapter says why it cannot run this case
         assert impl == "ort-mha" and name == "causal L<S", e
         pytest.skip(str(e))
-    err = inputs.check(run, inp, inputs.reference_output(inp))
+    ref = inputs.reference_output(inp)
+    err = inputs.check(run, inp, ref)
     assert err <= inputs.tolerance(inp), err
+    if inp.mask is not None:  # the mask changes the answer: a peer that dropped it would fail
+        unmasked = inputs.reference_output(dataclasses.replace(inp, mask=None))
+        assert np.abs(unmasked - ref).max() > 10 * inputs.tolerance(inp) * np.abs(ref).max()
+
+
+def test_case_masks_by_construction():
+    from fastattn.bench import cases
+
+    c = bench.Case("c", 6, 2, 2, 7, 50, 8, mask="padding")
+    n = cases.padding_lengths(c)
+    assert n[0] == 50 and all(25 <= x <= 50 for x in n) and len(set(n.tolist())) > 1
+    np.testing.assert_array_equal(n, cases.padding_lengths(c))  # deterministic
+    pad = cases.case_mask(c)
+    assert pad.dtype == np.bool_ and pad.shape == (6, 1, 1, 50)
+    np.testing.assert_array_equal(pad[:, 0, 0], np.arange(50)[None, :] < n[:, None])
+    one = cases.padding_lengths(bench.Case("one", 1, 2, 2, 7, 50, 8, mask="padding"))
+    assert one.tolist() == [40]  # a single sequence: 80% of S
+    hf = cases.case_mask(dataclasses.replace(c, mask="hf_float"))
+    assert hf.dtype == np.float32 and hf.shape == (6, 1, 7, 50) and hf.flags.c_contiguous
+    lo = np.finfo(np.float32).min
+    np.testing.assert_array_equal(hf, np.where(np.broadcast_to(pad, hf.shape), np.float32(0), lo))
+    np.testing.assert_array_equal(cases.mask_visible(hf), np.broadcast_to(pad, hf.shape))
+    big = bench.Case("r", 2, 2, 2, 64, 300, 8, mask="random")
+    r = cases.case_mask(big)
+    assert r.dtype == np.bool_ and r.shape == (2, 1, 64, 300) and 0.88 < r.mean() < 0.92
+    np.testing.assert_array_equal(r, cases.case_mask(big))
+    sparse = cases.case_mask(bench.Case("r", 4, 1, 1, 50, 2, 8, mask="random"))  # rows of 2 keys
+    assert sparse.any(axis=-1).all()  # every row sees a key
+    assert cases.mask_pairs(c) == 7 * n.sum()
+    assert bench.case_flops(c) == 4 * 8 * 2 * 7 * n.sum()  # the visible pairs only
+    for bad in (dict(mask="ragged"), dict(mask="padding", causal=True), dict(mask="random", window=(3, 0))):
+        with pytest.raises(ValueError, match="mask"):
+            bench.Case("bad", 1, 1, 1, 4, 4, 8, **bad)
+
+
+def test_masked_cases_are_paired_and_kept_out_of_quick():
+    from fastattn.bench import cases
+
+    masked = [c for c in cases.CASES if c.mask is not None]
+    assert {c.mask for c in masked} == set(cases.MASKS)
+    assert {m for _, m in cases.MASK_PAIRS} == {c.name for c in masked}
+    for full, m in cases.MASK_PAIRS:
+        assert dataclasses.replace(cases.by_name(m), name=full, mask=None) == cases.by_name(full)
+    assert [n for n in cases.QUICK_CASES if cases.by_name(n).mask] == ["B8 H12 L512 D64 padding"]
+
+
+@pytest.mark.parametrize("name", [m for _, m in bench.cases.MASK_PAIRS])
+def test_masked_case_runs_and_checks_its_mask(name):
+    """Each masked case at 2 heads and D=16 (its batch, lengths and mask kept), through the
+    bench's own check and timing: fastattn and torch pass the reference check on a slice
+    that holds masked pairs, and are timed."""
+    import io
+
+    from fastattn.bench import cases, inputs, peers, runner
+
+    case = dataclasses.replace(cases.by_name(name), Hq=2, Hk=2, D=16)
+    small = inputs.check_slice(inputs.make_inputs(case, "float32"))
+    assert not cases.mask_visible(small.mask).all()  # the check meets the mask
+    args = bench.parse_args(["--quick", "--repeat", "1", "--threads", "1", "--pause", "0"])
+    args.gemm_n = 64
+    recs = runner.run_case(case, [peers.FastAttn, peers.Torch], args, io.StringIO())
+    for r in recs:
+        if r["impl"] == "torch" and r["status"] == "skipped":
+            continue  # torch not installed
+        assert r["status"] == "ok", r
+        assert r["max_err"] <= 1e-3 and r["seconds"] > 0
+        assert r["mask"] == case.mask and 0.5 < r["visible"] < 1
+
+
+def test_mask_summary(capsys):
+    from fastattn.bench.report import mask_summary
+
+    def rec(case, impl, seconds, visible=None):
+        return {"case": case, "impl": impl, "seconds": seconds, "visible": visible}
+
+    records = [
+        rec("u", "fastattn", 2.0),
+        rec("u", "torch", 3.0),
+        rec("u pad", "fastattn", 1.5, 0.75),
+        rec("u pad", "torch", 6.0, 0.75),
+        rec("u rand", "fastattn", 2.5, 0.9),
+        rec("u rand", "torch", None, 0.9),  # failed: no ratio
+    ]
+    got = mask_summary(records, sys.stdout, pairs=(("u", "u pad"), ("u", "u rand"), ("u", "absent")))
+    assert got["masked_over_unmasked"] == [
+        {"case": "u pad", "unmasked": "u", "impl": "fastattn", "ratio": 0.75, "visible": 0.75},
+        {"case": "u pad", "unmasked": "u", "impl": "torch", "ratio": 2.0, "visible": 0.75},
+        {"case": "u rand", "unmasked": "u", "impl": "fastattn", "ratio": 1.25, "visible": 0.9},
+    ]
+    assert got["torch_over_fastattn"] == [
+        {"case": "u pad", "unmasked": "u", "ratio": 4.0, "unmasked_ratio": 1.5}
+    ]
+    text = capsys.readouterr().out
+    assert "fastattn    u pad:  0.75 of the unmasked time (visible 0.75)" in text
+    assert "u pad  fastattn 4.00x faster  (unmasked: fastattn 1.50x faster)" in text
+    assert "absent" not in text
 
 
 def test_numpy_baseline_against_the_reference():

@@ -163,7 +163,9 @@ def test_valgrind_subset_round3():
             assert np.allclose(o, r, atol=1e-4, rtol=1e-4)
         dense = rng.random((2, 1, L, S)) > 0.5
         o = fastattn.scaled_dot_product_attention(q, k, v, dense, enable_gqa=True)
-        assert np.allclose(o, reference.scaled_dot_product_attention(q, k, v, dense, enable_gqa=True), atol=1e-4)
+        assert np.allclose(
+            o, reference.scaled_dot_product_attention(q, k, v, dense, enable_gqa=True), atol=1e-4
+        )
     q = rng.standard_normal((1, 2, 8, 16))
     k = rng.standard_normal((1, 2, 12, 16))
     v = rng.standard_normal((1, 2, 12, 16))
