@@ -31,24 +31,34 @@ to the extension modules in the package, as it does them:
   CPUs this process may run on).  The per-ISA units and the extension's own
   sources are independent files: an in-place build on a 2-vCPU Zen 3 VM took
   166 s instead of 281 s one file at a time (CI builds the extension six times).
+- ``FASTATTN_DEBUG=1``: keep debug info (``-g``, as Python's own flags have it).  By default
+  every unit is compiled with ``-g0``: the same machine code, a third less compile time and
+  modules without DWARF (a -g in ``$CFLAGS`` keeps it too, as tools/sanitize.sh sets).
+- ``FASTATTN_BUILD_TIMES=1``: after the build, a table of every compiler and linker call's
+  CPU time (the line per unit, printed as each finishes, shows with ``pip install -v``).
 """
 
 import os
 import platform
 import subprocess
 import tempfile
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.errors import ExecError as DistutilsExecError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NATIVE = os.environ.get("FASTATTN_NATIVE", "0") == "1"
 CUDA = os.environ.get("FASTATTN_CUDA", "0") not in ("", "0")
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+# FASTATTN_BUILD_TIMES=1: a table of every compile's CPU time at the end of the build.
+BUILD_TIMES = os.environ.get("FASTATTN_BUILD_TIMES", "0") == "1"
 BUILD_JOBS = max(1, int(os.environ.get("FASTATTN_BUILD_JOBS", "0") or 0) or _CPUS)
 
 # Test-only: run the AVX-512 instantiation on AVX2 hardware (csrc/avx512_emu.h).
@@ -68,6 +78,15 @@ if EMULATE_AVX512BF16:
     BASE_FLAGS.append("-DFA_EMULATE_AVX512BF16")
 if NATIVE:
     BASE_FLAGS.append("-march=native")
+# Debug info only where asked for: Python's sysconfig CFLAGS carry -g, which made the kernel
+# objects take a third longer to compile and _kernels*.so 12.5 MB instead of 1.7 MB (the code is
+# the same either way: GCC's -g does not change code generation).  FASTATTN_DEBUG=1, or a -g
+# in $CFLAGS (tools/sanitize.sh), keeps it.  Symbols stay (perf, tools/test_wheel.sh need them).
+DEBUG = os.environ.get("FASTATTN_DEBUG", "0") not in ("", "0") or any(
+    f.startswith("-g") and f != "-g0" for f in os.environ.get("CFLAGS", "").split()
+)
+if not DEBUG:
+    BASE_FLAGS.append("-g0")
 
 # One instruction set per compile unit: (source, extra flags).  Units are named
 # <family>_<dtype>_<isa>.c: the dtype the kernel computes in (f32, f64, bf16
@@ -227,6 +246,36 @@ def _build_config_text():
 BUILD_CONFIG = ("fastattn", "_build_config.py")
 
 
+def _run_timed(cmd, env=None, **kwargs):
+    """Run cmd like subprocess.check_call; return (wall seconds, CPU seconds of the process and the
+    processes it waited for: the compiler driver's cc1 and as), from wait4, so that other work on a
+    shared machine does not count."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, env=env, **kwargs)
+    if hasattr(os, "wait4"):
+        _, status, ru = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        cpu = ru.ru_utime + ru.ru_stime
+    else:
+        p.wait()
+        cpu = float("nan")
+    if p.returncode:
+        raise subprocess.CalledProcessError(p.returncode, cmd)
+    return time.perf_counter() - t0, cpu
+
+
+def _unit_name(cmd):
+    """What a compiler command builds: its source file, or 'link <module>'."""
+    args = [os.fspath(a) for a in cmd]
+    i = args.index("-o") if "-o" in args else len(args) - 1
+    if "-c" in args:
+        rel = os.path.relpath(args[i - 1])
+        if rel.startswith(("build" + os.sep, os.pardir)):  # Cython's C, in the build directory
+            return os.path.join(*rel.split(os.sep)[-2:]) + " (Cython)"
+        return rel
+    return "link " + os.path.basename(args[i + 1]) if i + 1 < len(args) else " ".join(args[:1])
+
+
 class BuildExt(build_ext):
     """Compiles each ISA unit with its own flags and links the objects in;
     cythonizes into build_temp and writes the build config into build_lib, so
@@ -257,6 +306,45 @@ class BuildExt(build_ext):
             regular, inplace = self._config_paths()
             mapping[regular] = inplace
         return mapping
+
+    def build_extensions(self):
+        # Every compiler and linker call through the timed runner: a line per unit as it finishes
+        # (seen with `pip install -v`), and with FASTATTN_BUILD_TIMES=1 a table at the end.
+        self._times = []
+        lock = threading.Lock()
+
+        def run(cmd, env=None, **kwargs):
+            if self.verbose:  # the command line, as setuptools' own runner logs it
+                print(subprocess.list2cmdline([os.fspath(a) for a in cmd]), flush=True)
+            wall, cpu = _run_timed(cmd, env=env, **kwargs)
+            what = _unit_name(cmd)
+            with lock:
+                self._times.append((what, cpu, wall))
+            print(f"fastattn build: {what}: {cpu:.1f} s CPU, {wall:.1f} s wall", flush=True)
+
+        def spawn(cmd, **kwargs):  # older setuptools: compilers run commands through spawn
+            try:
+                run(cmd, **kwargs)
+            except (subprocess.CalledProcessError, OSError) as e:
+                raise DistutilsExecError(f"command {cmd[0]!r} failed: {e}") from e
+
+        # newer setuptools runs them through the compiler's call (subprocess errors propagate), older
+        # ones through its spawn (DistutilsExecError)
+        name, runner = ("call", run) if hasattr(self.compiler, "call") else ("spawn", spawn)
+        setattr(self.compiler, name, runner)
+        t0 = time.perf_counter()
+        try:
+            super().build_extensions()
+        finally:
+            delattr(self.compiler, name)
+        if BUILD_TIMES and self._times:
+            total = sum(t[1] for t in self._times)
+            print(
+                f"fastattn build: {len(self._times)} commands, {total:.1f} s CPU in all, "
+                f"{time.perf_counter() - t0:.1f} s wall ({BUILD_JOBS} at a time)"
+            )
+            for what, cpu, wall in sorted(self._times, key=lambda t: -t[1]):
+                print(f"  {cpu:7.1f} s CPU {wall:7.1f} s wall  {what}")
 
     def build_extension(self, ext):
         if any(src.endswith(".pyx") for src in ext.sources):

@@ -4,14 +4,19 @@
     PYTHONPATH=. python tools/gen_api_docs.py --check  # exit 1 if docs/api.md is stale
 
 Covers every name in ``fastattn.__all__`` (functions, classes with their public
-methods, submodules' public functions) and the optional ``fastattn.dask`` module
-(skipped with a note when Dask is not installed).
+methods, submodules' public functions) and the optional modules (``fastattn.dask``,
+``fastattn.torch_compat``, ...).  Those import their peer (Dask, torch); where a peer is
+not installed, it is imported as a stand-in (any attribute a bare class) so that the
+module's own docstrings are documented all the same: the output, and ``--check``, do not
+depend on which peers are installed.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.abc
+import importlib.machinery
 import inspect
 import os
 import sys
@@ -62,6 +67,77 @@ def _module(modname: str, mod: types.ModuleType) -> list[str]:
     return lines
 
 
+class _StandInType(type):
+    """A class of a peer that is not installed: any public attribute is another such class
+    (``torch.autograd.Function``), so a documented module can subclass it or keep it in a tuple
+    at import time."""
+
+    def __getattr__(cls, name: str) -> type:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        sub = _StandInType(name, (), {"__module__": cls.__module__})
+        setattr(cls, name, sub)
+        return sub
+
+
+class _StandIn(types.ModuleType):
+    """A peer module that is not installed: any public attribute is a _StandInType class.
+    Nothing of it reaches the output: only objects whose __module__ is fastattn's are rendered,
+    and their signatures are strings (``from __future__ import annotations``)."""
+
+    def __getattr__(self, name: str) -> type:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        cls = _StandInType(name, (), {"__module__": self.__name__})
+        setattr(self, name, cls)
+        return cls
+
+
+class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports a _StandIn for the packages in ``tops`` and every submodule of them."""
+
+    def __init__(self) -> None:
+        self.tops: set[str] = set()
+
+    def find_spec(
+        self, fullname: str, path: object = None, target: object = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname.split(".")[0] not in self.tops:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return _StandIn(spec.name)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+def _import_optional(modname: str) -> types.ModuleType:
+    """modname, imported with a stand-in for each peer package it needs that is not installed
+    (or does not import)."""
+    finder = _StandInFinder()
+    try:
+        while True:
+            try:
+                return importlib.import_module(modname)
+            except ImportError as e:
+                top = (e.name or "").split(".")[0]
+                if not top or top == "fastattn" or top in finder.tops:
+                    raise
+                # drop what the failed import left half done, then retry with the stand-in
+                for name in [n for n in sys.modules if n == modname or n.startswith(modname + ".")]:
+                    del sys.modules[name]
+                for name in [n for n in sys.modules if n.split(".")[0] == top]:
+                    del sys.modules[name]
+                finder.tops.add(top)
+                if finder not in sys.meta_path:
+                    sys.meta_path.insert(0, finder)
+    finally:
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+
+
 def generate() -> str:
     import fastattn
 
@@ -91,12 +167,7 @@ def generate() -> str:
         if mod.__name__ != "fastattn.reference":  # the test oracle mirrors the public signatures
             lines += _module(mod.__name__, mod)
     for modname in OPTIONAL_MODULES:
-        try:
-            mod = importlib.import_module(modname)
-        except ImportError as e:
-            lines += [f"## Module `{modname}`", "", f"*(not documented here: {e})*", ""]
-            continue
-        lines += _module(modname, mod)
+        lines += _module(modname, _import_optional(modname))
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -78,6 +78,11 @@ for line in dis.splitlines():
         (avx_funcs if re.search(r"avx2|avx512|amx", func) else bad).add(func)
 assert avx_funcs, "no AVX kernel code found in the wheel"
 assert not bad, f"AVX registers used outside the AVX kernels: {sorted(bad)}"
+# Release modules carry no debug info (setup.py's -g0; 12.5 MB instead of 1.7 MB for
+# _kernels with it), but keep their symbol table (the check above reads function names).
+for ext in [n for n in names if re.match(r"fastattn/[^/]*\.so$", n)]:
+    heads = subprocess.run(["objdump", "-h", f"{dest}/{ext}"], capture_output=True, text=True, check=True).stdout
+    assert ".debug_info" not in heads, f"{ext} carries debug info (a release build compiles with -g0)"
 print(f"ok: {so[0]}; {len(avx_funcs)} AVX functions, all in *_avx2/*_avx512; flags: "
       + re.search(r"CFLAGS = (.*)", cfg).group(1))
 PY

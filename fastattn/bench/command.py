@@ -239,7 +239,13 @@ def run(args: argparse.Namespace) -> int:
     machine = machine_info(args.threads, gemm, bw)
     if not args.no_machine and args.dtype == "bfloat16":
         gemm16 = measure_gemm_bf16(args.threads)
-        if gemm16 is not None and gemm is not None:
+        if gemm16 is None:
+            print(
+                "machine: no bf16 GEMM limit (no torch, or a CPU without AVX512-BF16 / AMX: "
+                "bfloat16 cases are compared with the fp32 GEMM)",
+                file=out,
+            )
+        elif gemm is not None:
             # 16-bit cases are compared with the 16-bit limit, printed beside the fp32 one.
             machine["gemm_bf16_gflops"] = gemm16
             print(

@@ -181,7 +181,14 @@ def gemm_reader(threads: int, n: int = 2048) -> tuple[Callable[[], None], float]
 
 def measure_gemm_bf16(threads: int, n: int = 2048, repeat: int = 5) -> float | None:
     """bfloat16 GEMM rate (GFLOP/s) of ``torch.mm``, n×n×n: the machine's 16-bit
-    limit (oneDNN uses AMX or AVX512-BF16 where present); None without torch."""
+    limit (oneDNN uses AMX or AVX512-BF16 where present); None without torch, and
+    None on a CPU without bf16 arithmetic (neither AVX512-BF16 nor AMX): there
+    torch.mm emulates bf16 at a fraction of the float32 rate (0.3 GFLOP/s measured on
+    a Zen 3), which is no limit of the machine, and took minutes to measure."""
+    from fastattn import _kernels
+
+    if not (_kernels.cpu_has("avx512bf16") or _kernels.cpu_has("amx")):
+        return None
     try:
         import torch
     except ImportError:
