@@ -3,6 +3,7 @@
 #ifndef FA_CONVERT_H
 #define FA_CONVERT_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include "fastattn.h"
@@ -57,6 +58,41 @@ static inline uint16_t fa_f32_to_bf16(float f)
     x += 0x7fffu + ((x >> 16) & 1u);
     return (uint16_t)(x >> 16);
 }
+
+/* The largest |x| over n rows of d elements of dtype dt (row r at base + r *
+ * ld bytes), +inf when one is inf or NaN.  On the magnitude bits as unsigned
+ * integers, whose order is that of the magnitudes of finite floats and which
+ * put inf and NaN above them all: an integer max, which the compiler
+ * vectorises (a float max with NaN checks it does not). */
+#define FA_ABSMAX_ROWS(UT, MASK, INF)                                                  \
+    UT mx = 0;                                                                         \
+    for (int64_t r = 0; r < n; r++) {                                                  \
+        const UT *u = (const UT *)((const char *)base + r * ld);                        \
+        for (int64_t e = 0; e < d; e++) { const UT a = u[e] & (MASK); mx = a > mx ? a : mx; } \
+    }                                                                                  \
+    if (mx >= (INF)) return INFINITY;
+static inline double fa_absmax(const void *base, int dt, int64_t n, int64_t d, int64_t ld)
+{
+    switch (dt) {
+    case FA_F32: {
+        FA_ABSMAX_ROWS(uint32_t, 0x7fffffffu, 0x7f800000u)
+        float f; memcpy(&f, &mx, 4); return f;
+    }
+    case FA_F64: {
+        FA_ABSMAX_ROWS(uint64_t, 0x7fffffffffffffffull, 0x7ff0000000000000ull)
+        double f; memcpy(&f, &mx, 8); return f;
+    }
+    case FA_F16: {
+        FA_ABSMAX_ROWS(uint16_t, 0x7fffu, 0x7c00u)
+        return fa_f16_to_f32(mx);
+    }
+    default: {
+        FA_ABSMAX_ROWS(uint16_t, 0x7fffu, 0x7f80u)
+        return fa_bf16_to_f32(mx);
+    }
+    }
+}
+#undef FA_ABSMAX_ROWS
 
 static inline double fa_load_elem(const void *base, int dt, int64_t idx)
 {

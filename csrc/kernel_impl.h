@@ -897,17 +897,42 @@ FA_INLINE void FA_NAME(pv_prefill)(const fa_ctx *c, const fa_ws *w, const fa_str
     }
 }
 
+/* Whether a tile whose float mask is all at or below -FA_MASK_HUGE (HF's
+ * finfo.min padding: FA_TM_HUGE) can be skipped with the same bits as
+ * computing it: when every row of the task has a running max m above -1e29
+ * (it has seen a key of ordinary logit) and every logit the tile's products
+ * could give is below 1e29 in magnitude (D max|Q| max|K| over the task's
+ * scaled rows and the tile's keys, all finite: a NaN or inf keeps the tile,
+ * which then makes its rows NaN as the reference does).  Then each of the
+ * tile's logits is below -1.3e30, at least 1.2e30 under m and under every
+ * later max: exp2 underflows to exactly 0, the max, the sums and O are
+ * unchanged.  A row that has seen only such keys (left padding, a row of
+ * padding) keeps the tile: its softmax is over those keys.  *qmax caches
+ * max|Q| for the task (negative: not yet computed).  Cost: one read of the
+ * tile's K rows, against its R x nj x (D + Dv) multiply-adds. */
+FA_INLINE int FA_NAME(huge_tile_skips)(const fa_ctx *c, const fa_ws *w, const fa_stream *st, int64_t nj, double *qmax)
+{
+    for (int64_t r = 0; r < c->R; r++)
+        if (!(w->m[r] > (REAL)-1e29)) return 0; /* (NaN: not skipped) */
+    if (*qmax < 0) *qmax = fa_absmax(w->Qs, FA_SELF_DT, 1, c->R * c->Dp, 0);
+    if (!(*qmax < INFINITY)) return 0;
+    const double kmax = fa_absmax(st->k, c->p->k_dtype, nj, c->D, st->kld);
+    return kmax < INFINITY && (double)c->D * *qmax * kmax < 1e29;
+}
+
 /* path_prefill: more than FA_BLK_RD stacked rows; FA_BLK_BN-key tiles, K
  * packed into panels and both products register-blocked (qk_packed,
  * pv_prefill). */
 FA_PATH void FA_NAME(path_prefill)(const fa_ctx *c, const fa_ws *w)
 {
     const int64_t TN = FA_BLK_BN;
+    double qmax = -1.0; /* huge_tile_skips' max|Q|, computed at the task's first such tile */
     for (int64_t jt = c->jlo; jt < c->jhi; jt += TN) {
         const int64_t nj = fa_min64(TN, c->jhi - jt);
         const fa_stream st = FA_NAME(tile_stream)(c, jt, nj);
         const int mst = FA_NAME(tile_mask_state)(c, jt, nj);
         if (mst == FA_TM_HIDDEN || FA_NAME(tile_hidden)(c, jt, nj)) continue;
+        if (mst == FA_TM_HUGE && FA_NAME(huge_tile_skips)(c, w, &st, nj, &qmax)) continue;
         const int partial = FA_NAME(tile_partial)(c, jt, nj);
         const int elem = c->elem_always && mst != FA_TM_VISIBLE; /* this tile per element */
         /* The next tile's K and V rows are prefetched while this tile's

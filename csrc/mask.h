@@ -84,7 +84,8 @@ static inline int fa_bmask_at(const fa_params *p, int64_t b, int64_t h, int64_t 
  * tile adds nothing and is skipped), FA_TM_VISIBLE when it leaves every
  * score as it is (bool True, float +-0: the tile computes as an unmasked
  * one, the fused softmax included), else FA_TM_MIXED (the mask is applied
- * per element, fa_mask_apply_*).  A float mask is never hidden: it is added,
+ * per element, fa_mask_apply_*; FA_TM_HUGE is a mixed tile whose float values
+ * are all at most -FA_MASK_HUGE).  A float mask is never hidden: it is added,
  * so a NaN or +-inf score under -inf makes the row NaN (as in torch and the
  * reference), which a skipped tile would lose; and keys at finfo.min stay
  * in a row's softmax (a row of only such keys is uniform over them).  Pass
@@ -93,14 +94,18 @@ static inline int fa_bmask_at(const fa_params *p, int64_t b, int64_t h, int64_t 
  * (m_sl == 0): at most G ni nj bytes against the tile's G ni nj (D + Dv)
  * multiply-adds.  The state depends on the task's rows, which depend on the
  * shapes only, so results stay bit-identical for every thread count. */
-enum { FA_TM_MIXED = 0, FA_TM_VISIBLE = 1, FA_TM_HIDDEN = 2 };
+enum { FA_TM_MIXED = 0, FA_TM_VISIBLE = 1, FA_TM_HIDDEN = 2, FA_TM_HUGE = 3 };
+/* A float mask value at or below -FA_MASK_HUGE (HF's finfo(float32/bfloat16).min
+ * padding) makes a key's logit at most |score| - 1.44e30: see path_prefill's
+ * huge_tile_skips for when such a tile is skipped exactly. */
+#define FA_MASK_HUGE 1e30
 static inline int fa_tile_mask_state(const fa_params *p, int64_t b, int64_t h0, int64_t G, int64_t i0, int64_t ni,
                                      int64_t jt, int64_t nj)
 {
     const int64_t ng = p->m_sh == 0 ? 1 : G, nr = p->m_sl == 0 ? 1 : ni, ms = p->m_ss;
-    int vis = 1, hid = 1;
-    for (int64_t g = 0; g < ng && (vis || hid); g++) {
-        for (int64_t ii = 0; ii < nr && (vis || hid); ii++) {
+    int vis = 1, hid = 1, huge = p->mask_kind != FA_MASK_BOOL;
+    for (int64_t g = 0; g < ng && (vis || hid || huge); g++) {
+        for (int64_t ii = 0; ii < nr && (vis || hid || huge); ii++) {
             const int64_t off = b * p->m_sb + (h0 + g) * p->m_sh + (i0 + ii) * p->m_sl + jt * ms;
             int all = 1, none = 1; /* every key kept as it is / every key removed */
             if (p->mask_kind == FA_MASK_BOOL) {
@@ -108,18 +113,18 @@ static inline int fa_tile_mask_state(const fa_params *p, int64_t b, int64_t h0, 
                 for (int64_t jj = 0; jj < nj; jj++) { all &= m[jj * ms] != 0; none &= m[jj * ms] == 0; }
             } else if (p->mask_kind == FA_MASK_F32) {
                 const float *m = (const float *)p->mask + off;
-                for (int64_t jj = 0; jj < nj; jj++) all &= m[jj * ms] == 0.0f;
+                for (int64_t jj = 0; jj < nj; jj++) { all &= m[jj * ms] == 0.0f; huge &= m[jj * ms] <= -FA_MASK_HUGE; }
                 none = 0;
             } else {
                 const double *m = (const double *)p->mask + off;
-                for (int64_t jj = 0; jj < nj; jj++) all &= m[jj * ms] == 0.0;
+                for (int64_t jj = 0; jj < nj; jj++) { all &= m[jj * ms] == 0.0; huge &= m[jj * ms] <= -FA_MASK_HUGE; }
                 none = 0;
             }
             vis &= all;
             hid &= none;
         }
     }
-    return hid ? FA_TM_HIDDEN : vis ? FA_TM_VISIBLE : FA_TM_MIXED;
+    return hid ? FA_TM_HIDDEN : vis ? FA_TM_VISIBLE : huge ? FA_TM_HUGE : FA_TM_MIXED;
 }
 
 /* The attn_mask applied to a row's scores s[a, e) (log2 units), where it is

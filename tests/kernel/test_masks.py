@@ -576,3 +576,62 @@ def test_additive_inf_mask_entry(rng, isa):
     r = ref.additive_attention(q, k, v, wq, wk, va, attn_mask=m)
     assert np.isnan(r[:, 2]).all()
     assert_close(o, r, np.float32)
+
+
+# ---- HF finfo.min padding tiles (FA_TM_HUGE): skipped only where that is exact ----
+# The prefill path skips a key tile whose float mask is all <= -1e30 once every row of
+# the task has seen an ordinary key and the tile's scores are provably < 1e29 in
+# magnitude; the result must then be the bool mask's, bit for bit, and every other case
+# (left padding, padded rows, huge or NaN scores) must still follow the reference.
+
+
+def _hf(keep):
+    return np.where(keep, np.float32(0), np.finfo(np.float32).min).astype(np.float32)
+
+
+@pytest.mark.parametrize("valid", [64, 200, 256, 257])
+def test_hf_min_right_padding_equals_bool_bits(rng, isa, valid):
+    q, k, v = (randn(rng, (2, 4, 96, 32)), randn(rng, (2, 4, 600, 32)), randn(rng, (2, 4, 600, 16)))
+    keep = np.ones((2, 1, 96, 600), dtype=bool)
+    keep[1, ..., valid:] = False
+    for causal in (False, True):
+        ob = fastattn.scaled_dot_product_attention(q, k, v, keep, is_causal=causal, num_threads=1)
+        of = fastattn.scaled_dot_product_attention(q, k, v, _hf(keep), is_causal=causal, num_threads=1)
+        np.testing.assert_array_equal(ob, of)
+        assert_close(of, ref.scaled_dot_product_attention(q, k, v, _hf(keep), is_causal=causal))
+
+
+def test_hf_min_left_padding_and_padded_rows(rng, isa):
+    """Rows that meet the padded tiles first, and rows of padding only (uniform over the
+    finfo.min keys, as torch): both computed, never skipped."""
+    q, k, v = (randn(rng, (2, 2, 80, 32)), randn(rng, (2, 2, 520, 32)), randn(rng, (2, 2, 520, 16)))
+    keep = np.ones((2, 1, 80, 520), dtype=bool)
+    keep[0, ..., :300] = False  # left padding over whole tiles
+    keep[1, :, :10, :] = False  # ten query rows see only padding
+    m = _hf(keep)
+    assert_close(
+        fastattn.scaled_dot_product_attention(q, k, v, m), ref.scaled_dot_product_attention(q, k, v, m)
+    )
+
+
+@pytest.mark.parametrize("what", ["huge_scores", "nan_key", "inf_key"])
+def test_hf_min_tiles_with_extreme_keys_follow_the_reference(rng, isa, what):
+    q, k, v = (randn(rng, (1, 2, 64, 32)), randn(rng, (1, 2, 512, 32)), randn(rng, (1, 2, 512, 16)))
+    keep = np.ones((1, 1, 64, 512), dtype=bool)
+    keep[..., 256:] = False
+    if what == "huge_scores":  # scores near 1e31: a padded key's logit is no longer negligible
+        q *= np.float32(3e15)
+        k *= np.float32(3e15)
+    else:
+        k[0, 0, 400, 5] = np.nan if what == "nan_key" else np.inf
+    m = _hf(keep)
+    out = fastattn.scaled_dot_product_attention(q, k, v, m)
+    expected = ref.scaled_dot_product_attention(q, k, v, m)
+    if what == "huge_scores":
+        assert_close(out, expected)
+    else:  # NaN + finfo.min: every row of head 0 is NaN; +-inf: the rows where inf - inf meets
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(expected))
+        assert np.isnan(expected[0, 0]).any()  # the test reaches the padded tile's bad key
+        if what == "nan_key":
+            assert np.isnan(expected[0, 0]).all()
+        assert_close(out[0, 1], expected[0, 1])
