@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from typing import Any, Callable, TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 import numpy as np
 

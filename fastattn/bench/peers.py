@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any, Callable, get_args
+from collections.abc import Callable
+from typing import Any, get_args
 
 import numpy as np
 

@@ -9,8 +9,8 @@ import argparse
 import dataclasses
 import statistics
 import time
-from collections.abc import Sequence
-from typing import Any, Callable, TextIO
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
 
 from fastattn.bench.cases import Case, case_flops, kv_bytes, mask_pairs, np_dtype
 from fastattn.bench.inputs import check, check_slice, make_inputs, reference_output, tolerance
