@@ -95,6 +95,64 @@ def flash_attn_with_kvcache(
     transposed).  ``block_table``, and rotary
     together with a nonzero ``cache_leftpad``, raise ``NotImplementedError``;
     ``num_splits`` only tunes flash-attn's GPU kernel and changes nothing here.
+
+    Parameters
+    ----------
+    q : array_like or torch.Tensor
+        ``(batch, seqlen_q, nheads, headdim)``.
+    k_cache, v_cache : ndarray or torch.Tensor
+        ``(batch_cache, seqlen_cache, nheads_k, headdim[_v])``, written in place.
+    k, v : array_like or torch.Tensor, optional
+        ``(batch, seqlen_new, nheads_k, headdim[_v])`` new tokens, given together.
+    rotary_cos, rotary_sin : array_like, optional
+        ``(seqlen_ro, rotary_dim / 2)`` rotary tables; only with ``k``/``v``.
+    cache_seqlens : int or array_like of int, optional
+        Valid tokens per cache row before the append; None: the whole cache.
+    cache_batch_idx : array_like of int, optional
+        ``(batch,)`` cache row of each batch entry; default ``b``.
+    cache_leftpad : array_like of int, optional
+        ``(batch,)`` first valid key of each row.
+    block_table : None
+        Paged caches are not supported (NotImplementedError).
+    softmax_scale : float, optional
+        Score scale; None means ``1/sqrt(headdim)``.
+    causal : bool, default False
+        Causal mask aligned to the bottom right of the valid keys.
+    window_size : (int, int), default (-1, -1)
+        ``(left, right)`` local window; -1 is unbounded on that side.
+    softcap : float, default 0.0
+        ``> 0`` caps the scores at ``softcap * tanh(s / softcap)``; 0 is off.
+    rotary_interleaved : bool, default True
+        GPT-J pairs (0, 1), (2, 3), ...; False: GPT-NeoX rotate-half.
+    alibi_slopes : array_like, optional
+        ``(nheads,)`` or ``(batch, nheads)`` ALiBi slopes.
+    num_splits : int, default 0
+        Accepted and ignored.
+    return_softmax_lse : bool, default False
+        Also return the log-sum-exp.
+
+    Returns
+    -------
+    out : ndarray or torch.Tensor
+        ``(batch, seqlen_q, nheads, headdim_v)`` in q's dtype.
+    softmax_lse : ndarray or torch.Tensor
+        ``(batch, nheads, seqlen_q)`` float32; only with ``return_softmax_lse=True``.
+
+    Examples
+    --------
+    One decoding step: the new token's key and value are written at position 3.
+
+    >>> from fastattn.flash_compat import flash_attn_func, flash_attn_with_kvcache
+    >>> rng = np.random.default_rng(0)
+    >>> k_cache, v_cache = np.zeros((2, 1, 8, 2, 4), np.float32)
+    >>> k_cache[:, :3], v_cache[:, :3] = rng.standard_normal((2, 1, 3, 2, 4))
+    >>> q, k, v = rng.standard_normal((3, 1, 1, 2, 4)).astype(np.float32)
+    >>> out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=3)
+    >>> bool(np.array_equal(k_cache[:, 3], k[:, 0]))
+    True
+    >>> ref = flash_attn_func(q, k_cache[:, :4], v_cache[:, :4])
+    >>> bool(np.allclose(out, ref))
+    True
     """
     # flash-attn features fastattn does not have: refused, never ignored.
     if block_table is not None:

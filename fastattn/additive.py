@@ -75,6 +75,51 @@ def additive_attention(
         Results are bit-identical for every thread count.
 
     Returns the output ``(..., L, Dv)`` in query's dtype (and the weights).
+
+    Parameters
+    ----------
+    query : array_like
+        ``(..., L, Dq)``, float32 or float64.
+    key : array_like
+        ``(..., S, Dk)``, query's dtype.
+    value : array_like
+        ``(..., S, Dv)``, query's dtype.
+    w_query : array_like
+        ``(A, Dq)`` query projection.
+    w_key : array_like
+        ``(A, Dk)`` key projection.
+    v : array_like
+        ``(A,)`` scoring vector.
+    bias : array_like, optional
+        ``(A,)``; None means zeros.
+    attn_mask : array_like, optional
+        Bool (True = may attend) or float (added), broadcastable to ``(..., L, S)``.
+    return_weights : bool, default False
+        Also return the softmax weights ``(..., L, S)``.
+    num_threads : int, optional
+        Threads for this call; None uses :func:`fastattn.get_num_threads`.
+
+    Returns
+    -------
+    out : ndarray
+        ``(..., L, Dv)`` in query's dtype.
+    weights : ndarray
+        ``(..., L, S)`` in the compute dtype; only with ``return_weights=True``.
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((2, 3, 4))
+    >>> k, v = rng.standard_normal((2, 2, 5, 4))
+    >>> wq, wk = rng.standard_normal((2, 6, 4))
+    >>> vec = rng.standard_normal(6)
+    >>> out, w = fastattn.additive_attention(q, k, v, wq, wk, vec, return_weights=True)
+    >>> out.shape, w.shape
+    ((2, 3, 4), (2, 3, 5))
+    >>> e = np.tanh((q @ wq.T)[..., :, None, :] + (k @ wk.T)[..., None, :, :]) @ vec
+    >>> p = np.exp(e - e.max(-1, keepdims=True))
+    >>> bool(np.allclose(w, p / p.sum(-1, keepdims=True))), bool(np.allclose(out, w @ v))
+    (True, True)
     """
     q = as_array(query, "query")
     k = as_array(key, "key")

@@ -91,12 +91,36 @@ MAX_HEAD_DIM = 256
 
 
 def is_built() -> bool:
-    """True when fastattn was built with its CUDA extension (``FASTATTN_CUDA=1``)."""
+    """True when fastattn was built with its CUDA extension (``FASTATTN_CUDA=1``).
+
+    Returns
+    -------
+    bool
+        Whether ``fastattn._cuda`` is there.
+
+    Examples
+    --------
+    >>> import fastattn.cuda
+    >>> isinstance(fastattn.cuda.is_built(), bool)
+    True
+    """
     return _cuda is not None
 
 
 def is_available() -> bool:
-    """True when the CUDA extension is built and a CUDA device is usable."""
+    """True when the CUDA extension is built and a CUDA device is usable.
+
+    Returns
+    -------
+    bool
+        Whether the CUDA functions can run.
+
+    Examples
+    --------
+    >>> import fastattn.cuda
+    >>> fastattn.cuda.is_available() <= fastattn.cuda.is_built()
+    True
+    """
     return _cuda is not None and _cuda.device_count() > 0
 
 
@@ -125,7 +149,22 @@ def _ext() -> _CudaModule:
 
 
 def build_info() -> dict[str, Any]:
-    """What the CUDA extension was built with and what it sees now."""
+    """What the CUDA extension was built with and what it sees now.
+
+    Returns
+    -------
+    dict
+        ``built`` and ``available`` (bools), ``reason`` when not available; with
+        the extension also ``archs``, ``nvcc``, ``runtime_version``,
+        ``driver_version``, ``device_count`` and ``devices`` (names).
+
+    Examples
+    --------
+    >>> import fastattn.cuda
+    >>> info = fastattn.cuda.build_info()
+    >>> info["available"] == fastattn.cuda.is_available()
+    True
+    """
     if _cuda is None:
         return {"built": False, "available": False, "reason": _unavailable_reason()}
     rt, drv = _cuda.versions()
@@ -168,7 +207,29 @@ class DeviceArray:
     """A C-contiguous device array owned by fastattn (returned when CuPy is not
     installed, or for bfloat16).  Wrap it with ``cupy.asarray`` or
     ``torch.as_tensor(x, device="cuda")`` through ``__cuda_array_interface__``,
-    or copy it to NumPy with :meth:`get`."""
+    or copy it to NumPy with :meth:`get`.
+
+    Parameters
+    ----------
+    shape : tuple of int
+        The array's shape.
+    dtype : dtype
+        Its element type.
+    stream : int, default 0
+        The CUDA stream whose kernels write it (0: the default stream).
+
+    Examples
+    --------
+    Needs a CUDA device (and fastattn built with ``FASTATTN_CUDA=1``).
+
+    >>> import fastattn.cuda
+    >>> d = fastattn.cuda.to_device(np.arange(6, dtype=np.float32).reshape(2, 3))  # doctest: +SKIP
+    >>> d  # doctest: +SKIP
+    fastattn.cuda.DeviceArray(shape=(2, 3), dtype=float32)
+    >>> d.get()  # doctest: +SKIP
+    array([[0., 1., 2.],
+           [3., 4., 5.]], dtype=float32)
+    """
 
     def __init__(self, shape: tuple[int, ...], dtype: npt.DTypeLike, stream: int = 0) -> None:
         self.shape = tuple(int(n) for n in shape)
@@ -198,7 +259,21 @@ class DeviceArray:
         return _View(self._buf.ptr, self.shape, _c_strides(self.shape), self.dtype, self)
 
     def get(self) -> Array:
-        """A NumPy copy (waits for the kernels that write it)."""
+        """A NumPy copy (waits for the kernels that write it).
+
+        Returns
+        -------
+        ndarray
+            The array's contents, on the host.
+
+        Examples
+        --------
+        Needs a CUDA device.
+
+        >>> import fastattn.cuda
+        >>> fastattn.cuda.to_device(np.ones(3, np.float32)).get()  # doctest: +SKIP
+        array([1., 1., 1.], dtype=float32)
+        """
         cu = _ext()
         a = np.empty(self.shape, dtype=self.dtype)
         if self._stream not in (0, 1):
@@ -212,7 +287,27 @@ class DeviceArray:
 
 
 def to_device(a: npt.ArrayLike) -> DeviceArray:
-    """Copy a NumPy array (any dtype fastattn takes) to a new C-contiguous :class:`DeviceArray`."""
+    """Copy a NumPy array (any dtype fastattn takes) to a new C-contiguous :class:`DeviceArray`.
+
+    Parameters
+    ----------
+    a : array_like
+        The host array.
+
+    Returns
+    -------
+    DeviceArray
+        A device copy of ``a``.
+
+    Examples
+    --------
+    Needs a CUDA device.
+
+    >>> import fastattn.cuda
+    >>> d = fastattn.cuda.to_device(np.zeros((2, 4), np.float16))  # doctest: +SKIP
+    >>> d.shape, d.dtype  # doctest: +SKIP
+    ((2, 4), dtype('float16'))
+    """
     cu = _require()
     h = np.ascontiguousarray(as_array(a, "a"))
     d = DeviceArray(h.shape, h.dtype)
@@ -222,7 +317,20 @@ def to_device(a: npt.ArrayLike) -> DeviceArray:
 
 
 def synchronize() -> None:
-    """Wait for all work on the current device (``cudaDeviceSynchronize``)."""
+    """Wait for all work on the current device (``cudaDeviceSynchronize``).
+
+    Returns
+    -------
+    None
+        When the device is idle.
+
+    Examples
+    --------
+    Needs a CUDA device.
+
+    >>> import fastattn.cuda
+    >>> fastattn.cuda.synchronize()  # doctest: +SKIP
+    """
     _require().synchronize()
 
 
@@ -361,6 +469,39 @@ def scaled_dot_product_attention(
     arguments (``alibi_slopes``, ``key_lengths``) may live on either side.
 
     Raises RuntimeError when the CUDA backend is not available.
+
+    Parameters
+    ----------
+    query, key, value : array_like or device array
+        As for :func:`fastattn.scaled_dot_product_attention`; NumPy arrays or
+        objects with ``__cuda_array_interface__``.
+    attn_mask, is_causal, scale, enable_gqa, layout : optional
+        As for :func:`fastattn.scaled_dot_product_attention`.
+    window, alibi_slopes, softcap, key_lengths : optional
+        As for :func:`fastattn.scaled_dot_product_attention`.
+    return_lse : bool, default False
+        Also return the float32 log-sum-exp of each row.
+    out : device array, optional
+        A writable device array to write the output into (device inputs only).
+
+    Returns
+    -------
+    out : ndarray, cupy.ndarray or DeviceArray
+        The attention output, on the side the inputs came from.
+    lse : ndarray, cupy.ndarray or DeviceArray
+        float32; only with ``return_lse=True``.
+
+    Examples
+    --------
+    Needs a CUDA device (and fastattn built with ``FASTATTN_CUDA=1``).
+
+    >>> import fastattn.cuda
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 2, 16, 64)).astype(np.float32)
+    >>> out = fastattn.cuda.scaled_dot_product_attention(q, k, v, is_causal=True)  # doctest: +SKIP
+    >>> ref = fastattn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    >>> bool(np.allclose(out, ref, atol=1e-3))  # doctest: +SKIP
+    True
     """
     cu = _require()
     layout = _args.layout_value(layout)

@@ -108,6 +108,52 @@ def flash_attn_func(
     headdim_v)`` in q's dtype, or with ``return_attn_probs=True`` the tuple
     ``(out, softmax_lse (batch, nheads, seqlen_q) float32, S_dmask (empty))``.
     Semantics of every argument: see the module docstring.
+
+    Parameters
+    ----------
+    q : array_like or torch.Tensor
+        ``(batch, seqlen_q, nheads, headdim)``.
+    k : array_like or torch.Tensor
+        ``(batch, seqlen_k, nheads_k, headdim)``.
+    v : array_like or torch.Tensor
+        ``(batch, seqlen_k, nheads_k, headdim_v)``.
+    dropout_p : float, default 0.0
+        Must be 0 (inference only; otherwise NotImplementedError).
+    softmax_scale : float, optional
+        Score scale; None means ``1/sqrt(headdim)``.
+    causal : bool, default False
+        Causal mask aligned to the bottom right.
+    window_size : (int, int), default (-1, -1)
+        ``(left, right)`` local window; -1 is unbounded on that side.
+    softcap : float, default 0.0
+        ``> 0`` caps the scores at ``softcap * tanh(s / softcap)``; 0 is off.
+    alibi_slopes : array_like, optional
+        ``(nheads,)`` or ``(batch, nheads)`` ALiBi slopes.
+    deterministic : bool, default False
+        Accepted and ignored (every result is deterministic).
+    return_attn_probs : bool, default False
+        Also return the log-sum-exp and an empty ``S_dmask``.
+
+    Returns
+    -------
+    out : ndarray or torch.Tensor
+        ``(batch, seqlen_q, nheads, headdim_v)`` in q's dtype (a tensor when the input is one).
+    softmax_lse : ndarray or torch.Tensor
+        ``(batch, nheads, seqlen_q)`` float32; only with ``return_attn_probs=True``.
+    S_dmask : ndarray or torch.Tensor
+        Empty; only with ``return_attn_probs=True``.
+
+    Examples
+    --------
+    >>> from fastattn.flash_compat import flash_attn_func
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 1, 4, 2, 8)).astype(np.float32)
+    >>> out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    >>> out.shape, lse.shape
+    ((1, 4, 2, 8), (1, 2, 4))
+    >>> ref = fastattn.scaled_dot_product_attention(q, k, v, is_causal=True, layout="bshd")
+    >>> bool(np.allclose(out, ref))
+    True
     """
     torch_out = _torch_bridge.is_tensor(q)
     qa, ka, va = _array(q, "q"), _array(k, "k"), _array(v, "v")
@@ -141,7 +187,48 @@ def flash_attn_qkvpacked_func(
     return_attn_probs: bool = False,
 ) -> Any:
     """flash-attn's ``flash_attn_qkvpacked_func``: ``qkv`` is ``(batch, seqlen, 3, nheads, headdim)``,
-    read in place; otherwise as :func:`flash_attn_func`."""
+    read in place; otherwise as :func:`flash_attn_func`.
+
+    Parameters
+    ----------
+    qkv : array_like or torch.Tensor
+        ``(batch, seqlen, 3, nheads, headdim)``.
+    dropout_p : float, default 0.0
+        Must be 0 (inference only; otherwise NotImplementedError).
+    softmax_scale : float, optional
+        Score scale; None means ``1/sqrt(headdim)``.
+    causal : bool, default False
+        Causal mask aligned to the bottom right.
+    window_size : (int, int), default (-1, -1)
+        ``(left, right)`` local window; -1 is unbounded on that side.
+    softcap : float, default 0.0
+        ``> 0`` caps the scores at ``softcap * tanh(s / softcap)``; 0 is off.
+    alibi_slopes : array_like, optional
+        ``(nheads,)`` or ``(batch, nheads)`` ALiBi slopes.
+    deterministic : bool, default False
+        Accepted and ignored (every result is deterministic).
+    return_attn_probs : bool, default False
+        Also return the log-sum-exp and an empty ``S_dmask``.
+
+    Returns
+    -------
+    out : ndarray or torch.Tensor
+        ``(batch, seqlen_q, nheads, headdim_v)`` in q's dtype (a tensor when the input is one).
+    softmax_lse : ndarray or torch.Tensor
+        ``(batch, nheads, seqlen_q)`` float32; only with ``return_attn_probs=True``.
+    S_dmask : ndarray or torch.Tensor
+        Empty; only with ``return_attn_probs=True``.
+
+    Examples
+    --------
+    >>> from fastattn.flash_compat import flash_attn_func, flash_attn_qkvpacked_func
+    >>> qkv = np.random.default_rng(0).standard_normal((1, 4, 3, 2, 8)).astype(np.float32)
+    >>> out = flash_attn_qkvpacked_func(qkv, causal=True)
+    >>> out.shape
+    (1, 4, 2, 8)
+    >>> bool(np.array_equal(out, flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True)))
+    True
+    """
     torch_out = _torch_bridge.is_tensor(qkv)
     a = _array(qkv, "qkv")
     if a.ndim != 5 or a.shape[2] != 3:
@@ -178,7 +265,52 @@ def flash_attn_kvpacked_func(
 ) -> Any:
     """flash-attn's ``flash_attn_kvpacked_func``: q ``(batch, seqlen_q, nheads, headdim)``,
     ``kv`` ``(batch, seqlen_k, 2, nheads_k, headdim)``, read in place; otherwise as
-    :func:`flash_attn_func`."""
+    :func:`flash_attn_func`.
+
+    Parameters
+    ----------
+    q : array_like or torch.Tensor
+        ``(batch, seqlen_q, nheads, headdim)``.
+    kv : array_like or torch.Tensor
+        ``(batch, seqlen_k, 2, nheads_k, headdim)``.
+    dropout_p : float, default 0.0
+        Must be 0 (inference only; otherwise NotImplementedError).
+    softmax_scale : float, optional
+        Score scale; None means ``1/sqrt(headdim)``.
+    causal : bool, default False
+        Causal mask aligned to the bottom right.
+    window_size : (int, int), default (-1, -1)
+        ``(left, right)`` local window; -1 is unbounded on that side.
+    softcap : float, default 0.0
+        ``> 0`` caps the scores at ``softcap * tanh(s / softcap)``; 0 is off.
+    alibi_slopes : array_like, optional
+        ``(nheads,)`` or ``(batch, nheads)`` ALiBi slopes.
+    deterministic : bool, default False
+        Accepted and ignored (every result is deterministic).
+    return_attn_probs : bool, default False
+        Also return the log-sum-exp and an empty ``S_dmask``.
+
+    Returns
+    -------
+    out : ndarray or torch.Tensor
+        ``(batch, seqlen_q, nheads, headdim_v)`` in q's dtype (a tensor when the input is one).
+    softmax_lse : ndarray or torch.Tensor
+        ``(batch, nheads, seqlen_q)`` float32; only with ``return_attn_probs=True``.
+    S_dmask : ndarray or torch.Tensor
+        Empty; only with ``return_attn_probs=True``.
+
+    Examples
+    --------
+    >>> from fastattn.flash_compat import flash_attn_func, flash_attn_kvpacked_func
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((1, 2, 4, 8)).astype(np.float32)
+    >>> kv = rng.standard_normal((1, 5, 2, 2, 8)).astype(np.float32)
+    >>> out = flash_attn_kvpacked_func(q, kv)
+    >>> out.shape
+    (1, 2, 4, 8)
+    >>> bool(np.array_equal(out, flash_attn_func(q, kv[:, :, 0], kv[:, :, 1])))
+    True
+    """
     torch_out = _torch_bridge.is_tensor(q)
     qa, kva = _array(q, "q"), _array(kv, "kv")
     if kva.ndim != 5 or kva.shape[2] != 2:
@@ -280,6 +412,61 @@ def flash_attn_varlen_func(
     sequence.  Causal alignment and windows are bottom-right per sequence;
     ``alibi_slopes`` ``(nheads,)`` or ``(batch, nheads)``.  Returns out ``(total_q,
     nheads, headdim_v)``, or ``(out, softmax_lse (nheads, total_q), S_dmask (empty))``.
+
+    Parameters
+    ----------
+    q : array_like or torch.Tensor
+        ``(total_q, nheads, headdim)``.
+    k : array_like or torch.Tensor
+        ``(total_k, nheads_k, headdim)``.
+    v : array_like or torch.Tensor
+        ``(total_k, nheads_k, headdim_v)``.
+    cu_seqlens_q, cu_seqlens_k : array_like of int
+        ``(batch + 1,)`` offsets of the sequences in q and in k, v.
+    max_seqlen_q, max_seqlen_k : int
+        At least the longest query / key sequence.
+    dropout_p : float, default 0.0
+        Must be 0 (inference only; otherwise NotImplementedError).
+    softmax_scale : float, optional
+        Score scale; None means ``1/sqrt(headdim)``.
+    causal : bool, default False
+        Causal mask aligned to the bottom right.
+    window_size : (int, int), default (-1, -1)
+        ``(left, right)`` local window; -1 is unbounded on that side.
+    softcap : float, default 0.0
+        ``> 0`` caps the scores at ``softcap * tanh(s / softcap)``; 0 is off.
+    alibi_slopes : array_like, optional
+        ``(nheads,)`` or ``(batch, nheads)`` ALiBi slopes.
+    deterministic : bool, default False
+        Accepted and ignored (every result is deterministic).
+    return_attn_probs : bool, default False
+        Also return the log-sum-exp and an empty ``S_dmask``.
+    block_table : None
+        Paged caches are not supported (NotImplementedError).
+
+    Returns
+    -------
+    out : ndarray or torch.Tensor
+        ``(total_q, nheads, headdim_v)`` in q's dtype (a tensor when the input is one).
+    softmax_lse : ndarray or torch.Tensor
+        ``(nheads, total_q)`` float32; only with ``return_attn_probs=True``.
+    S_dmask : ndarray or torch.Tensor
+        Empty; only with ``return_attn_probs=True``.
+
+    Examples
+    --------
+    Two sequences, of 2 and 3 tokens, packed:
+
+    >>> from fastattn.flash_compat import flash_attn_func, flash_attn_varlen_func
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 5, 2, 8)).astype(np.float32)
+    >>> cu = np.array([0, 2, 5], dtype=np.int32)
+    >>> out = flash_attn_varlen_func(q, k, v, cu, cu, 3, 3, causal=True)
+    >>> out.shape
+    (5, 2, 8)
+    >>> second = flash_attn_func(q[None, 2:], k[None, 2:], v[None, 2:], causal=True)[0]
+    >>> bool(np.allclose(out[2:], second))
+    True
     """
     torch_out = _torch_bridge.is_tensor(q)
     qa, ka, va = _array(q, "q"), _array(k, "k"), _array(v, "v")
@@ -319,7 +506,54 @@ def flash_attn_varlen_qkvpacked_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
 ) -> Any:
-    """flash-attn's ``flash_attn_varlen_qkvpacked_func``: ``qkv`` ``(total, 3, nheads, headdim)``."""
+    """flash-attn's ``flash_attn_varlen_qkvpacked_func``: ``qkv`` ``(total, 3, nheads, headdim)``.
+
+    Parameters
+    ----------
+    qkv : array_like or torch.Tensor
+        ``(total, 3, nheads, headdim)``.
+    cu_seqlens : array_like of int
+        ``(batch + 1,)`` offsets of the sequences.
+    max_seqlen : int
+        At least the longest sequence.
+    dropout_p : float, default 0.0
+        Must be 0 (inference only; otherwise NotImplementedError).
+    softmax_scale : float, optional
+        Score scale; None means ``1/sqrt(headdim)``.
+    causal : bool, default False
+        Causal mask aligned to the bottom right.
+    window_size : (int, int), default (-1, -1)
+        ``(left, right)`` local window; -1 is unbounded on that side.
+    softcap : float, default 0.0
+        ``> 0`` caps the scores at ``softcap * tanh(s / softcap)``; 0 is off.
+    alibi_slopes : array_like, optional
+        ``(nheads,)`` or ``(batch, nheads)`` ALiBi slopes.
+    deterministic : bool, default False
+        Accepted and ignored (every result is deterministic).
+    return_attn_probs : bool, default False
+        Also return the log-sum-exp and an empty ``S_dmask``.
+
+    Returns
+    -------
+    out : ndarray or torch.Tensor
+        ``(total_q, nheads, headdim_v)`` in q's dtype (a tensor when the input is one).
+    softmax_lse : ndarray or torch.Tensor
+        ``(nheads, total_q)`` float32; only with ``return_attn_probs=True``.
+    S_dmask : ndarray or torch.Tensor
+        Empty; only with ``return_attn_probs=True``.
+
+    Examples
+    --------
+    >>> from fastattn.flash_compat import flash_attn_varlen_func, flash_attn_varlen_qkvpacked_func
+    >>> qkv = np.random.default_rng(0).standard_normal((5, 3, 2, 8)).astype(np.float32)
+    >>> cu = np.array([0, 2, 5], dtype=np.int32)
+    >>> out = flash_attn_varlen_qkvpacked_func(qkv, cu, 3, causal=True)
+    >>> out.shape
+    (5, 2, 8)
+    >>> ref = flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, cu, 3, 3, causal=True)
+    >>> bool(np.array_equal(out, ref))
+    True
+    """
     torch_out = _torch_bridge.is_tensor(qkv)
     a = _array(qkv, "qkv")
     if a.ndim != 4 or a.shape[1] != 3:
@@ -363,7 +597,58 @@ def flash_attn_varlen_kvpacked_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
 ) -> Any:
-    """flash-attn's ``flash_attn_varlen_kvpacked_func``: ``kv`` ``(total_k, 2, nheads_k, headdim)``."""
+    """flash-attn's ``flash_attn_varlen_kvpacked_func``: ``kv`` ``(total_k, 2, nheads_k, headdim)``.
+
+    Parameters
+    ----------
+    q : array_like or torch.Tensor
+        ``(total_q, nheads, headdim)``.
+    kv : array_like or torch.Tensor
+        ``(total_k, 2, nheads_k, headdim)``.
+    cu_seqlens_q, cu_seqlens_k : array_like of int
+        ``(batch + 1,)`` offsets of the sequences in q and in kv.
+    max_seqlen_q, max_seqlen_k : int
+        At least the longest query / key sequence.
+    dropout_p : float, default 0.0
+        Must be 0 (inference only; otherwise NotImplementedError).
+    softmax_scale : float, optional
+        Score scale; None means ``1/sqrt(headdim)``.
+    causal : bool, default False
+        Causal mask aligned to the bottom right.
+    window_size : (int, int), default (-1, -1)
+        ``(left, right)`` local window; -1 is unbounded on that side.
+    softcap : float, default 0.0
+        ``> 0`` caps the scores at ``softcap * tanh(s / softcap)``; 0 is off.
+    alibi_slopes : array_like, optional
+        ``(nheads,)`` or ``(batch, nheads)`` ALiBi slopes.
+    deterministic : bool, default False
+        Accepted and ignored (every result is deterministic).
+    return_attn_probs : bool, default False
+        Also return the log-sum-exp and an empty ``S_dmask``.
+
+    Returns
+    -------
+    out : ndarray or torch.Tensor
+        ``(total_q, nheads, headdim_v)`` in q's dtype (a tensor when the input is one).
+    softmax_lse : ndarray or torch.Tensor
+        ``(nheads, total_q)`` float32; only with ``return_attn_probs=True``.
+    S_dmask : ndarray or torch.Tensor
+        Empty; only with ``return_attn_probs=True``.
+
+    Examples
+    --------
+    >>> from fastattn.flash_compat import flash_attn_varlen_func, flash_attn_varlen_kvpacked_func
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((3, 2, 8)).astype(np.float32)
+    >>> kv = rng.standard_normal((5, 2, 2, 8)).astype(np.float32)
+    >>> cu_q, cu_k = np.array([0, 1, 3], np.int32), np.array([0, 2, 5], np.int32)
+    >>> out = flash_attn_varlen_kvpacked_func(q, kv, cu_q, cu_k, 2, 3)
+    >>> out.shape
+    (3, 2, 8)
+    >>> ref = flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_q, cu_k, 2, 3)
+    >>> bool(np.array_equal(out, ref))
+    True
+    """
     torch_out = _torch_bridge.is_tensor(q)
     qa, kva = _array(q, "q"), _array(kv, "kv")
     if kva.ndim != 4 or kva.shape[1] != 2:

@@ -72,7 +72,28 @@ def register(name: str = NAME) -> str:
 
     Then ``from_pretrained(..., attn_implementation=name)`` or
     ``model.set_attn_implementation(name)`` selects it.  Registering twice is
-    harmless."""
+    harmless.
+
+    Parameters
+    ----------
+    name : str, default "fastattn"
+        The attention implementation's name in transformers.
+
+    Returns
+    -------
+    str
+        ``name``.
+
+    Examples
+    --------
+    Needs transformers.
+
+    >>> import fastattn.hf
+    >>> fastattn.hf.register()  # doctest: +SKIP
+    'fastattn'
+    >>> from transformers import AutoModel  # doctest: +SKIP
+    >>> model = AutoModel.from_pretrained("gpt2", attn_implementation="fastattn")  # doctest: +SKIP
+    """
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
     try:
@@ -118,7 +139,54 @@ def attention_forward(
     kv_len, head_dim)`` CPU tensors; returns ``(output (batch, q_len, heads,
     head_dim_v), weights)``: weights ``(batch, heads, q_len, kv_len)`` when
     ``output_attentions=True`` is passed, else None.  See the module docstring
-    for each argument."""
+    for each argument.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The attention layer calling (its ``is_causal`` is read when the kwarg is None).
+    query : torch.Tensor
+        ``(batch, heads, q_len, head_dim)``.
+    key, value : torch.Tensor
+        ``(batch, kv_heads, kv_len, head_dim)``.
+    attention_mask : torch.Tensor or None
+        Bool 4-D mask (True = attend) or an additive float mask.
+    dropout : float, default 0.0
+        Must be 0.
+    scaling : float, optional
+        Score scale; None means ``1/sqrt(head_dim)``.
+    is_causal : bool, optional
+        Causal (top-left) without a mask and with more than one query; None reads
+        the module's ``is_causal`` (True when it has none).
+    softcap : float, optional
+        Gemma 2's score cap.
+    sliding_window : int, optional
+        Carried by the mask, as for sdpa.
+    s_aux : torch.Tensor, optional
+        Attention sinks, one logit per head (gpt-oss).
+    position_bias : torch.Tensor, optional
+        An additive bias (T5-style), joined to the mask.
+    **kwargs
+        The model's other kwargs; ``output_attentions`` is read.
+
+    Returns
+    -------
+    output : torch.Tensor
+        ``(batch, q_len, heads, head_dim_v)``.
+    weights : torch.Tensor or None
+        ``(batch, heads, q_len, kv_len)`` with ``output_attentions=True``, else None.
+
+    Examples
+    --------
+    Needs torch (transformers calls it; a direct call works too).
+
+    >>> import torch  # doctest: +SKIP
+    >>> from fastattn.hf import attention_forward  # doctest: +SKIP
+    >>> q, k, v = torch.randn(3, 1, 2, 4, 8)  # doctest: +SKIP
+    >>> out, w = attention_forward(None, q, k, v, None, is_causal=True)  # doctest: +SKIP
+    >>> out.shape, w  # doctest: +SKIP
+    (torch.Size([1, 4, 2, 8]), None)
+    """
     for t, n in ((query, "query"), (key, "key"), (value, "value")):
         if not _torch_bridge.is_tensor(t):
             raise TypeError(f"{n} must be a torch.Tensor, got {type(t).__name__}")

@@ -156,12 +156,27 @@ def dot_product_attention(
     residual : ndarray
         Only with ``return_residual``: the pair is ``(output, residual)``.
 
+    Notes
+    -----
     Differences from JAX: a query row that can see no key at all (fully
     masked, or a padded query row) gives zeros here; JAX's XLA path gives the
     mean of all values for such a row (its masked logits are a large finite
     negative number, so the softmax is uniform), except padded query rows,
     which JAX also zeroes; such a row's residual is -inf here, a huge finite
     negative number in JAX.
+
+    Examples
+    --------
+    NumPy in, NumPy out (JAX arrays in give JAX arrays out):
+
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 1, 4, 2, 8)).astype(np.float32)   # (B, T, N, H)
+    >>> out = fastattn.dot_product_attention(q, k, v, is_causal=True)
+    >>> out.shape
+    (1, 4, 2, 8)
+    >>> ref = fastattn.scaled_dot_product_attention(q, k, v, is_causal=True, layout="bshd")
+    >>> bool(np.allclose(out, ref))
+    True
     """
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of None, 'xla', 'fastattn', got {implementation!r}")

@@ -160,60 +160,148 @@ class KVCache:
     # ----------------------------------------------------------- properties
     @property
     def batch(self) -> int:
-        """Number of sequences."""
+        """Number of sequences.
+
+        Examples
+        --------
+        >>> cache = fastattn.KVCache(2, 1, None, 4, value_dim=3)
+        >>> _ = cache.append(np.zeros((2, 1, 3, 4)), np.zeros((2, 1, 3, 3)))
+        >>> cache.batch
+        2
+        """
         return int(self._k.shape[0])
 
     @property
     def num_kv_heads(self) -> int:
-        """Key/value heads (Hk)."""
+        """Key/value heads (Hk).
+
+        Examples
+        --------
+        >>> cache = fastattn.KVCache(2, 1, None, 4, value_dim=3)
+        >>> _ = cache.append(np.zeros((2, 1, 3, 4)), np.zeros((2, 1, 3, 3)))
+        >>> cache.num_kv_heads
+        1
+        """
         return int(self._k.shape[1])
 
     @property
     def max_len(self) -> int | None:
-        """The most tokens a sequence may hold: the ``max_len`` given, None for a growing cache."""
+        """The most tokens a sequence may hold: the ``max_len`` given, None for a growing cache.
+
+        Examples
+        --------
+        >>> cache = fastattn.KVCache(2, 1, None, 4, value_dim=3)
+        >>> _ = cache.append(np.zeros((2, 1, 3, 4)), np.zeros((2, 1, 3, 3)))
+        >>> cache.max_len is None
+        True
+        """
         return self._max_len
 
     @property
     def capacity(self) -> int:
-        """Tokens per sequence allocated now (``max_len``, or a growing cache's current size)."""
+        """Tokens per sequence allocated now (``max_len``, or a growing cache's current size).
+
+        Examples
+        --------
+        >>> cache = fastattn.KVCache(2, 1, None, 4, value_dim=3)
+        >>> _ = cache.append(np.zeros((2, 1, 3, 4)), np.zeros((2, 1, 3, 3)))
+        >>> cache.capacity
+        16
+        """
         return int(self._k.shape[2])
 
     @property
     def head_dim(self) -> int:
-        """Key head dim (D)."""
+        """Key head dim (D).
+
+        Examples
+        --------
+        >>> cache = fastattn.KVCache(2, 1, None, 4, value_dim=3)
+        >>> _ = cache.append(np.zeros((2, 1, 3, 4)), np.zeros((2, 1, 3, 3)))
+        >>> cache.head_dim
+        4
+        """
         return int(self._k.shape[3])
 
     @property
     def value_dim(self) -> int:
-        """Value head dim (Dv)."""
+        """Value head dim (Dv).
+
+        Examples
+        --------
+        >>> cache = fastattn.KVCache(2, 1, None, 4, value_dim=3)
+        >>> _ = cache.append(np.zeros((2, 1, 3, 4)), np.zeros((2, 1, 3, 3)))
+        >>> cache.value_dim
+        3
+        """
         return int(self._v.shape[3])
 
     @property
     def dtype(self) -> np.dtype[Any]:
-        """Storage dtype of keys and values."""
+        """Storage dtype of keys and values.
+
+        Examples
+        --------
+        >>> cache = fastattn.KVCache(2, 1, None, 4, value_dim=3)
+        >>> _ = cache.append(np.zeros((2, 1, 3, 4)), np.zeros((2, 1, 3, 3)))
+        >>> cache.dtype
+        dtype('float32')
+        """
         dt: np.dtype[Any] = self._k.dtype
         return dt
 
     @property
     def lengths(self) -> np.ndarray:
-        """Valid tokens per sequence: an int64 copy, shape (batch,)."""
+        """Valid tokens per sequence: an int64 copy, shape (batch,).
+
+        Examples
+        --------
+        >>> cache = fastattn.KVCache(2, 1, None, 4, value_dim=3)
+        >>> _ = cache.append(np.zeros((2, 1, 3, 4)), np.zeros((2, 1, 3, 3)))
+        >>> cache.lengths
+        array([3, 3])
+        """
         return self._len.copy()
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the key and value arrays."""
+        """Bytes held by the key and value arrays.
+
+        Examples
+        --------
+        >>> cache = fastattn.KVCache(2, 1, None, 4, value_dim=3)
+        >>> _ = cache.append(np.zeros((2, 1, 3, 4)), np.zeros((2, 1, 3, 3)))
+        >>> cache.nbytes
+        896
+        """
         return int(self._k.nbytes + self._v.nbytes)
 
     @property
     def k(self) -> np.ndarray:
-        """The whole allocated key array (read-only view; only ``[b, :, :lengths[b]]`` is valid)."""
+        """The whole allocated key array (read-only view; only ``[b, :, :lengths[b]]`` is valid).
+
+        Examples
+        --------
+        >>> cache = fastattn.KVCache(2, 1, None, 4, value_dim=3)
+        >>> _ = cache.append(np.zeros((2, 1, 3, 4)), np.zeros((2, 1, 3, 3)))
+        >>> cache.k.shape, cache.k.flags.writeable
+        ((2, 1, 16, 4), False)
+        """
         view = self._k.view()
         view.flags.writeable = False
         return view
 
     @property
     def v(self) -> np.ndarray:
-        """The whole preallocated value array (read-only view)."""
+        """The whole preallocated value array (read-only view).
+
+        Examples
+        --------
+        >>> cache = fastattn.KVCache(2, 1, None, 4, value_dim=3)
+        >>> _ = cache.append(np.zeros((2, 1, 3, 4)), np.zeros((2, 1, 3, 3)))
+        >>> cache.v.shape
+        (2, 1, 16, 3)
+        """
         view = self._v.view()
         view.flags.writeable = False
         return view
@@ -316,6 +404,25 @@ class KVCache:
         What speculative decoding calls after rejected draft tokens.  ``n``: an
         int >= 0 (ValueError for a negative one, TypeError for a non-int); the
         tokens past ``n`` are forgotten, the memory is kept.
+
+        Parameters
+        ----------
+        n : int
+            Tokens to keep per sequence, >= 0.
+
+        Returns
+        -------
+        None
+            The lengths change in place.
+
+        Examples
+        --------
+        >>> cache = fastattn.KVCache(2, 1, 8, 4)
+        >>> _ = cache.append(np.zeros((2, 1, 5, 4)), np.zeros((2, 1, 5, 4)))
+        >>> _ = cache.append(np.zeros((1, 1, 4)), np.zeros((1, 1, 4)), batch_index=0)
+        >>> cache.crop(5)
+        >>> cache.lengths
+        array([5, 5])
         """
         n = index_value(n, "n")
         if n < 0:
@@ -329,6 +436,24 @@ class KVCache:
         ``beam_idx``: ``(batch,)`` integers in ``[0, batch)`` (repeats allowed: a
         beam may be continued by several); checked before anything changes.
         Copies the valid tokens of the selected rows (O(batch x longest length)).
+
+        Parameters
+        ----------
+        beam_idx : array_like of int
+            ``(batch,)``: the sequence each row continues.
+
+        Returns
+        -------
+        None
+            The cache changes in place.
+
+        Examples
+        --------
+        >>> cache = fastattn.KVCache(2, 1, 8, 1)
+        >>> _ = cache.append(np.array([1.0, 2.0]).reshape(2, 1, 1, 1), np.zeros((2, 1, 1, 1)))
+        >>> cache.reorder_cache([1, 1])
+        >>> cache.k[:, 0, 0, 0]
+        array([2., 2.], dtype=float32)
         """
         B = self.batch
         a = indices_value(beam_idx, "beam_idx", 0, B - 1, "an integer array", half_open=True, shape=(B,))
@@ -342,11 +467,43 @@ class KVCache:
             self._len = self._len[idx]
 
     def get_seq_length(self) -> int:
-        """Tokens in the cache: the longest sequence's length, an int (0 when empty)."""
+        """Tokens in the cache: the longest sequence's length, an int (0 when empty).
+
+        Returns
+        -------
+        int
+            ``max(lengths)``, 0 for an empty cache.
+
+        Examples
+        --------
+        >>> cache = fastattn.KVCache(2, 1, 8, 4)
+        >>> _ = cache.append(np.zeros((1, 3, 4)), np.zeros((1, 3, 4)), batch_index=1)
+        >>> cache.get_seq_length()
+        3
+        """
         return int(self._len.max()) if self._len.size else 0
 
     def reset(self, batch_index: _Index = None) -> None:
-        """Forget the tokens of the selected sequences (all when None): their lengths become 0."""
+        """Forget the tokens of the selected sequences (all when None): their lengths become 0.
+
+        Parameters
+        ----------
+        batch_index : int or array_like of int, optional
+            The sequences to reset; None resets all.
+
+        Returns
+        -------
+        None
+            The lengths change in place.
+
+        Examples
+        --------
+        >>> cache = fastattn.KVCache(2, 1, 8, 4)
+        >>> _ = cache.append(np.zeros((2, 1, 3, 4)), np.zeros((2, 1, 3, 4)))
+        >>> cache.reset(batch_index=0)
+        >>> cache.lengths
+        array([0, 3])
+        """
         idx = batch_indices(batch_index, self.batch)
         with self._lock:
             if idx is None:

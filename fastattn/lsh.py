@@ -60,20 +60,34 @@ def lsh_attention(
 
     Parameters
     ----------
-    n_buckets
+    qk : array_like
+        ``(..., L, D)`` shared queries and keys, float32 or float64.
+    value : array_like
+        ``(..., L, Dv)``, qk's dtype and batch dims.
+    n_buckets : int
         Even, >= 2.  Per hash round, bucket = argmax of ``[x R, -x R]``
         with R ``(D, n_buckets/2)``: ``rotations[r]`` when ``rotations``
         ``(n_hashes, D, n_buckets/2)`` is given, else drawn from ``seed``
         (:func:`lsh_rotations`; None draws fresh ones).  Hashing runs in the
         inputs' dtype.
-    chunk_size
+    n_hashes : int, default 1
+        Hash rounds; their results combine by log-sum-exp.
+    chunk_size : int, default 64
         L must be a multiple of it.  Chunk c of the sorted order
         attends to chunks c and c-1, chunk 0 to itself and the last chunk (a
         single chunk attends to itself only).
-    causal
+    causal : bool, default False
         Key j is excluded when its original position is after query i's.
-    return_lse
+    scale : float, optional
+        Score scale; None means ``1/sqrt(D)``.
+    seed : int, optional
+        Seed of the rotations (:func:`lsh_rotations`); not with ``rotations``.
+    rotations : array_like, optional
+        ``(n_hashes, D, n_buckets/2)`` rotations to hash with, instead of ``seed``.
+    return_lse : bool, default False
         Also return the combined log-sum-exp ``(..., L)`` (compute dtype).
+    num_threads : int, optional
+        Threads for this call; None uses :func:`fastattn.get_num_threads`.
 
     Returns
     -------
@@ -81,6 +95,23 @@ def lsh_attention(
         ``(..., L, Dv)`` in qk's dtype.
     lse : ndarray
         Only with ``return_lse=True``.
+
+    Examples
+    --------
+    One chunk holding the whole sequence: every token sees every other one, and
+    itself only at Reformer's score of -1e5.
+
+    >>> rng = np.random.default_rng(0)
+    >>> qk, v = rng.standard_normal((2, 8, 4))
+    >>> out = fastattn.lsh_attention(qk, v, n_buckets=2, chunk_size=8, seed=0)
+    >>> out.shape
+    (8, 4)
+    >>> khat = qk / np.linalg.norm(qk, axis=-1, keepdims=True)
+    >>> s = qk @ khat.T / 2.0
+    >>> np.fill_diagonal(s, -1e5)
+    >>> p = np.exp(s - s.max(-1, keepdims=True))
+    >>> bool(np.allclose(out, p / p.sum(-1, keepdims=True) @ v))
+    True
     """
     x = as_array(qk, "qk")
     val = as_array(value, "value")

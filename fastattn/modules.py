@@ -106,6 +106,16 @@ class MultiHeadAttention:
     v_proj_weight (Hk*head_dim, vdim), out_proj_weight (E, E): NumPy arrays
     ``(out_features, in_features)`` (``y = x @ W.T + b``);
     q_proj_bias, k_proj_bias, v_proj_bias, out_proj_bias: NumPy arrays or None.
+
+    Examples
+    --------
+    >>> mha = fastattn.MultiHeadAttention(8, 2, num_kv_heads=1, batch_first=True, seed=0)
+    >>> mha.head_dim, mha.kv_dim, mha.k_proj_weight.shape
+    (4, 4, (4, 8))
+    >>> x = np.random.default_rng(0).standard_normal((1, 3, 8)).astype(np.float32)
+    >>> out, _ = mha(x, need_weights=False)
+    >>> out.shape
+    (1, 3, 8)
     """
 
     def __init__(
@@ -145,7 +155,18 @@ class MultiHeadAttention:
     # ------------------------------------------------------------------ weights
     @property
     def kv_dim(self) -> int:
-        """Output features of the key and value projections: ``num_kv_heads * head_dim``."""
+        """Output features of the key and value projections: ``num_kv_heads * head_dim``.
+
+        Returns
+        -------
+        int
+            ``num_kv_heads * head_dim``.
+
+        Examples
+        --------
+        >>> fastattn.MultiHeadAttention(16, 4, num_kv_heads=2).kv_dim
+        8
+        """
         return self.num_kv_heads * self.head_dim
 
     def _shapes(self) -> dict[str, tuple[int, ...]]:
@@ -199,7 +220,19 @@ class MultiHeadAttention:
         ``in_proj_weight`` (packed q, k, v rows) when ``kdim == vdim == embed_dim``,
         else ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight``; then
         ``in_proj_bias`` (packed), ``out_proj.weight`` and ``out_proj.bias``
-        (biases only when ``bias=True``)."""
+        (biases only when ``bias=True``).
+
+        Returns
+        -------
+        dict of str to ndarray
+            Copies of the weights, under torch's names.
+
+        Examples
+        --------
+        >>> mha = fastattn.MultiHeadAttention(8, 2, seed=0)
+        >>> {k: v.shape for k, v in mha.state_dict().items()}
+        {'in_proj_weight': (24, 8), 'in_proj_bias': (24,), 'out_proj.weight': (8, 8), 'out_proj.bias': (8,)}
+        """
         d = {}
         if self._packed:
             d["in_proj_weight"] = np.concatenate([self.q_proj_weight, self.k_proj_weight, self.v_proj_weight])
@@ -217,7 +250,26 @@ class MultiHeadAttention:
     def load_state_dict(self, state_dict: Any) -> None:
         """Load weights named as in :meth:`state_dict` (NumPy arrays or torch
         tensors, e.g. ``torch_mha.state_dict()``); converted to ``self.dtype``.
-        Every expected key must be present, with the right shape, and no other."""
+        Every expected key must be present, with the right shape, and no other.
+
+        Parameters
+        ----------
+        state_dict : mapping of str to array_like
+            The weights, named as :meth:`state_dict` names them.
+
+        Returns
+        -------
+        None
+            The weights are replaced in place (copies of the given arrays).
+
+        Examples
+        --------
+        >>> a = fastattn.MultiHeadAttention(8, 2, seed=0)
+        >>> b = fastattn.MultiHeadAttention(8, 2, seed=1)
+        >>> b.load_state_dict(a.state_dict())
+        >>> bool(np.array_equal(a.q_proj_weight, b.q_proj_weight))
+        True
+        """
         if not hasattr(state_dict, "keys"):
             raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
         E, kv = self.embed_dim, self.kv_dim
@@ -275,6 +327,30 @@ class MultiHeadAttention:
         ``add_zero_attn`` are not supported (ValueError); dropout is ignored
         (inference).  ``dtype`` defaults to float64 for a float64 module, else
         float32.
+
+        Parameters
+        ----------
+        module : torch.nn.MultiheadAttention
+            The module to copy.
+        dtype : float32 or float64, optional
+            Dtype of the new module; None follows the module's.
+
+        Returns
+        -------
+        MultiHeadAttention
+            A new module with the same weights.
+
+        Examples
+        --------
+        Needs torch.
+
+        >>> import torch  # doctest: +SKIP
+        >>> t = torch.nn.MultiheadAttention(8, 2, batch_first=True)  # doctest: +SKIP
+        >>> mha = fastattn.MultiHeadAttention.from_torch(t)  # doctest: +SKIP
+        >>> x = np.ones((1, 3, 8), np.float32)  # doctest: +SKIP
+        >>> ref, _ = t(*(torch.from_numpy(x),) * 3)  # doctest: +SKIP
+        >>> bool(np.allclose(mha(x)[0], ref.detach().numpy(), atol=1e-5))  # doctest: +SKIP
+        True
         """
         for attr in ("embed_dim", "num_heads", "in_proj_bias", "out_proj"):
             if not hasattr(module, attr):
@@ -385,7 +461,7 @@ class MultiHeadAttention:
         query
             ``(L, B, E)``, or ``(B, L, E)`` with ``batch_first=True``, or
             unbatched ``(L, E)``.
-        key
+        key, value
             ``(S, B, kdim)`` / ``(B, S, kdim)`` / ``(S, kdim)``; value likewise
             with ``vdim``.  (An extension of torch's: key defaults to query,
             self-attention, and value to key.)

@@ -61,7 +61,34 @@ def sinusoidal_positions(
 ) -> np.ndarray:
     """The ``(length, dim)`` sinusoidal table: ``PE[p, 2i] = sin(p / base**(2i/dim))``,
     ``PE[p, 2i+1] = cos(p / base**(2i/dim))`` (Vaswani et al.).  An odd ``dim``
-    ends with a sine column.  Computed in float64, returned in ``dtype``."""
+    ends with a sine column.  Computed in float64, returned in ``dtype``.
+
+    Parameters
+    ----------
+    length : int
+        Number of positions (rows), >= 0.
+    dim : int
+        Number of features (columns), >= 1.
+    base : float, default 10000.0
+        Wavelength base, finite and > 1.
+    dtype : dtype, default float32
+        float32 or float64.
+
+    Returns
+    -------
+    ndarray
+        ``(length, dim)`` table in ``dtype``.
+
+    Examples
+    --------
+    >>> pe = fastattn.sinusoidal_positions(4, 6, dtype=np.float64)
+    >>> pe.shape
+    (4, 6)
+    >>> pe[0]
+    array([0., 1., 0., 1., 0., 1.])
+    >>> bool(np.isclose(pe[3, 2], np.sin(3 / 10000 ** (2 / 6))))
+    True
+    """
     n = index_value(length, "length", 0)
     d = index_value(dim, "dim", 1)
     b = _base_value(base)
@@ -80,7 +107,34 @@ def rotary_cos_sin(
     """The rotary tables ``cos, sin`` of shape ``(length, rotary_dim // 2)``:
     ``cos[p, i] = cos(p * base**(-2i/rotary_dim))`` (and sin), flash-attn's
     ``rotary_cos``/``rotary_sin`` layout.  ``rotary_dim`` must be even.
-    Computed in float64, returned in ``dtype``."""
+    Computed in float64, returned in ``dtype``.
+
+    Parameters
+    ----------
+    length : int
+        Number of positions, >= 0.
+    rotary_dim : int
+        Number of rotated features, even and >= 2.
+    base : float, default 10000.0
+        Frequency base, finite and > 1.
+    dtype : dtype, default float32
+        float32 or float64.
+
+    Returns
+    -------
+    cos, sin : ndarray
+        ``(length, rotary_dim // 2)`` tables in ``dtype``.
+
+    Examples
+    --------
+    >>> cos, sin = fastattn.rotary_cos_sin(3, 4, dtype=np.float64)
+    >>> cos.shape
+    (3, 2)
+    >>> bool(np.allclose(cos[2], np.cos(2 * 10000.0 ** -(np.arange(0, 4, 2) / 4))))
+    True
+    >>> bool(np.allclose(cos**2 + sin**2, 1))
+    True
+    """
     n = index_value(length, "length", 0)
     rd = index_value(rotary_dim, "rotary_dim", 2)
     if rd % 2:
@@ -188,7 +242,39 @@ def apply_rotary(
     in float32 (float64 for float64 x).  A rotated pair grows by up to sqrt(2):
     where a finite x rotates beyond x's dtype (e.g. float16 values above ~46300)
     ValueError names x instead of returning inf (as the KV caches refuse such
-    keys); an inf or NaN already in x passes through."""
+    keys); an inf or NaN already in x passes through.
+
+    Parameters
+    ----------
+    x : array_like
+        ``(..., H, L, D)`` (``layout="bhsd"``; 2-D is one head) or ``(..., L, H, D)``
+        (``layout="bshd"``); float16, bfloat16, float32 or float64.
+    cos, sin : array_like
+        ``(positions, rotary_dim / 2)`` tables (see :func:`rotary_cos_sin`).
+    positions : array_like of int, optional
+        Each token's position, broadcastable to ``(..., L)``; None means token l is at l.
+    interleaved : bool, default False
+        GPT-J adjacent pairs instead of NeoX rotate-half.
+    layout : {"bhsd", "bshd"}, default "bhsd"
+        Axis order of x.
+
+    Returns
+    -------
+    ndarray
+        The rotated copy, x's shape and dtype.
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((5, 4))
+    >>> cos, sin = fastattn.rotary_cos_sin(5, 4, dtype=np.float64)
+    >>> y = fastattn.apply_rotary(x, cos, sin)
+    >>> x1, x2 = x[:, :2], x[:, 2:]
+    >>> bool(np.allclose(y, np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)))
+    True
+    >>> bool(np.allclose(y[0], x[0]))   # position 0: angle 0
+    True
+    """
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     xa = as_array(x, "x")

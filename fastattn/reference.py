@@ -55,6 +55,45 @@ def scaled_dot_product_attention(
     block_mask: npt.ArrayLike | None = None,
     block_size: tuple[int, int] | None = None,
 ) -> NDArray | tuple[NDArray, NDArray]:
+    """:func:`fastattn.scaled_dot_product_attention` the obvious way, in float64.
+
+    The ``(..., Hq, L, S)`` scores are materialised, transformed (softcap,
+    ALiBi, masks, lengths, causal, window, block mask, sinks), softmaxed and
+    multiplied by value.
+
+    Parameters
+    ----------
+    query, key, value : array_like
+        As for :func:`fastattn.scaled_dot_product_attention`.
+    attn_mask, is_causal, scale, enable_gqa, layout : optional
+        As for :func:`fastattn.scaled_dot_product_attention`.
+    window, alibi_slopes, softcap, sinks, key_lengths, query_lengths : optional
+        As for :func:`fastattn.scaled_dot_product_attention`.
+    block_mask, block_size : optional
+        As for :func:`fastattn.scaled_dot_product_attention`.
+    return_lse : bool, default False
+        Also return the log-sum-exp of each row.
+    dropout_p, out, num_threads : optional
+        Accepted for the same signature; ignored.
+
+    Returns
+    -------
+    out : ndarray
+        float64, shaped as the fastattn output.
+    lse : ndarray
+        float64; only with ``return_lse=True``.
+
+    Examples
+    --------
+    >>> from fastattn import reference
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 2, 4, 8)).astype(np.float32)
+    >>> ref = reference.scaled_dot_product_attention(q, k, v, is_causal=True)
+    >>> ref.dtype
+    dtype('float64')
+    >>> bool(np.allclose(fastattn.scaled_dot_product_attention(q, k, v, is_causal=True), ref, atol=1e-5))
+    True
+    """
     q, k, v = _f64(query), _f64(key), _f64(value)
     if layout == "bshd":
         q, k, v = (np.swapaxes(a, -2, -3) for a in (q, k, v))
@@ -155,7 +194,38 @@ def varlen_attention(
     out: NDArray | None = None,
     num_threads: int | None = None,
 ) -> NDArray | tuple[NDArray, NDArray]:
-    """Packed sequences, one reference call per sequence."""
+    """Packed sequences, one reference call per sequence.
+
+    Parameters
+    ----------
+    q, k, v : array_like
+        As for :func:`fastattn.varlen_attention`.
+    cu_seqlens_q, cu_seqlens_k : array_like of int
+        As for :func:`fastattn.varlen_attention`.
+    is_causal, scale, enable_gqa, window, alibi_slopes, softcap, sinks : optional
+        As for :func:`fastattn.varlen_attention`.
+    return_lse : bool, default False
+        Also return the log-sum-exp of each row.
+    out, num_threads : optional
+        Accepted for the same signature; ignored.
+
+    Returns
+    -------
+    out : ndarray
+        float64, shaped as the fastattn output.
+    lse : ndarray
+        float64; only with ``return_lse=True``.
+
+    Examples
+    --------
+    >>> from fastattn import reference
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 5, 2, 8)).astype(np.float32)
+    >>> cu = np.array([0, 2, 5])
+    >>> ref = reference.varlen_attention(q, k, v, cu, cu, is_causal=True)
+    >>> bool(np.allclose(fastattn.varlen_attention(q, k, v, cu, cu, is_causal=True), ref, atol=1e-5))
+    True
+    """
     q, k, v = _f64(q), _f64(k), _f64(v)
     Hq = q.shape[1]
     o = np.zeros((q.shape[0], Hq, v.shape[2]))
@@ -315,7 +385,35 @@ def additive_attention(
     return_weights: bool = False,
     num_threads: int | None = None,
 ) -> NDArray | tuple[NDArray, NDArray]:
-    """Bahdanau attention the textbook way: the (..., L, S, A) tanh tensor, then v."""
+    """Bahdanau attention the textbook way: the (..., L, S, A) tanh tensor, then v.
+
+    Parameters
+    ----------
+    query, key, value, w_query, w_key, v : array_like
+        As for :func:`fastattn.additive_attention`.
+    bias, attn_mask, return_weights : optional
+        As for :func:`fastattn.additive_attention`.
+    num_threads : optional
+        Accepted for the same signature; ignored.
+
+    Returns
+    -------
+    out : ndarray
+        ``(..., L, Dv)`` float64.
+    weights : ndarray
+        ``(..., L, S)`` float64; only with ``return_weights=True``.
+
+    Examples
+    --------
+    >>> from fastattn import reference
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 4, 8))
+    >>> wq, wk = rng.standard_normal((2, 6, 8))
+    >>> vec = rng.standard_normal(6)
+    >>> ref = reference.additive_attention(q, k, v, wq, wk, vec)
+    >>> bool(np.allclose(fastattn.additive_attention(q, k, v, wq, wk, vec), ref))
+    True
+    """
     q, k, val = _f64(query), _f64(key), _f64(value)
     pq = q @ _f64(w_query).T  # (..., L, A)
     if bias is not None:
@@ -349,7 +447,33 @@ def lsh_attention(
     return_lse: bool = False,
     num_threads: int | None = None,
 ) -> NDArray | tuple[NDArray, NDArray]:
-    """Reformer LSH attention, one chunk at a time, each rule written out."""
+    """Reformer LSH attention, one chunk at a time, each rule written out.
+
+    Parameters
+    ----------
+    qk, value : array_like
+        As for :func:`fastattn.lsh_attention`.
+    n_buckets, n_hashes, chunk_size, causal, scale, seed, rotations, return_lse : optional
+        As for :func:`fastattn.lsh_attention`.
+    num_threads : optional
+        Accepted for the same signature; ignored.
+
+    Returns
+    -------
+    out : ndarray
+        ``(..., L, Dv)`` float64.
+    lse : ndarray
+        ``(..., L)`` float64; only with ``return_lse=True``.
+
+    Examples
+    --------
+    >>> from fastattn import reference
+    >>> qk, v = np.random.default_rng(0).standard_normal((2, 8, 4))
+    >>> ref = reference.lsh_attention(qk, v, n_buckets=4, n_hashes=2, chunk_size=4, seed=1)
+    >>> out = fastattn.lsh_attention(qk, v, n_buckets=4, n_hashes=2, chunk_size=4, seed=1)
+    >>> bool(np.allclose(out, ref))
+    True
+    """
     x, val = _f64(qk), _f64(value)
     lead, (L, D) = x.shape[:-2], x.shape[-2:]
     R = _f64(rotations) if rotations is not None else lsh_rotations(seed, n_hashes, D, n_buckets)
@@ -392,6 +516,25 @@ def lsh_attention(
 
 
 def sinusoidal_positions(length: int, dim: int, base: float = 10000.0) -> NDArray:
+    """The sinusoidal table one entry at a time, in float64.
+
+    Parameters
+    ----------
+    length, dim, base
+        As for :func:`fastattn.sinusoidal_positions`.
+
+    Returns
+    -------
+    ndarray
+        ``(length, dim)`` float64.
+
+    Examples
+    --------
+    >>> from fastattn import reference
+    >>> ref = reference.sinusoidal_positions(5, 6)
+    >>> bool(np.allclose(fastattn.sinusoidal_positions(5, 6, dtype=np.float64), ref))
+    True
+    """
     pe = np.zeros((length, dim))
     for p in range(length):
         for c in range(dim):
@@ -402,6 +545,25 @@ def sinusoidal_positions(length: int, dim: int, base: float = 10000.0) -> NDArra
 
 
 def rotary_cos_sin(length: int, rotary_dim: int, base: float = 10000.0) -> tuple[NDArray, NDArray]:
+    """The rotary tables in float64.
+
+    Parameters
+    ----------
+    length, rotary_dim, base
+        As for :func:`fastattn.rotary_cos_sin`.
+
+    Returns
+    -------
+    cos, sin : ndarray
+        ``(length, rotary_dim // 2)`` float64.
+
+    Examples
+    --------
+    >>> from fastattn import reference
+    >>> cos, sin = reference.rotary_cos_sin(5, 4)
+    >>> bool(np.allclose(fastattn.rotary_cos_sin(5, 4, dtype=np.float64)[1], sin))
+    True
+    """
     theta = base ** (-np.arange(0, rotary_dim, 2) / rotary_dim)
     ang = np.arange(length)[:, None] * theta[None, :]
     return np.cos(ang), np.sin(ang)
@@ -416,7 +578,29 @@ def apply_rotary(
     interleaved: bool = False,
     layout: str = "bhsd",
 ) -> NDArray:
-    """Rotation written with explicit feature pairs: pair (i, i + h) (NeoX) or (2i, 2i+1) (GPT-J)."""
+    """Rotation written with explicit feature pairs: pair (i, i + h) (NeoX) or (2i, 2i+1) (GPT-J).
+
+    Parameters
+    ----------
+    x, cos, sin : array_like
+        As for :func:`fastattn.apply_rotary`.
+    positions, interleaved, layout : optional
+        As for :func:`fastattn.apply_rotary`.
+
+    Returns
+    -------
+    ndarray
+        The rotated x, float64.
+
+    Examples
+    --------
+    >>> from fastattn import reference
+    >>> x = np.random.default_rng(0).standard_normal((2, 5, 4))
+    >>> cos, sin = reference.rotary_cos_sin(5, 4)
+    >>> ref = reference.apply_rotary(x, cos, sin, interleaved=True)
+    >>> bool(np.allclose(fastattn.apply_rotary(x, cos, sin, interleaved=True), ref))
+    True
+    """
     x = _f64(x)
     cos, sin = _f64(cos), _f64(sin)
     xh = np.swapaxes(x, -2, -3) if layout == "bshd" else (x[None] if x.ndim == 2 else x)
@@ -447,7 +631,30 @@ def attention_weights(
     layout: str = "bhsd",
     **options: Any,
 ) -> NDArray:
-    """The weights as the output of attention over the identity: softmax(scores) @ I = softmax(scores)."""
+    """The weights as the output of attention over the identity: softmax(scores) @ I = softmax(scores).
+
+    Parameters
+    ----------
+    query, key : array_like
+        As for :func:`fastattn.attention_weights`.
+    attn_mask, is_causal, scale, enable_gqa, rows, layout : optional
+        As for :func:`fastattn.attention_weights`.
+    **options
+        The other score options of :func:`fastattn.scaled_dot_product_attention`.
+
+    Returns
+    -------
+    ndarray
+        ``(..., Hq, R, S)`` float64 weights.
+
+    Examples
+    --------
+    >>> from fastattn import reference
+    >>> q, k = np.random.default_rng(0).standard_normal((2, 2, 4, 8))
+    >>> ref = reference.attention_weights(q, k, is_causal=True)
+    >>> bool(np.allclose(fastattn.attention_weights(q, k, is_causal=True), ref))
+    True
+    """
     k = _f64(key)
     S = k.shape[-3] if layout == "bshd" else k.shape[-2]
     eye = np.eye(S)

@@ -77,6 +77,41 @@ def strided_pattern(
 
     Returns ``(block_mask, (block, block))``, block_mask of shape
     ``(ceil(L/block), ceil(S/block))``.
+
+    Parameters
+    ----------
+    L, S : int
+        Query and key lengths (``S - L`` a multiple of ``block``; causal alignment is bottom-right).
+    block : int
+        Block size, used for queries and keys.
+    stride : int
+        The period, in blocks.
+    causal : bool, default True
+        Drop the blocks after the diagonal.
+    part : {"both", "local", "strided"}, default "both"
+        Which factor of the pattern.
+
+    Returns
+    -------
+    block_mask : ndarray of bool
+        ``(ceil(L/block), ceil(S/block))``, True = the block is computed.
+    block_size : (int, int)
+        ``(block, block)``, to pass on as ``block_size``.
+
+    Examples
+    --------
+    >>> from fastattn import sparse
+    >>> bm, bs = sparse.strided_pattern(8, 8, block=2, stride=2)
+    >>> bm.astype(int), bs
+    (array([[1, 0, 0, 0],
+           [1, 1, 0, 0],
+           [1, 1, 1, 0],
+           [0, 1, 1, 1]]), (2, 2))
+    >>> q, k, v = np.random.default_rng(0).standard_normal((3, 1, 8, 4)).astype(np.float32)
+    >>> out = fastattn.scaled_dot_product_attention(q, k, v, block_mask=bm, block_size=bs)
+    >>> dense = fastattn.scaled_dot_product_attention(q, k, v, sparse.to_dense(bm, bs, 8, 8))
+    >>> bool(np.allclose(out, dense))
+    True
     """
     nbq, nbk, diag, c, block = _grid(L, S, block)
     stride = _pos_int(stride, "stride", 1)
@@ -111,6 +146,38 @@ def fixed_pattern(
     the summaries of earlier windows and the causal part of its own window).
 
     Returns ``(block_mask, (block, block))``.
+
+    Parameters
+    ----------
+    L, S : int
+        Query and key lengths (``S - L`` a multiple of ``block``; causal alignment is bottom-right).
+    block : int
+        Block size, used for queries and keys.
+    stride : int
+        Window length, in blocks.
+    num_summary : int, default 1
+        Summary blocks at the end of each window (<= stride).
+    causal : bool, default True
+        Drop the blocks after the diagonal.
+    part : {"both", "local", "summary"}, default "both"
+        Which factor of the pattern.
+
+    Returns
+    -------
+    block_mask : ndarray of bool
+        ``(ceil(L/block), ceil(S/block))``, True = the block is computed.
+    block_size : (int, int)
+        ``(block, block)``, to pass on as ``block_size``.
+
+    Examples
+    --------
+    >>> from fastattn import sparse
+    >>> bm, bs = sparse.fixed_pattern(8, 8, block=2, stride=2)
+    >>> bm.astype(int)
+    array([[1, 0, 0, 0],
+           [1, 1, 0, 0],
+           [0, 1, 1, 0],
+           [0, 1, 1, 1]])
     """
     nbq, nbk, diag, c, block = _grid(L, S, block)
     stride = _pos_int(stride, "stride", 1)
@@ -157,6 +224,40 @@ def local_global_pattern(
       diagonal when causal) by ``numpy.random.default_rng(seed)``.
 
     Returns ``(block_mask, (block, block))``.
+
+    Parameters
+    ----------
+    L, S : int
+        Query and key lengths (``S - L`` a multiple of ``block``; causal alignment is bottom-right).
+    block : int
+        Block size, used for queries and keys.
+    window : int
+        Window half-width, in blocks.
+    num_global : int, default 1
+        Global query and key blocks.
+    causal : bool, default False
+        Drop the blocks after the diagonal.
+    num_random : int, default 0
+        Random key blocks per query block (BigBird).
+    seed : int, optional
+        Seed of the random blocks.
+
+    Returns
+    -------
+    block_mask : ndarray of bool
+        ``(ceil(L/block), ceil(S/block))``, True = the block is computed.
+    block_size : (int, int)
+        ``(block, block)``, to pass on as ``block_size``.
+
+    Examples
+    --------
+    >>> from fastattn import sparse
+    >>> bm, bs = sparse.local_global_pattern(8, 8, block=2, window=1)
+    >>> bm.astype(int)
+    array([[1, 1, 1, 1],
+           [1, 1, 1, 0],
+           [1, 1, 1, 1],
+           [1, 0, 1, 1]])
     """
     nbq, nbk, diag, c, block = _grid(L, S, block)
     window = _pos_int(window, "window", 0)
@@ -181,7 +282,30 @@ def local_global_pattern(
 
 def to_dense(block_mask: npt.ArrayLike, block_size: tuple[int, int], L: int, S: int) -> npt.NDArray[np.bool_]:
     """The element mask ``(..., L, S)`` a block mask describes: entry (i, j) is
-    ``block_mask[..., i // bq, j // bk]``."""
+    ``block_mask[..., i // bq, j // bk]``.
+
+    Parameters
+    ----------
+    block_mask : array_like of bool
+        ``(..., ceil(L/bq), ceil(S/bk))``.
+    block_size : (int, int)
+        ``(bq, bk)``.
+    L, S : int
+        Query and key lengths.
+
+    Returns
+    -------
+    ndarray of bool
+        ``(..., L, S)``.
+
+    Examples
+    --------
+    >>> from fastattn import sparse
+    >>> sparse.to_dense(np.array([[True, False], [True, True]]), (2, 2), 3, 4).astype(int)
+    array([[1, 1, 0, 0],
+           [1, 1, 0, 0],
+           [1, 1, 1, 1]])
+    """
     bm = np.asarray(block_mask)
     if bm.dtype != np.bool_:
         raise TypeError(f"block_mask must be a bool array, got dtype {bm.dtype}")

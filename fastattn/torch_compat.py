@@ -270,6 +270,43 @@ def scaled_dot_product_attention(
     penalty, raises RuntimeError).  float32 is computed at
     ``fastattn.get_float32_matmul_precision()`` as of the forward call, by the
     forward and its backward alike.
+
+    Parameters
+    ----------
+    query : torch.Tensor
+        ``(..., Hq, L, D)``.
+    key : torch.Tensor
+        ``(..., Hk, S, D)``.
+    value : torch.Tensor
+        ``(..., Hk, S, Dv)``.
+    attn_mask : torch.Tensor, optional
+        Bool (True = may attend) or float (added), broadcastable to ``(..., Hq, L, S)``.
+    dropout_p : float, default 0.0
+        Must be 0.
+    is_causal : bool, default False
+        Top-left causal mask, as torch.
+    scale : float, optional
+        Score scale; None means ``1/sqrt(D)``.
+    enable_gqa : bool, default False
+        Allow Hq a multiple of Hk.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(..., Hq, L, Dv)`` in query's dtype.
+
+    Examples
+    --------
+    Needs torch.
+
+    >>> import torch  # doctest: +SKIP
+    >>> from fastattn.torch_compat import scaled_dot_product_attention  # doctest: +SKIP
+    >>> q, k, v = torch.randn(3, 1, 2, 4, 8, requires_grad=True)  # doctest: +SKIP
+    >>> out = scaled_dot_product_attention(q, k, v, is_causal=True)  # doctest: +SKIP
+    >>> ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # doctest: +SKIP
+    >>> torch.allclose(out, ref, atol=1e-5)  # doctest: +SKIP
+    True
+    >>> out.sum().backward()  # doctest: +SKIP
     """
     for t, n in ((query, "query"), (key, "key"), (value, "value")):
         _check_tensor(t, n)

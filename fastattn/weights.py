@@ -245,6 +245,38 @@ def plot_attention_weights(
     selects some of them), e.g. ``attention_weights(...)[0]``.  ``ax`` (one
     map only) draws into an existing Axes.  Rows are queries, columns keys.
     Returns the matplotlib Figure.
+
+    Parameters
+    ----------
+    weights : array_like
+        ``(L, S)`` (one map) or ``(H, L, S)`` (a grid of heads).
+    heads : sequence of int, optional
+        The heads of a ``(H, L, S)`` grid to draw; None draws all.
+    ncols : int, default 4
+        Columns of the grid.
+    ax : matplotlib.axes.Axes, optional
+        Axes to draw one ``(L, S)`` map into; None makes a new figure.
+    cmap : str, default "viridis"
+        Matplotlib colormap name.
+    titles : str or sequence of str, optional
+        Title of the map, or one per drawn head (default ``"head h"``).
+    query_labels, key_labels : sequence of str, optional
+        Tick labels of the rows and columns (one map only).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        The figure drawn into.
+
+    Examples
+    --------
+    Needs matplotlib.
+
+    >>> rng = np.random.default_rng(0)
+    >>> q, k = rng.standard_normal((2, 2, 5, 8)).astype(np.float32)
+    >>> w = fastattn.attention_weights(q, k, is_causal=True)
+    >>> fig = fastattn.plot_attention_weights(w, ncols=2)  # doctest: +SKIP
+    >>> fig.savefig("weights.png")  # doctest: +SKIP
     """
     try:
         # (by name: matplotlib is optional, and its types, where installed, are not needed here)

@@ -130,6 +130,44 @@ def scaled_dot_product_attention(
     with a per-key bias of up to ``slope * 64`` where the weights are: float32
     logits a few ulps further from the in-memory ones.  Argument errors
     raise ``TypeError``/``ValueError`` here, before any task runs.
+
+    Parameters
+    ----------
+    query, key, value : dask.array.Array or ndarray
+        As for :func:`fastattn.scaled_dot_product_attention`, chunked.
+    attn_mask : dask.array.Array or ndarray, optional
+        Bool (True = may attend) or float (added), broadcastable to ``(..., Hq, L, S)``.
+    is_causal, scale, enable_gqa, layout, window : optional
+        As for :func:`fastattn.scaled_dot_product_attention`.
+    alibi_slopes, softcap, sinks, key_lengths, query_lengths : optional
+        As for :func:`fastattn.scaled_dot_product_attention` (NumPy array-likes).
+    block_mask, block_size, precision : optional
+        As for :func:`fastattn.scaled_dot_product_attention`.
+    return_lse : bool, default False
+        Also return the log-sum-exp ``(..., Hq, L)``.
+    num_threads : int, optional
+        Threads of each chunk task; None: ``fastattn.get_num_threads()`` on the worker.
+
+    Returns
+    -------
+    out : dask.array.Array
+        The lazy output, shaped as the in-memory one.
+    lse : dask.array.Array
+        Only with ``return_lse=True``.
+
+    Examples
+    --------
+    Needs dask.
+
+    >>> import dask.array as da  # doctest: +SKIP
+    >>> import fastattn.dask  # doctest: +SKIP
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 2, 64, 16)).astype(np.float32)
+    >>> dq, dk, dv = (da.from_array(a, chunks=(1, 16, 16)) for a in (q, k, v))  # doctest: +SKIP
+    >>> out = fastattn.dask.scaled_dot_product_attention(dq, dk, dv, is_causal=True)  # doctest: +SKIP
+    >>> ref = fastattn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    >>> bool(np.allclose(out.compute(), ref, atol=1e-5))  # doctest: +SKIP
+    True
     """
     # The in-memory function's checks, in its order, from fastattn._args (the shape and dtype
     # checks read only .shape, .ndim and .dtype, so they take the Dask arrays as they are).

@@ -175,6 +175,41 @@ def varlen_attention(
     or whose shared sequences see nothing of each other under ``is_causal`` /
     ``window``, get no task.  Returns ``(Tq, Hq, Dv)`` and, with ``return_lse``,
     ``(Hq, Tq)``; the same argument errors as the in-memory function, raised here.
+
+    Parameters
+    ----------
+    q, k, v : dask.array.Array or ndarray
+        ``(Tq, Hq, D)``, ``(Tk, Hk, D)``, ``(Tk, Hk, Dv)`` packed sequences, chunked.
+    cu_seqlens_q, cu_seqlens_k : array_like of int
+        ``(batch + 1,)`` offsets of the sequences (NumPy array-likes).
+    is_causal, scale, enable_gqa, window, alibi_slopes, softcap, sinks, precision : optional
+        As for :func:`fastattn.varlen_attention`.
+    return_lse : bool, default False
+        Also return the log-sum-exp ``(Hq, Tq)``.
+    num_threads : int, optional
+        Threads of each chunk task; None: ``fastattn.get_num_threads()`` on the worker.
+
+    Returns
+    -------
+    out : dask.array.Array
+        ``(Tq, Hq, Dv)``, lazy.
+    lse : dask.array.Array
+        ``(Hq, Tq)``; only with ``return_lse=True``.
+
+    Examples
+    --------
+    Needs dask.
+
+    >>> import dask.array as da  # doctest: +SKIP
+    >>> import fastattn.dask  # doctest: +SKIP
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 40, 2, 8)).astype(np.float32)
+    >>> cu = np.array([0, 15, 40])
+    >>> dq, dk, dv = (da.from_array(a, chunks=(10, 2, 8)) for a in (q, k, v))  # doctest: +SKIP
+    >>> out = fastattn.dask.varlen_attention(dq, dk, dv, cu, cu, is_causal=True)  # doctest: +SKIP
+    >>> ref = fastattn.varlen_attention(q, k, v, cu, cu, is_causal=True)
+    >>> bool(np.allclose(out.compute(), ref, atol=1e-5))  # doctest: +SKIP
+    True
     """
     # The in-memory function's checks, in its order, from fastattn._args.
     causal = flag_value(is_causal, "is_causal")
