@@ -34,7 +34,7 @@ PREFILL = {
         cases.by_name("B1 H8 L16 D64"),
     ]
 }
-DECODE = {c.name: c for c in cases.CASES if c.kind == "decode"}
+DECODE = {c.name: c for c in cases.CASES if c.kind == "decode" and not c.kv8}
 VARLEN = next(c for c in cases.CASES if c.kind == "varlen")
 # (case, dtype of the run): a bfloat16 prefill (Q, K and V in bfloat16) and a bfloat16 KV
 # cache (Q float32; torch gets Q in bfloat16 too: its SDPA takes one dtype)
@@ -42,6 +42,16 @@ BF16 = {
     "B1 H8 L1024 D64 bf16": (cases.by_name("B1 H8 L1024 D64"), "bfloat16"),
     "B1 H32 S8192 D128 decode bf16kv": (cases.by_name("B1 H32 S8192 D128 decode bf16kv"), "float32"),
 }
+
+# The 8-bit K/V decode shapes of ``fastattn bench`` (B1 H32 S32768 and B1 H32/8 S65536, D128) at a
+# quarter of their keys, each with K/V in every dtype (KV8Decode).
+KV8_DECODE = {
+    n: dataclasses.replace(c, name=n, S=c.S // 4, kv_dtype=None)
+    for c in cases.CASES
+    if c.kv8 and c.kind == "decode" and c.kv_dtype == "int8"
+    for n in [c.name.replace(f"S{c.S}", f"S{c.S // 4}").removesuffix(" int8kv")]
+}
+KV_DTYPES = ["float32", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2"]
 
 # The masked benchmark's shape: B8 H12 L512 D64 of ``fastattn bench`` with 4 sequences, each
 # mask as case_mask builds it (None: the same shape unmasked).
@@ -210,6 +220,44 @@ class Masked:
 
     def time_attention(self, mask, impl):
         self.fn()
+
+
+class KV8Decode:
+    """Decode with K/V in float32, bfloat16 and the 8-bit formats (int8, fp8 e4m3fn and e5m2,
+    one float32 scale per token and head: ``fastattn bench``'s 8-bit cases), a float32 query,
+    on ``fastattn bench``'s 8-bit decode shapes at S / 4; fastattn only (no peer reads 8-bit
+    K/V).  The rows of one shape compare the K/V formats: an 8-bit cache reads a quarter of
+    float32's bytes (plus 4 / D for the scales)."""
+
+    params = (list(KV8_DECODE), KV_DTYPES)
+    param_names = ["case", "kv_dtype"]
+    timeout = 120
+
+    def setup(self, case, kv_dtype):
+        c = dataclasses.replace(KV8_DECODE[case], kv_dtype=kv_dtype)
+        if c.kv8:
+            q, k, v, ks, vs = cases.kv8_inputs(c)
+            kw = {"k_scale": ks, "v_scale": vs}
+        else:
+            q, k, v = _inputs(c)
+            kw = {}
+        self.fn = lambda: fastattn.scaled_dot_product_attention(
+            q, k, v, enable_gqa=c.gqa, num_threads=THREADS, **kw
+        )
+        try:
+            self.fn()
+        except (TypeError, ValueError) as e:  # a commit without 8-bit K/V: not timed
+            raise NotImplementedError(f"{kv_dtype} K/V: {e}") from None
+
+    def time_decode(self, case, kv_dtype):
+        self.fn()
+
+    def track_kv_mib(self, case, kv_dtype):
+        """The K/V bytes one call reads (scales included), in MiB."""
+        c = dataclasses.replace(KV8_DECODE[case], kv_dtype=kv_dtype)
+        return cases.kv_bytes(c, cases.np_dtype(kv_dtype)) / 2**20
+
+    track_kv_mib.unit = "MiB"
 
 
 class Varlen:

@@ -119,4 +119,12 @@ static inline __mmask16 fa_emu_cmp_nlt_uq_mask(fa_emu_ps a, fa_emu_ps b)
 #define _mm512_castps_si512 fa_emu_castps_si512
 #define _mm512_cvtph_ps fa_emu_cvtph_ps
 #define _mm512_cvtepu16_epi32 fa_emu_cvtepu16_epi32
+static inline fa_emu_si fa_emu_cvtepi8_epi32(__m128i b)
+{
+    fa_emu_si r = { _mm256_cvtepi8_epi32(b), _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)) };
+    return r;
+}
+static inline fa_emu_ps fa_emu_cvtepi32_ps(fa_emu_si x) { fa_emu_ps r = { _mm256_cvtepi32_ps(x.lo), _mm256_cvtepi32_ps(x.hi) }; return r; }
+#define _mm512_cvtepi8_epi32 fa_emu_cvtepi8_epi32
+#define _mm512_cvtepi32_ps fa_emu_cvtepi32_ps
 #endif

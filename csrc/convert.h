@@ -59,6 +59,20 @@ static inline uint16_t fa_f32_to_bf16(float f)
     return (uint16_t)(x >> 16);
 }
 
+/* fp8 e5m2 is the upper byte of a float16 (same exponent bias, infinities
+ * and NaNs): exact. */
+static inline float fa_e5m2_to_f32(uint8_t b) { return fa_f16_to_f32((uint16_t)(b << 8)); }
+
+/* fp8 e4m3fn (bias 7, no infinities, 0x7f / 0xff NaN) to float, exactly:
+ * its sign, exponent and mantissa placed as a float16's (bits 14..7), which
+ * scales the value by 2^-8 (exponent bias 15 against 7, subnormals alike),
+ * then times 2^8.  The vector loads (simd.h) do the same in registers. */
+static inline float fa_e4m3_to_f32(uint8_t b)
+{
+    if ((b & 0x7f) == 0x7f) return NAN;
+    return fa_f16_to_f32((uint16_t)(((b & 0x80u) << 8) | ((b & 0x7fu) << 7))) * 256.0f;
+}
+
 /* The largest |x| over n rows of d elements of dtype dt (row r at base + r *
  * ld bytes), +inf when one is inf or NaN.  On the magnitude bits as unsigned
  * integers, whose order is that of the magnitudes of finite floats and which
@@ -100,6 +114,9 @@ static inline double fa_load_elem(const void *base, int dt, int64_t idx)
     case FA_F32: return ((const float *)base)[idx];
     case FA_F64: return ((const double *)base)[idx];
     case FA_F16: return fa_f16_to_f32(((const uint16_t *)base)[idx]);
+    case FA_I8: return ((const int8_t *)base)[idx];
+    case FA_E4M3: return fa_e4m3_to_f32(((const uint8_t *)base)[idx]);
+    case FA_E5M2: return fa_e5m2_to_f32(((const uint8_t *)base)[idx]);
     default: return fa_bf16_to_f32(((const uint16_t *)base)[idx]);
     }
 }
@@ -114,7 +131,8 @@ static inline void fa_store_elem(void *base, int dt, int64_t idx, double x)
     }
 }
 
-static inline size_t fa_dtype_size(int dt) { return dt == FA_F64 ? 8 : dt == FA_F32 ? 4 : 2; }
+static inline int fa_dtype_8(int dt) { return dt == FA_I8 || dt == FA_E4M3 || dt == FA_E5M2; } /* 8-bit K/V */
+static inline size_t fa_dtype_size(int dt) { return dt == FA_F64 ? 8 : dt == FA_F32 ? 4 : fa_dtype_8(dt) ? 1 : 2; }
 static inline int fa_dtype_16(int dt) { return dt == FA_F16 || dt == FA_BF16; } /* 16-bit storage */
 
 #endif

@@ -18,7 +18,10 @@
 extern "C" {
 #endif
 
-enum fa_dtype { FA_F32 = 0, FA_F64 = 1, FA_F16 = 2, FA_BF16 = 3 };
+/* FA_I8, FA_E4M3 (fp8 e4m3fn: no infinities, NaN = S.1111.111) and FA_E5M2
+ * (fp8 e5m2: the upper byte of a float16) are K/V storage only, read with
+ * float32 scales (k_scale, v_scale); q and o are never 8-bit. */
+enum fa_dtype { FA_F32 = 0, FA_F64 = 1, FA_F16 = 2, FA_BF16 = 3, FA_I8 = 4, FA_E4M3 = 5, FA_E5M2 = 6 };
 enum fa_mask_kind { FA_MASK_NONE = 0, FA_MASK_BOOL = 1, FA_MASK_F32 = 2, FA_MASK_F64 = 3 };
 /* FA_ISA_AMX: AVX-512 for every call, plus the AMX tile kernel for bfloat16 prefill.
  * FA_ISA_AVX512BF16: AVX-512 for every call, plus the same kernel on VDPBF16PS
@@ -39,6 +42,16 @@ typedef struct fa_params {
     void *o;       int64_t o_sb, o_sh, o_sl; /* (B, Hq, L, Dv) */
     /* Optional (NULL): natural-log LSE, compute dtype (f32, or f64 for f64). */
     void *lse;     int64_t lse_sb, lse_sh, lse_sl;
+
+    /* Scales of 8-bit K / V (NULL for float K / V; required for 8-bit ones):
+     * dequantised K[b, h, j, d] = k[b, h, j, d] * k_scale[b*ks_sb + h*ks_sh +
+     * j*ks_sl + d*ks_sd], float32, finite and > 0 (a float32 normal), and the
+     * same for V.  ks_sl and ks_sd are never both nonzero: a scale is per
+     * token (ks_sd = 0), per channel (ks_sl = 0) or per head / tensor (both
+     * 0).  Token j is counted as k's rows are (with cu_k, from the packed
+     * start: the scale of the key at row koff + j). */
+    const float *k_scale; int64_t ks_sb, ks_sh, ks_sl, ks_sd;
+    const float *v_scale; int64_t vs_sb, vs_sh, vs_sl, vs_sd;
 
     /* Optional additive / boolean mask, broadcast through (possibly 0) strides
      * over (B, Hq, L, S). */

@@ -21,6 +21,16 @@
  * each row (rescaling the accumulator only when m grows; on whole, unmasked
  * tiles m is a reference that may trail the max by FA_SM_SLACK, softmax_block)
  * and accumulates P.V.
+ * K/V storage formats enter in two places only.  Rows are read by dtype
+ * (float32/64, float16, bfloat16, int8, fp8 e4m3 / e5m2): the decode paths
+ * widen them in registers as they load (ld() in kernel_ukernels.h, its dtype a
+ * compile-time constant per specialisation: the *_dt dispatchers), the
+ * prefill path converts each tile's rows as it packs them (fa_cvt_row in
+ * simd.h).  8-bit scales (fa_ctx.kts / kcs / vts / vcs, set once per task in
+ * run()) are applied where they cost least: per-channel K on the scaled
+ * queries (load_q), per-token K on the scores and per-token V on P (decode;
+ * the packed / converted rows in prefill), per-channel V on the output row
+ * (write_out).  The cache is never converted whole.
  * Scratch is bounded by the tiles, except the head K buffer (head_keys):
  * a thread's copy of one (batch, kv head)'s packed K, at most S x Dp values.
  * The micro-kernels and their constant-n dispatch are in kernel_ukernels.h. */
@@ -35,6 +45,13 @@
 #define FA_NAME(x) FA_CAT(x, FA_SUFFIX)
 #define FA_BLK_NR (FA_BLK_NV * VW) /* keys per packed K panel */
 #define FA_PF_KEYS 16 /* decode: prefetch distance in keys */
+/* 8-bit K/V rows take the 16-bit rows' order and prefetch (qk_rows), and the
+ * same distance in keys.  Measured on Zen 3 (avx2, B1 H32 S32768 D128 int8,
+ * builds alternated, 2 threads): key after key without software prefetch (as
+ * float32 rows) 0.85x; 32 keys ahead 1.00x; 8-bit V of Dv = 128 through
+ * path_rows instead of path_row1 (whose 16 accumulators spill on AVX2) 1.00x
+ * in L2. */
+#define FA_KV8_PF_KEYS 16
 /* Keys per tile for a single query row whose K and V are read in place (the
  * usual decode step): one long tile streams K, then V, then the next K, each
  * pass reading its rows in address order, the output row held in registers
@@ -90,7 +107,7 @@ typedef struct fa_ws {
     REAL *l;    /* FA_BLK_BMR x VW   running row sums, VW partial sums per row:
                  * the lanes are added once, in write_out (a horizontal sum per
                  * row and tile was 7% of a (1, 8, 16, 64) call)             */
-    REAL *tmp;
+    REAL *tmp;  /* 8 x max(Dp, Dvp): converted rows (8 K rows at a time: qk_packed) */
     REAL *Kh;   /* head_keys x D     packed K of one (batch, kv head), or NULL  */
     int64_t kh_keys;
     fa_scratch_state *st; /* which keys Kh holds (kernel.h; zeroed per call) */
@@ -150,7 +167,7 @@ static size_t FA_NAME(scratch_bytes)(const fa_params *p, int64_t rows)
     const size_t e = sizeof(REAL), R = (size_t)FA_NAME(cap_rows)(p, rows);
     return sizeof(fa_scratch_state) + fa_al((R * Dp + FA_QS_SLACK) * e) + fa_al(FA_BLK_BN * Dp * e) +
            fa_al(FA_BLK_BN * Dvp * e) + fa_al(R * FA_BLK_BN * e) + fa_al(R * Dvp * e) + fa_al(R * e) +
-           fa_al(R * VW * e) + fa_al((size_t)(FA_NAME(head_keys)(p, rows) * Dp) * e) + fa_al(W * e) + FA_ALIGN;
+           fa_al(R * VW * e) + fa_al((size_t)(FA_NAME(head_keys)(p, rows) * Dp) * e) + fa_al(8 * W * e) + FA_ALIGN;
 }
 
 static void FA_NAME(carve)(const fa_params *p, int64_t rows, void *scratch, fa_ws *w)
@@ -190,6 +207,16 @@ static void FA_NAME(cvt_rows)(REAL *dst, int64_t ld, const char *src, int64_t sr
         fa_cvt_row(d, src + r * srow, dt, n);
         for (int64_t c = n; c < ld; c++) d[c] = 0;
     }
+}
+
+/* t[0:n] *= s, explicit vectors (through a pointer field of the scratch the
+ * plain loop ran scalar, reloading the pointer and the bound per element: 14%
+ * of an int8 L2048 causal prefill by perf). */
+FA_INLINE void FA_NAME(scale_row)(REAL *t, int64_t n, REAL s)
+{
+    int64_t d = 0;
+    for (const vf sv = vf_set1(s); d + VW <= n; d += VW) vf_store(t + d, vf_mul(vf_load(t + d), sv));
+    for (; d < n; d++) t[d] *= s;
 }
 
 /* dst[0:Dv] = o[0:Dv] * inv, or zeros for a row past the valid length;
@@ -239,6 +266,14 @@ typedef struct fa_ctx {
     int vdirect;                     /* V rows are whole vectors of REAL: usable as they lie */
     int panel_outer;                 /* Q.K^T panel by panel over the row blocks (qk_packed) */
     REAL *kh;                        /* the head K buffer, key jlo first, when this task uses it */
+    /* 8-bit K / V scales (fastattn.h) of this (batch, kv head), NULL where
+     * none: per token (key 0 first, stride *_tsl), applied to the scores and
+     * to P on the decode paths and to the converted rows on path_prefill;
+     * per channel or head (channel stride *_csd, 0 for a head's one
+     * value), K's folded into the scaled queries (load_q), V's into the
+     * output rows (write_out). */
+    const float *kts, *vts, *kcs, *vcs;
+    int64_t kts_sl, vts_sl, kcs_sd, vcs_sd;
     int kv_dram;                     /* the call's K and V stream from DRAM (path_rows' prefetch) */
 } fa_ctx;
 
@@ -337,6 +372,9 @@ FA_INLINE void FA_NAME(load_q_packed)(const fa_ctx *c, const fa_ws *w, REAL qsca
             }
         }
         for (int64_t e = D * mr; e < Dp * mr; e++) qb[e] = 0;
+        if (c->kcs) /* per-channel K scales: on the queries once */
+            for (int64_t d = 0; d < D; d++)
+                for (int64_t r = 0; r < mr; r++) qb[d * mr + r] *= (REAL)c->kcs[d * c->kcs_sd];
     }
 }
 
@@ -372,6 +410,20 @@ FA_INLINE void FA_NAME(load_q)(const fa_ctx *c, const fa_ws *w, int packed)
             for (int64_t d = 0; d < c->D; d++) qd[d] *= qscale;
         }
         for (int64_t d = c->D; d < c->Dp; d++) qd[d] = 0;
+        if (c->kcs)
+            for (int64_t d = 0; d < c->D; d++) qd[d] *= (REAL)c->kcs[d * c->kcs_sd];
+    }
+}
+
+/* S[r][jj] *= sc[jj * ld] for the R rows of a score or probability tile (row
+ * stride TN) and its nj keys: the per-token K scales on the scores (before
+ * the masks), the per-token V scales on P (after the softmax has summed it)
+ * on the decode paths. */
+FA_INLINE void FA_NAME(scale_keys)(REAL *S, int64_t TN, int64_t R, const float *sc, int64_t ld, int64_t nj)
+{
+    for (int64_t r = 0; r < R; r++) {
+        REAL *s = S + r * TN;
+        for (int64_t jj = 0; jj < nj; jj++) s[jj] *= (REAL)sc[jj * ld];
     }
 }
 
@@ -612,7 +664,9 @@ FA_INLINE void FA_NAME(write_out)(const fa_ctx *c, const fa_ws *w)
         if (t->part_o || p->lse)
             lse = ll != ll ? NAN : (mm == -INFINITY || ll == 0.0) ? -INFINITY : (mm + log2(ll)) * FA_LN2;
         double inv = ll != ll ? NAN : (valid && mm != -INFINITY && ll > 0.0) ? f / ll : 0.0;
-        const REAL *o = w->O + ra * c->Dvp;
+        REAL *o = w->O + ra * c->Dvp;
+        if (c->vcs && valid) /* per-channel V scales: on the output row once */
+            for (int64_t cc = 0; cc < Dv; cc++) o[cc] *= (REAL)c->vcs[cc * c->vcs_sd];
         if (t->part_o) {
             FA_NAME(write_row)((REAL *)t->part_o + r * Dv, o, inv, valid, Dv);
             ((REAL *)t->part_lse)[r] = (REAL)lse;
@@ -646,8 +700,10 @@ FA_INLINE void FA_NAME(path_row1)(const fa_ctx *c, const fa_ws *w)
         if (mst == FA_TM_HIDDEN || FA_NAME(tile_hidden)(c, jt, nj)) continue;
         FA_NAME(qk_rows_nd)(1, p->k_dtype, w->Qs, c->Dp, st.k, p->k_sl, nj, w->S, TN, st.v,
                             p->v_sl * c->vsz, c->Dv * c->vsz, &st);
+        if (c->kts) FA_NAME(scale_keys)(w->S, TN, 1, c->kts + jt * c->kts_sl, c->kts_sl, nj);
         FA_NAME(mask_tile)(c, w->S, TN, jt, nj, c->elem_always && mst != FA_TM_VISIBLE);
         FA_NAME(softmax_tile)(c, w, TN, nj);
+        if (c->vts) FA_NAME(scale_keys)(w->S, TN, 1, c->vts + jt * c->vts_sl, c->vts_sl, nj);
         FA_NAME(pv_row1_n)(c->Dvp / VW, p->v_dtype, w->S, nj, st.v, p->v_sl, w->O, &st);
     }
 }
@@ -680,8 +736,10 @@ FA_INLINE void FA_NAME(path_rows)(const fa_ctx *c, const fa_ws *w)
         }
         FA_NAME(qk_rows_nd)(c->R, kdt, w->Qs, Dp, kr, ldk, nj, w->S, TN, vpf, p->v_sl * c->vsz,
                             c->Dv * c->vsz, NULL);
+        if (c->kts) FA_NAME(scale_keys)(w->S, TN, c->R, c->kts + jt * c->kts_sl, c->kts_sl, nj);
         FA_NAME(mask_tile)(c, w->S, TN, jt, nj, c->elem_always && mst != FA_TM_VISIBLE);
         FA_NAME(softmax_tile)(c, w, TN, nj);
+        if (c->vts) FA_NAME(scale_keys)(w->S, TN, c->R, c->vts + jt * c->vts_sl, c->vts_sl, nj);
         fa_stream next;
         const fa_stream *nx = NULL;
         if (c->kv_dram && jt + TN < c->jhi) {
@@ -825,6 +883,24 @@ FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, i
             for (; d < D; d++)
                 for (int u = 0; u < 8; u++) kp[d * ld + u] = ks[u * p->k_sl + d];
         }
+    /* Other K dtypes (16- and 8-bit): groups of 8 keys converted (and scaled
+     * by their per-token scales) into w->tmp, then transposed 8 x 8 as float32
+     * K is; the same values as the key-by-key loop below, which stored
+     * each element alone (a tenth of an int8 L2048 causal prefill by perf). */
+    else
+        for (; cc + 8 <= nj; cc += 8) {
+            for (int64_t u = 0; u < 8; u++) {
+                REAL *t = w->tmp + u * c->Dp;
+                fa_cvt_row(t, c->kbase + (jt + cc + u) * p->k_sl * c->ksz, p->k_dtype, D);
+                if (c->kts) FA_NAME(scale_row)(t, D, (REAL)c->kts[(jt + cc + u) * c->kts_sl]);
+            }
+            int64_t ld;
+            REAL *kp = FA_NAME(panel_at)(K, D, jl, wl, cc, &ld);
+            int64_t d = 0;
+            for (; d + 8 <= D; d += 8) fa_pack8x8(w->tmp + d, c->Dp, kp + d * ld, ld);
+            for (; d < D; d++)
+                for (int u = 0; u < 8; u++) kp[d * ld + u] = w->tmp[u * c->Dp + d];
+        }
 #endif
     for (; cc < nj; cc++) {
         int64_t ld;
@@ -832,7 +908,11 @@ FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, i
         const char *ks = c->kbase + (jt + cc) * p->k_sl * c->ksz;
         const REAL *kr = (const REAL *)ks;
         if (p->k_dtype != FA_SELF_DT) { fa_cvt_row(w->tmp, ks, p->k_dtype, D); kr = w->tmp; }
-        for (int64_t d = 0; d < D; d++) kp[d * ld] = kr[d];
+        if (c->kts) { /* the key's per-token scale, on its packed row */
+            const REAL ts = (REAL)c->kts[(jt + cc) * c->kts_sl];
+            for (int64_t d = 0; d < D; d++) kp[d * ld] = kr[d] * ts;
+        } else
+            for (int64_t d = 0; d < D; d++) kp[d * ld] = kr[d];
     }
     FA_NAME(qk_blocks)(c, w, K, jt, nj, partial, fused, next);
 }
@@ -865,6 +945,8 @@ FA_INLINE void FA_NAME(pv_prefill)(const fa_ctx *c, const fa_ws *w, const fa_str
             const REAL *src = (const REAL *)(st->v + jj * st->vld);
             if (!c->vdirect) {
                 FA_NAME(cvt_rows)(w->tmp, Dvp, st->v + jj * st->vld, 0, p->v_dtype, c->Dv, 1);
+                if (c->vts) /* the key's per-token V scale, on its converted row */
+                    FA_NAME(scale_row)(w->tmp, c->Dv, (REAL)c->vts[(jt + jj) * c->vts_sl]);
                 src = w->tmp;
             }
             for (int64_t c0 = 0; c0 < Dfull; c0 += PW)
@@ -912,6 +994,7 @@ FA_INLINE void FA_NAME(pv_prefill)(const fa_ctx *c, const fa_ws *w, const fa_str
  * tile's K rows, against its R x nj x (D + Dv) multiply-adds. */
 FA_INLINE int FA_NAME(huge_tile_skips)(const fa_ctx *c, const fa_ws *w, const fa_stream *st, int64_t nj, double *qmax)
 {
+    if (fa_dtype_8(c->p->k_dtype)) return 0; /* (8-bit K: its bound would need the scales) */
     for (int64_t r = 0; r < c->R; r++)
         if (!(w->m[r] > (REAL)-1e29)) return 0; /* (NaN: not skipped) */
     if (*qmax < 0) *qmax = fa_absmax(w->Qs, FA_SELF_DT, 1, c->R * c->Dp, 0);
@@ -1003,10 +1086,24 @@ FA_PATH void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
     c.vbase = (const char *)p->v + (c.b * p->v_sb + t->hk * p->v_sh + c.bi.koff * p->v_sl) * c.vsz;
     const int kdirect = p->k_dtype == FA_SELF_DT && c.D % VW == 0;
     c.vdirect = p->v_dtype == FA_SELF_DT && c.Dv % VW == 0;
-    /* The decode paths widen 16-bit K/V rows as they load them. */
+    /* The decode paths widen 16- and 8-bit K/V rows as they load them. */
     const int wide16 = sizeof(REAL) == 4;
-    c.kfuse = c.D % VW == 0 && (kdirect || (wide16 && fa_dtype_16(p->k_dtype)));
-    c.vfuse = c.Dv % VW == 0 && (c.vdirect || (wide16 && fa_dtype_16(p->v_dtype)));
+    c.kfuse = c.D % VW == 0 && (kdirect || (wide16 && (fa_dtype_16(p->k_dtype) || fa_dtype_8(p->k_dtype))));
+    c.vfuse = c.Dv % VW == 0 && (c.vdirect || (wide16 && (fa_dtype_16(p->v_dtype) || fa_dtype_8(p->v_dtype))));
+    /* 8-bit scales (fa_ctx): a per-token one at key 0 of this (batch, kv
+     * head), else a per-channel (or per-head) one. */
+    c.kts = c.vts = c.kcs = c.vcs = NULL;
+    c.kts_sl = c.vts_sl = c.kcs_sd = c.vcs_sd = 0;
+    if (p->k_scale) {
+        const float *ks = p->k_scale + c.b * p->ks_sb + t->hk * p->ks_sh + c.bi.koff * p->ks_sl;
+        if (p->ks_sl) { c.kts = ks; c.kts_sl = p->ks_sl; }
+        else { c.kcs = ks; c.kcs_sd = p->ks_sd; }
+    }
+    if (p->v_scale) {
+        const float *vs = p->v_scale + c.b * p->vs_sb + t->hk * p->vs_sh + c.bi.koff * p->vs_sl;
+        if (p->vs_sl) { c.vts = vs; c.vts_sl = p->vs_sl; }
+        else { c.vcs = vs; c.vcs_sd = p->vs_sd; }
+    }
 
     /* Key range any row may see, and the range every row sees (visible ranges
      * grow with the row: the first row has the smallest lo, the last the

@@ -55,7 +55,23 @@ FA_INLINE vf FA_NAME(ld)(const void *base, int dt, int64_t idx)
 {
     if (dt == FA_F16) return vf_load_f16((const uint16_t *)base + idx);
     if (dt == FA_BF16) return vf_load_bf16((const uint16_t *)base + idx);
+    if (dt == FA_I8) return vf_load_i8((const int8_t *)base + idx);
+    if (dt == FA_E4M3) return vf_load_e4m3((const uint8_t *)base + idx);
+    if (dt == FA_E5M2) return vf_load_e5m2((const uint8_t *)base + idx);
     return vf_load((const REAL *)base + idx);
+}
+
+/* 2*VW consecutive values of dtype dt at element idx as two vectors (*a the
+ * first VW): where simd.h has a paired load (FA_HAVE_LOAD2: AVX2's fp8, whose
+ * bit operations then run once on twice the lanes), that; else ld() twice. */
+FA_INLINE void FA_NAME(ld2)(const void *base, int dt, int64_t idx, vf *a, vf *b)
+{
+#if defined(FA_HAVE_LOAD2)
+    if (dt == FA_E4M3) { vf_load2_e4m3((const uint8_t *)base + idx, a, b); return; }
+    if (dt == FA_E5M2) { vf_load2_e5m2((const uint8_t *)base + idx, a, b); return; }
+#endif
+    *a = FA_NAME(ld)(base, dt, idx);
+    *b = FA_NAME(ld)(base, dt, idx + VW);
 }
 
 /* Few rows (decode): S[r][jj] = Q[r] . K[jj] straight from the key rows
@@ -76,7 +92,9 @@ FA_INLINE void FA_NAME(qk_rows)(int nr, int kdt, const REAL *Q, int64_t Dp, cons
                                 int64_t vpf_row, const fa_stream *st)
 {
     const int kb = nr == 1 ? 4 : nr == 2 ? 2 : 1; /* nr * kb * 2 <= 8 chains */
-    const int half = fa_dtype_16(kdt); /* see above */
+    /* 16- and 8-bit rows: see above (and FA_KV8_PF_KEYS) */
+    const int half = fa_dtype_16(kdt) || fa_dtype_8(kdt);
+    const int64_t pfk = fa_dtype_8(kdt) ? FA_KV8_PF_KEYS : FA_PF_KEYS;
     const int64_t kbytes = (int64_t)fa_dtype_size(kdt), krow = Dp * kbytes;
     /* The two-accumulator part of d; 5-8 rows keep one accumulator per row
      * (already nr chains; two would spill them). */
@@ -88,7 +106,7 @@ FA_INLINE void FA_NAME(qk_rows)(int nr, int kdt, const REAL *Q, int64_t Dp, cons
          * and measured 0-6% faster without), and the V rows of these keys for
          * the P.V pass, which reads them in column blocks. */
         for (int u = 0; u < kb; u++) {
-            const int64_t t = j + u + FA_PF_KEYS;
+            const int64_t t = j + u + pfk;
             if (st) { /* one stream: this tile's K rows, then its V rows (16-bit only) */
                 if (!half) continue;
                 if (t < st->nj) FA_PREFETCH_ROW(st->k + t * st->kld, st->krow, 3);
@@ -104,7 +122,8 @@ FA_INLINE void FA_NAME(qk_rows)(int nr, int kdt, const REAL *Q, int64_t Dp, cons
         const char *kr = (const char *)K + j * ldk * kbytes;
         if (!half && kb == 1) /* one key: its row in address order */
             for (int64_t d = 0; d < Dp2; d += 2 * VW) {
-                vf k0 = FA_NAME(ld)(kr, kdt, d), k1 = FA_NAME(ld)(kr, kdt, d + VW);
+                vf k0, k1;
+                FA_NAME(ld2)(kr, kdt, d, &k0, &k1);
                 for (int r = 0; r < nr; r++) {
                     acc0[r][0] = vf_fma(vf_load(Q + r * Dp + d), k0, acc0[r][0]);
                     acc1[r][0] = vf_fma(vf_load(Q + r * Dp + d + VW), k1, acc1[r][0]);
@@ -121,7 +140,8 @@ FA_INLINE void FA_NAME(qk_rows)(int nr, int kdt, const REAL *Q, int64_t Dp, cons
                  * unrolled form (as a loop: H32/8 decode 0.94x on avx2). */
 #pragma GCC unroll 1
                 for (int64_t d = 0; d < Dp2; d += 2 * VW) {
-                    vf k0 = FA_NAME(ld)(ku, kdt, d), k1 = FA_NAME(ld)(ku, kdt, d + VW);
+                    vf k0, k1;
+                    FA_NAME(ld2)(ku, kdt, d, &k0, &k1);
                     for (int r = 0; r < nr; r++) {
                         acc0[r][u] = vf_fma(vf_load(Q + r * Dp + d), k0, acc0[r][u]);
                         acc1[r][u] = vf_fma(vf_load(Q + r * Dp + d + VW), k1, acc1[r][u]);
@@ -136,7 +156,8 @@ FA_INLINE void FA_NAME(qk_rows)(int nr, int kdt, const REAL *Q, int64_t Dp, cons
             }
             for (int u = 0; u < kb; u++) {
                 const void *ku = kr + u * ldk * kbytes;
-                vf k0 = FA_NAME(ld)(ku, kdt, d), k1 = FA_NAME(ld)(ku, kdt, d + VW);
+                vf k0, k1;
+                FA_NAME(ld2)(ku, kdt, d, &k0, &k1);
                 for (int r = 0; r < nr; r++) {
                     acc0[r][u] = vf_fma(q0[r], k0, acc0[r][u]);
                     acc1[r][u] = vf_fma(q1[r], k1, acc1[r][u]);
@@ -174,7 +195,16 @@ FA_INLINE void FA_NAME(pv_rows_blk)(int nr, int nv, int vdt, const REAL *P, int6
     for (int64_t j = 0; j < nj; j++) {
         vf pr[FA_BLK_RD];
         for (int r = 0; r < nr; r++) pr[r] = vf_set1(P[r * ldp + j]);
-        for (int v = 0; v < nv; v++) {
+        int v = 0;
+        for (; v + 2 <= nv; v += 2) { /* pairs: ld2 */
+            vf v0, v1;
+            FA_NAME(ld2)(V, vdt, j * ldv + c0 + v * VW, &v0, &v1);
+            for (int r = 0; r < nr; r++) {
+                acc[r][v] = vf_fma(pr[r], v0, acc[r][v]);
+                acc[r][v + 1] = vf_fma(pr[r], v1, acc[r][v + 1]);
+            }
+        }
+        for (; v < nv; v++) {
             vf vv = FA_NAME(ld)(V, vdt, j * ldv + c0 + v * VW);
             for (int r = 0; r < nr; r++) acc[r][v] = vf_fma(pr[r], vv, acc[r][v]);
         }
@@ -193,13 +223,18 @@ FA_INLINE void FA_NAME(pv_row1)(int nv, int vdt, const REAL *P, int64_t nj, cons
     vf acc[16];
     for (int v = 0; v < nv; v++) acc[v] = vf_load(O + v * VW);
     for (int64_t j = 0; j < nj; j++) {
-        const int64_t t = j + FA_PF_KEYS;
-        if (fa_dtype_16(vdt)) {
+        const int64_t t = j + (fa_dtype_8(vdt) ? FA_KV8_PF_KEYS : FA_PF_KEYS);
+        if (fa_dtype_16(vdt) || fa_dtype_8(vdt)) {
             if (t < nj) FA_PREFETCH_ROW(st->v + t * st->vld, st->vrow, 3);
             else if (t < st->nk) FA_PREFETCH_ROW(st->k + t * st->kld, st->krow, 3);
         }
         vf pj = vf_set1(P[j]);
-        for (int v = 0; v < nv; v++) acc[v] = vf_fma(pj, FA_NAME(ld)(V, vdt, j * ldv + v * VW), acc[v]);
+        for (int v = 0; v < nv; v += 2) { /* nv is even (4, 8, 12 or 16) */
+            vf v0, v1;
+            FA_NAME(ld2)(V, vdt, j * ldv + v * VW, &v0, &v1);
+            acc[v] = vf_fma(pj, v0, acc[v]);
+            acc[v + 1] = vf_fma(pj, v1, acc[v + 1]);
+        }
     }
     for (int v = 0; v < nv; v++) vf_store(O + v * VW, acc[v]);
 }
@@ -254,13 +289,16 @@ FA_INLINE void FA_NAME(pv_rows)(int nr, int vdt, const REAL *P, int64_t ldp, int
 #define FA_MR(n) ((n) <= FA_BLK_MR ? (n) : FA_BLK_MR)
 
 /* qk_rows for nr (a constant) rows, the K storage dtype kdt made constant:
- * float16, bfloat16, else this kernel's own (FA_SELF_DT). */
+ * float16, bfloat16, the 8-bit ones, else this kernel's own (FA_SELF_DT). */
 FA_INLINE void FA_NAME(qk_rows_dt)(int nr, int kdt, const REAL *Q, int64_t Dp, const void *K,
                                    int64_t ldk, int64_t nj, REAL *S, int64_t lds, const char *vpf, int64_t vpf_ld,
                                    int64_t vpf_row, const fa_stream *st)
 {
     if (kdt == FA_F16) FA_NAME(qk_rows)(nr, FA_F16, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st);
     else if (kdt == FA_BF16) FA_NAME(qk_rows)(nr, FA_BF16, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st);
+    else if (kdt == FA_I8) FA_NAME(qk_rows)(nr, FA_I8, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st);
+    else if (kdt == FA_E4M3) FA_NAME(qk_rows)(nr, FA_E4M3, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st);
+    else if (kdt == FA_E5M2) FA_NAME(qk_rows)(nr, FA_E5M2, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st);
     else FA_NAME(qk_rows)(nr, FA_SELF_DT, Q, Dp, K, ldk, nj, S, lds, vpf, vpf_ld, vpf_row, st);
 }
 
@@ -302,6 +340,9 @@ FA_INLINE void FA_NAME(pv_rows_dt)(int nr, int vdt, const REAL *P, int64_t ldp, 
 {
     if (vdt == FA_F16) FA_NAME(pv_rows)(nr, FA_F16, P, ldp, nj, V, ldv, O, Dvp, nx);
     else if (vdt == FA_BF16) FA_NAME(pv_rows)(nr, FA_BF16, P, ldp, nj, V, ldv, O, Dvp, nx);
+    else if (vdt == FA_I8) FA_NAME(pv_rows)(nr, FA_I8, P, ldp, nj, V, ldv, O, Dvp, nx);
+    else if (vdt == FA_E4M3) FA_NAME(pv_rows)(nr, FA_E4M3, P, ldp, nj, V, ldv, O, Dvp, nx);
+    else if (vdt == FA_E5M2) FA_NAME(pv_rows)(nr, FA_E5M2, P, ldp, nj, V, ldv, O, Dvp, nx);
     else FA_NAME(pv_rows)(nr, FA_SELF_DT, P, ldp, nj, V, ldv, O, Dvp, nx);
 }
 
@@ -327,6 +368,9 @@ FA_INLINE void FA_NAME(pv_row1_dt)(int nv, int vdt, const REAL *P, int64_t nj, c
 {
     if (vdt == FA_F16) FA_NAME(pv_row1)(nv, FA_F16, P, nj, V, ldv, O, st);
     else if (vdt == FA_BF16) FA_NAME(pv_row1)(nv, FA_BF16, P, nj, V, ldv, O, st);
+    else if (vdt == FA_I8) FA_NAME(pv_row1)(nv, FA_I8, P, nj, V, ldv, O, st);
+    else if (vdt == FA_E4M3) FA_NAME(pv_row1)(nv, FA_E4M3, P, nj, V, ldv, O, st);
+    else if (vdt == FA_E5M2) FA_NAME(pv_row1)(nv, FA_E5M2, P, nj, V, ldv, O, st);
     else FA_NAME(pv_row1)(nv, FA_SELF_DT, P, nj, V, ldv, O, st);
 }
 

@@ -11,6 +11,10 @@
 
 #define FA_INLINE static inline __attribute__((always_inline))
 
+/* The vector ISAs' fa_cvt_row hands 8-bit rows to this (defined once, below
+ * the ISA sections, over their vf_load_* hooks). */
+FA_INLINE void fa_cvt_row8(float *dst, const uint8_t *src, int dt, int64_t n);
+
 /* 2^f on f in [-0.5, 0.5]: Taylor series of degree 7 (truncation < 6e-9). */
 #define FA_EXP2_C1 0.6931471805599453f
 #define FA_EXP2_C2 0.2402265069591007f
@@ -50,6 +54,26 @@ typedef __m512 vf;
 /* VW 16-bit values at p (const uint16_t *) widened to float. */
 #define vf_load_f16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define vf_load_bf16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+/* VW 8-bit values at p (const int8_t * / const uint8_t *) widened to float.
+ * e5m2 is a float16's upper byte: each byte moved to the top of a 16-bit
+ * lane, then VCVTPH2PS.  e4m3fn, exactly (fa_e4m3_to_f32's rule): each byte
+ * sign-extended to 16 bits and shifted left by 7 puts its exponent and
+ * mantissa in a float16's bits 13..7 and its sign in bits 15 and 14; clearing
+ * bit 14 leaves the float16 of the value times 2^-8 (subnormals alike:
+ * VCVTPH2PS ignores DAZ).  NaN bytes (exponent and mantissa all ones: bits
+ * 13..7 set) are OR-ed to all ones, a float16 NaN.  Then times 2^8.  Six
+ * integer operations per 16 (AVX-512) or 8 (AVX2) values, three of them for
+ * NaN, besides the load, the conversion and the product. */
+#define vf_load_i8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define vf_load_e5m2(p) _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p))), 8))
+FA_INLINE __m512 vf_load_e4m3(const uint8_t *p)
+{
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)), 7),
+                                       _mm256_set1_epi16((short)0xbf80));
+    const __m256i em = _mm256_and_si256(h, _mm256_set1_epi16(0x3f80));
+    const __m256i nan = _mm256_cmpeq_epi16(em, _mm256_set1_epi16(0x3f80));
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(h, nan)), _mm512_set1_ps(256.0f));
+}
 #define vf_store(p, x) _mm512_storeu_ps((p), (x))
 #define vf_set1(x) _mm512_set1_ps(x)
 #define vf_zero() _mm512_setzero_ps()
@@ -93,6 +117,7 @@ FA_INLINE void fa_cvt_row(float *dst, const void *src, int dt, int64_t n)
 {
     int64_t j = 0;
     if (dt == FA_F32) { memcpy(dst, src, (size_t)n * 4); return; }
+    if (fa_dtype_8(dt)) { fa_cvt_row8(dst, (const uint8_t *)src, dt, n); return; }
     const uint16_t *s = (const uint16_t *)src;
     if (dt == FA_F16) {
         for (; j + 16 <= n; j += 16)
@@ -115,6 +140,35 @@ typedef __m256 vf;
 #define vf_load(p) _mm256_loadu_ps(p)
 #define vf_load_f16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define vf_load_bf16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+/* VW 8-bit values widened to float (see the AVX-512 section). */
+#define vf_load_i8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define vf_load_e5m2(p) _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64((const __m128i *)(p))))
+FA_INLINE __m256 vf_load_e4m3(const uint8_t *p)
+{
+    const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)), 7),
+                                    _mm_set1_epi16((short)0xbf80));
+    const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x3f80)), _mm_set1_epi16(0x3f80));
+    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(h, nan)), _mm256_set1_ps(256.0f));
+}
+/* 16 fp8 values as two vectors (the first 8 in *a): e4m3's integer operations
+ * once on 16 lanes of 16 bits (vf_load_e4m3 runs them on 8), e5m2's one load. */
+#define FA_HAVE_LOAD2 1
+FA_INLINE void vf_load2_e4m3(const uint8_t *p, __m256 *a, __m256 *b)
+{
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)), 7),
+                                       _mm256_set1_epi16((short)0xbf80));
+    const __m256i x = _mm256_or_si256(h, _mm256_cmpeq_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x3f80)),
+                                                            _mm256_set1_epi16(0x3f80)));
+    const __m256 k = _mm256_set1_ps(256.0f);
+    *a = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(x)), k);
+    *b = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(x, 1)), k);
+}
+FA_INLINE void vf_load2_e5m2(const uint8_t *p, __m256 *a, __m256 *b)
+{
+    const __m128i x = _mm_loadu_si128((const __m128i *)p), z = _mm_setzero_si128();
+    *a = _mm256_cvtph_ps(_mm_unpacklo_epi8(z, x));
+    *b = _mm256_cvtph_ps(_mm_unpackhi_epi8(z, x));
+}
 #define vf_store(p, x) _mm256_storeu_ps((p), (x))
 #define vf_set1(x) _mm256_set1_ps(x)
 #define vf_zero() _mm256_setzero_ps()
@@ -164,6 +218,7 @@ FA_INLINE void fa_cvt_row(float *dst, const void *src, int dt, int64_t n)
 {
     int64_t j = 0;
     if (dt == FA_F32) { memcpy(dst, src, (size_t)n * 4); return; }
+    if (fa_dtype_8(dt)) { fa_cvt_row8(dst, (const uint8_t *)src, dt, n); return; }
     const uint16_t *s = (const uint16_t *)src;
     if (dt == FA_F16) {
         for (; j + 8 <= n; j += 8)
@@ -188,6 +243,9 @@ typedef REAL vf;
 #define vf_load(p) (*(p))
 #define vf_load_f16(p) ((REAL)fa_f16_to_f32(*(p)))
 #define vf_load_bf16(p) ((REAL)fa_bf16_to_f32(*(p)))
+#define vf_load_i8(p) ((REAL)*(const int8_t *)(p))
+#define vf_load_e4m3(p) ((REAL)fa_e4m3_to_f32(*(const uint8_t *)(p)))
+#define vf_load_e5m2(p) ((REAL)fa_e5m2_to_f32(*(const uint8_t *)(p)))
 #define vf_store(p, x) (*(p) = (x))
 #define vf_set1(x) ((REAL)(x))
 #define vf_zero() ((REAL)0)
@@ -212,6 +270,16 @@ FA_INLINE void fa_cvt_row(REAL *dst, const void *src, int dt, int64_t n)
 #endif
 
 #if defined(FA_TARGET_AVX512) || defined(FA_TARGET_AVX2)
+/* dst[0:n] = the 8-bit row src[0:n] (dtype dt: FA_I8, FA_E4M3, FA_E5M2) as float. */
+FA_INLINE void fa_cvt_row8(float *dst, const uint8_t *src, int dt, int64_t n)
+{
+    int64_t j = 0;
+    if (dt == FA_I8) for (; j + VW <= n; j += VW) vf_store(dst + j, vf_load_i8(src + j));
+    else if (dt == FA_E4M3) for (; j + VW <= n; j += VW) vf_store(dst + j, vf_load_e4m3(src + j));
+    else for (; j + VW <= n; j += VW) vf_store(dst + j, vf_load_e5m2(src + j));
+    for (; j < n; j++) dst[j] = (float)fa_load_elem(src, dt, j);
+}
+
 /* The exp2 of both vector paths, written once over the hooks above. */
 FA_INLINE vf fa_exp2_poly(vf f) /* 2^f for f in [-0.5, 0.5] (Horner) */
 {

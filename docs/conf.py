@@ -86,6 +86,7 @@ NUMPYDOC_VALIDATED = [
     "fastattn.KVCache.append",
     "fastattn.KVCache.attend",
     "fastattn.attention_with_kvcache",
+    "fastattn.quantize_kv",
     "fastattn.show_config",
     "fastattn.get_num_threads",
     "fastattn.set_num_threads",

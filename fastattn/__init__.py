@@ -76,6 +76,7 @@ if _installed_copy() is None:  # else sys.modules["fastattn"] is the installed c
         set_tiles,
         show_config,
     )
+    from ._quant import quantize_kv
     from .additive import additive_attention
     from .backward import scaled_dot_product_attention_backward
     from .functional import scaled_dot_product_attention, varlen_attention
@@ -96,6 +97,7 @@ __all__ = [
     "merge_attention_states",
     "KVCache",
     "attention_with_kvcache",
+    "quantize_kv",
     "MultiHeadAttention",
     "additive_attention",
     "lsh_attention",

@@ -42,6 +42,8 @@ from ._checks import (
 )
 from ._config import get_num_threads, precision_code
 from ._plan import MASK_KINDS, Call, Plan
+from ._quant import is_kv8
+from ._quant import scale_value as kv_scale_value
 
 Array: TypeAlias = npt.NDArray[Any]
 
@@ -60,9 +62,23 @@ def compute_dtype(dt: np.dtype[Any]) -> np.dtype[Any]:
     return F64 if dt == F64 else F32
 
 
-def check_dtypes(q: Any, k: Any, v: Any, names: Sequence[str] = ("query", "key", "value")) -> None:
-    """Storage dtypes; all float64 when one is; key and value alike.  Reads ``.dtype`` only."""
+def check_dtypes(
+    q: Any, k: Any, v: Any, names: Sequence[str] = ("query", "key", "value"), allow_kv8: bool = False
+) -> None:
+    """Storage dtypes; all float64 when one is; key and value alike.  With ``allow_kv8``
+    (the forward calls that take k_scale / v_scale) key and value may be 8-bit under a
+    float32, float16 or bfloat16 query.  Reads ``.dtype`` only."""
     if q.dtype is F32 and k.dtype is F32 and v.dtype is F32:  # the common case, ~0.5 µs saved
+        return
+    if allow_kv8 and (is_kv8(k.dtype) or is_kv8(v.dtype)):  # 8-bit K/V (fastattn._quant) under a float query
+        check_float(q, names[0])
+        if q.dtype == F64:
+            raise TypeError(
+                f"{names[0]} must be float32, float16 or bfloat16 with 8-bit {names[1]} and "
+                f"{names[2]}, got float64"
+            )
+        if k.dtype != v.dtype:
+            raise TypeError(f"{names[1]} and {names[2]} must share a dtype, got {k.dtype} and {v.dtype}")
         return
     for a, n in zip((q, k, v), names):
         check_float(a, n)
@@ -330,6 +346,8 @@ def sdpa_call(
     block_mask: Any = None,
     block_size: Any = None,
     precision: Any = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
 ) -> Call:
     """Every check of :func:`fastattn.scaled_dot_product_attention` (CPU; dropout
     and device are the caller's) and its outputs, as a :class:`Call`.  The
@@ -342,8 +360,11 @@ def sdpa_call(
     q = as_array(query, "query")
     k = as_array(key, "key")
     v = as_array(value, "value")
-    check_dtypes(q, k, v)
+    check_dtypes(q, k, v, allow_kv8=True)
     lead, (Hq, L, D), (Hk, S, Dv) = check_shapes(q, k, v, layout, enable_gqa)
+    seq_axis = -2 if layout == "bhsd" else -3
+    ks = kv_scale_value(k_scale, "k_scale", k, seq_axis, "key")
+    vs = kv_scale_value(v_scale, "v_scale", v, seq_axis, "value")
     cdt = compute_dtype(q.dtype)
     sc = scale_value(scale, D, cdt)
     threads = threads_value(num_threads, get_num_threads)
@@ -387,6 +408,8 @@ def sdpa_call(
         k=kernel_ready(view(k)),
         v=kernel_ready(view(v)),
         o=view(work),
+        k_scale=None if ks is None else view(ks),
+        v_scale=None if vs is None else view(vs),
         lse=None if lse is None else (lse if lead else lse[None]),
         mask=None if mask is None else (mask if lead else mask[None]),
         mask_kind=mask_kind,
@@ -432,7 +455,7 @@ def varlen_geometry(
     """The operand checks of :func:`fastattn.varlen_attention`, in its order, on packed
     ``(total_tokens, heads, head_dim)`` arrays (NumPy, or Dask for ``fastattn.dask``):
     ``(Tq, Hq, D, Tk, Hk, Dv, cu_q, cu_k)``."""
-    check_dtypes(qa, ka, va, ("q", "k", "v"))
+    check_dtypes(qa, ka, va, ("q", "k", "v"), allow_kv8=True)
     for a, n in ((qa, "q"), (ka, "k"), (va, "v")):
         if a.ndim != 3:
             raise ValueError(f"{n} must be 3-D (total_tokens, heads, head_dim), got shape {a.shape}")
@@ -474,12 +497,16 @@ def varlen_call(
     out: Any = None,
     num_threads: Any = None,
     precision: Any = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
 ) -> Call:
     """Every check of :func:`fastattn.varlen_attention` and its outputs, as a :class:`Call`."""
     causal = flag_value(is_causal, "is_causal")
     want_lse = flag_value(return_lse, "return_lse")
     qa, ka, va = as_array(q, "q"), as_array(k, "k"), as_array(v, "v")
     Tq, Hq, D, Tk, Hk, Dv, cq, ck = varlen_geometry(qa, ka, va, enable_gqa, cu_seqlens_q, cu_seqlens_k)
+    ks = kv_scale_value(k_scale, "k_scale", ka, -3, "k")
+    vs = kv_scale_value(v_scale, "v_scale", va, -3, "v")
     nb = cq.shape[0] - 1
     prec = precision_code(precision)
     cdt = compute_dtype(qa.dtype)
@@ -498,6 +525,10 @@ def varlen_call(
         return Call(None, o, o, lse)
 
     def repeat(a: Array) -> Array:  # (x, y, z) -> (nb, x, y, z) with batch stride 0
+        if a.dtype.kind == "V" or a.dtype.name.startswith(
+            "float8"
+        ):  # (as_strided cannot take ml_dtypes' fp8)
+            return np.broadcast_to(a[None], (nb,) + a.shape)
         return np.lib.stride_tricks.as_strided(a, (nb,) + a.shape, (0,) + a.strides)
 
     def batched(a: Array) -> Array:  # (T, H, X) -> (nb, H, T, X): each batch sees every token
@@ -508,6 +539,8 @@ def varlen_call(
         k=batched(ka),
         v=batched(va),
         o=batched(o),
+        k_scale=None if ks is None else repeat(bhsd(ks, "bshd")),
+        v_scale=None if vs is None else repeat(bhsd(vs, "bshd")),
         lse=None if lse is None else repeat(lse),
         scale=sc,
         causal=causal,

@@ -1,11 +1,14 @@
 """The key/value cache front ends' checks (fastattn.kvcache, fastattn.flash_compat):
-dtypes of caches and queries, batch indices, new tokens, sequence lengths and
-the cache operands, all checked before any cache is written."""
+dtypes of caches and queries, batch indices, new tokens, sequence lengths, the
+cache operands and the scales of 8-bit caches, all checked before any cache is
+written."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
+from collections.abc import Sequence
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -13,16 +16,17 @@ import numpy.typing as npt
 
 from ._args import bhsd, check_heads
 from ._checks import (
+    F16,
     F32,
     F64,
     INT64_MAX,
     as_array,
-    bfloat16_dtype,
     int_value,
     is_bfloat16,
     is_storage_dtype,
 )
-from ._plan import Call
+from ._plan import Call, replace
+from ._quant import is_kv8, quantize, scale_value
 
 Array: TypeAlias = npt.NDArray[Any]
 
@@ -115,19 +119,29 @@ def is_real_float(dt: np.dtype[Any]) -> bool:
 
 
 def query_dtype_ok(qdt: np.dtype[Any], cdt: np.dtype[Any]) -> bool:
-    """Queries may be float32 or the cache dtype (float64 caches need float64 queries)."""
+    """Queries may be float32 or the cache dtype (float64 caches need float64 queries);
+    8-bit caches take float32, float16 or bfloat16 queries (the kernel's 8-bit K/V)."""
     if cdt == F64:
         return qdt == F64
+    if is_kv8(cdt):
+        return qdt == F32 or qdt == F16 or is_bfloat16(qdt)
     return qdt == F32 or qdt == cdt
 
 
 def query_dtypes(cdt: np.dtype[Any]) -> str:
     """The query dtypes a cache of dtype cdt takes, in words (for error messages)."""
+    if is_kv8(cdt):
+        return "float32, float16 or bfloat16"
     return cdt.name if cdt in (F32, F64) else f"float32 or {cdt}"
 
 
+CACHE_DTYPES = "float16, bfloat16, float32 or float64"
+CACHE_DTYPES8 = f"{CACHE_DTYPES} (or 8-bit: int8, float8_e4m3fn or float8_e5m2)"
+
+
 def cache_dtype_ok(cdt: np.dtype[Any]) -> bool:
-    return is_storage_dtype(cdt)
+    """A dtype a cache front end stores: the kernel's float dtypes or an 8-bit K/V one."""
+    return is_storage_dtype(cdt) or is_kv8(cdt)
 
 
 def _progression(idx: Array) -> tuple[int, int] | None:
@@ -154,16 +168,22 @@ def row_view(a: Array, idx: Array | None) -> Array | None:
 
 
 def cache_dtype_value(dtype: Any) -> np.dtype[Any]:
-    """A KV cache's storage dtype: float16, bfloat16, float32 or float64 (``"bfloat16"`` by name
+    """A KV cache's storage dtype: float16, bfloat16, float32 or float64, or 8-bit int8,
+    float8_e4m3fn or float8_e5m2 (``ml_dtypes``; these three and ``"bfloat16"`` by name
     too); None is the documented default, float32 (not NumPy's ``np.dtype(None)``, float64)."""
     if dtype is None:
         return F32
     try:
-        dt = bfloat16_dtype() if isinstance(dtype, str) and dtype == "bfloat16" else np.dtype(dtype)
+        if isinstance(dtype, str) and dtype in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+            import ml_dtypes  # by name: only when one is asked for
+
+            dt: np.dtype[Any] = np.dtype(getattr(ml_dtypes, dtype))
+        else:
+            dt = np.dtype(dtype)
     except TypeError:
-        raise TypeError(f"dtype must be float16, bfloat16, float32 or float64, got {dtype!r}") from None
-    if not is_storage_dtype(dt):
-        raise TypeError(f"dtype must be float16, bfloat16, float32 or float64, got {dt}")
+        raise TypeError(f"dtype must be {CACHE_DTYPES8}, got {dtype!r}") from None
+    if not cache_dtype_ok(dt):
+        raise TypeError(f"dtype must be {CACHE_DTYPES8}, got {dt}")
     return dt
 
 
@@ -418,6 +438,174 @@ def reread_written(call: Call, kc: Array, vc: Array, starts: Array, T: int) -> N
                 held[r, :, s : s + T] = cache[r, :, s : s + T]
 
 
+# ---------------------------------------------------------------------------
+# 8-bit caches (int8, float8_e4m3fn, float8_e5m2; fastattn._quant): their scales and writes.
+# A cache's scale is read as scaled_dot_product_attention reads it (per token, per channel,
+# per head or one number).  New tokens are quantised before any write: with the cache's own
+# per-token scales (computed for them and written beside them), or with a fixed scale
+# (a value that does not fit raises).
+
+
+def kv8_scale(
+    scale: Any, name: str, cache: Array, lay: str, kv_name: str, writing: bool
+) -> tuple[Array | None, Array | None]:
+    """The scale ``scale`` (argument ``name``) of the 4-D cache ``cache`` (argument
+    ``kv_name``, in layout ``lay``), checked as the attention checks it: ``(fixed,
+    target)``, both None for a float cache or when nothing is written.
+
+    Writing new tokens: a scale that varies along the sequence axis (its length there is
+    the cache's, > 1) holds per-token scales: ``target`` is the bhsd ``(B, H, S, 1)`` view
+    of the caller's array that the new tokens' scales are written to (a writable float32
+    or float64 ndarray of exactly that shape, not sharing memory with the cache); any
+    other scale is fixed: ``fixed`` is its float32 bhsd ``(B, H, 1, X)`` broadcast view,
+    the scale the new tokens are quantised with (fp8 without a scale: 1).
+
+    Raises TypeError for an int8 cache without a scale or a float cache with one,
+    ValueError for a scale that is not finite and positive or does not fit the cache
+    (fastattn._quant.scale_value), or a per-token scale that cannot be written."""
+    if scale is None and not is_kv8(cache.dtype):
+        return None, None  # a float cache (the common case: no more checks)
+    seq_axis = -2 if lay == "bhsd" else -3
+    shape = np.shape(scale) if scale is not None else ()
+    S = cache.shape[seq_axis]
+    per_token = scale is not None and len(shape) <= 4 and S > 1
+    if per_token:
+        padded = (1,) * (4 - len(shape)) + tuple(shape)
+        per_token = padded[seq_axis] == S
+    try:
+        checked = scale_value(scale, name, cache, seq_axis, kv_name)
+    except ValueError as e:
+        if per_token and "finite and positive" in str(e):  # e.g. an array preallocated with zeros
+            raise ValueError(
+                f"{e}, everywhere: the positions past the cached tokens included (preallocate a "
+                "per-token scale array with np.ones)"
+            ) from None
+        raise
+    if checked is None or not writing:
+        return None, None
+    if not per_token:
+        return bhsd(checked, lay)[:, :, :1], None
+    assert isinstance(shape, tuple)
+    want = cache.shape[:-1] + (1,)
+    if not isinstance(scale, np.ndarray):
+        raise TypeError(
+            f"{name} holds per-token scales, which the new tokens' are written to: it must be a "
+            f"numpy.ndarray, got {type(scale).__name__}"
+        )
+    if scale.dtype not in (F32, F64):
+        raise TypeError(
+            f"{name} holds per-token scales, which the new tokens' are written to: it must be "
+            f"float32 or float64, got {scale.dtype}"
+        )
+    if (1,) * (4 - scale.ndim) + scale.shape != want:
+        raise ValueError(
+            f"{name} holds per-token scales, which the new tokens' are written to: it must have "
+            f"one scale per token of each sequence and head, shape {want}, got {scale.shape}"
+        )
+    if not scale.flags.writeable:
+        raise ValueError(f"{name} must be writable: the new tokens' per-token scales are written to it")
+    if np.may_share_memory(scale, cache):
+        raise ValueError(f"{name} must not share memory with {kv_name}")
+    return None, bhsd(scale[(None,) * (4 - scale.ndim)], lay)
+
+
+def kv8_fixed_scale(scale: Any, name: str, dt: np.dtype[Any], Hk: int, X: int, kv_name: str) -> Array | None:
+    """A :class:`fastattn.KVCache`'s fixed scale given at construction (``name``, for its
+    keys or values ``kv_name`` of head dim X): a number, per head ``(Hk, 1, 1)``, per
+    channel ``(Hk, 1, X)`` / ``(X,)``, or any shape broadcasting to ``(Hk, 1, X)`` (with
+    leading ones up to 4-D): the same for every sequence, so beam reordering and resets
+    keep it.  Returns a float32 copy of shape ``(1, Hk', 1, X')`` (Hk' in {1, Hk}, X' in
+    {1, X}) that broadcasts against the bhsd cache; None without a scale (then the cache
+    keeps per-token scales).  TypeError for a float cache with a scale (``scale_value``)."""
+    if scale is None:
+        return None
+    if not is_kv8(dt):
+        raise TypeError(
+            f"{name} applies to an 8-bit cache (int8, float8_e4m3fn, float8_e5m2), got dtype {dt}"
+        )
+    shape = np.shape(scale)
+    padded = (1,) * (4 - len(shape)) + tuple(shape) if len(shape) <= 4 else None
+    if (
+        padded is None
+        or padded[0] != 1
+        or padded[2] != 1
+        or padded[1] not in (1, Hk)
+        or padded[3] not in (1, X)
+    ):
+        raise ValueError(
+            f"{name} must be a fixed scale broadcasting to ({Hk}, 1, {X}) (a number, per head "
+            f"({Hk}, 1, 1) or per channel ({Hk}, 1, {X}) / ({X},)); got shape {shape}. Leave it "
+            "None for per-token scales kept by the cache"
+        )
+    proxy = np.empty(padded, dtype=dt)  # the shape the scale must fit
+    checked = scale_value(scale, name, proxy, -2, kv_name)
+    assert checked is not None
+    return np.array(checked, dtype=F32)  # a copy: later changes to the caller's array change nothing
+
+
+def kv8_tokens(x: Array, dt: np.dtype[Any], fixed: Array | None, name: str) -> tuple[Array, Array]:
+    """New tokens ``x`` (bhsd, float) quantised to the 8-bit cache dtype ``dt``: ``(data,
+    scales)``, with the ``fixed`` scale (from :func:`kv8_scale`) or, None, per token
+    (scales ``(n, H, T, 1)`` float32).  Called before any write: a value that does not
+    fit a fixed scale (or is not finite) raises ValueError naming ``name``."""
+    try:
+        return quantize(x, dt, fixed, name)
+    except ValueError as e:
+        raise ValueError(f"{e}; nothing was written") from None
+
+
+def kv8_targets_apart(targets: Sequence[tuple[Array | None, str]], others: Sequence[Array]) -> None:
+    """Per-token scale arrays written to (each ``(array or None, its name)``) must not share
+    memory with each other or with ``others`` (the caches): a write would corrupt the other."""
+    given = [(t, n) for t, n in targets if t is not None]
+    for i, (t, n) in enumerate(given):
+        for u, m in given[i + 1 :]:
+            if np.may_share_memory(t, u):
+                raise ValueError(f"{n} and {m} must not share memory")
+        for o in others:
+            if np.may_share_memory(t, o):
+                raise ValueError(f"{n} must not share memory with the caches or the new tokens")
+
+
+def write_rows(c: Array, rows: Array | None, starts: Array, w: Array) -> None:
+    """Write ``w`` (bhsd ``(n, H, T, X)``) into the bhsd array ``c``: token t of row r into
+    row ``rows[r]`` (None: r) at position ``starts[r] + t`` (:func:`write_tokens` for one
+    array: an 8-bit cache's per-token scales)."""
+    n, T = w.shape[0], w.shape[2]
+    if not (n and T):
+        return
+    starts_l = starts.tolist()
+    rows_l = list(range(n)) if rows is None else rows.tolist()
+    if starts_l.count(starts_l[0]) == len(starts_l):
+        s0 = starts_l[0]
+        view = c[:n] if rows is None else row_view(c, rows)
+        if view is not None:
+            view[:, :, s0 : s0 + T] = w
+        else:
+            c[rows_l, :, s0 : s0 + T] = w
+        return
+    for r, (b, s) in enumerate(zip(rows_l, starts_l)):
+        c[b, :, s : s + T] = w[r]
+
+
+def reread_scales(call: Call, k_target: Array | None, v_target: Array | None) -> Call:
+    """After the per-token scales of new tokens were written to ``k_target``/``v_target``
+    (bhsd views of the caller's arrays, from :func:`kv8_scale`): ``call`` reading them.
+
+    A float32 scale is read in place (the write is seen); another (float64, byte-swapped)
+    was converted by the check before the write: the call takes a fresh conversion."""
+    plan = call.plan
+    if plan is None:
+        return call
+    changes: dict[str, Any] = {}
+    for field, t in (("k_scale", k_target), ("v_scale", v_target)):
+        held = getattr(plan, field)
+        if t is None or held is None or np.may_share_memory(held, t):
+            continue
+        changes[field] = np.broadcast_to(np.asarray(t, dtype=F32), held.shape)
+    return dataclasses.replace(call, plan=replace(plan, changes)) if changes else call
+
+
 def seqlens_value(x: Any, name: str, B: int, limit: int | None = None, note: str = "") -> Array:
     """Per-sequence lengths from an int or a ``(B,)`` (or 0-D) integer array, as int64
     ``(B,)``; each in ``[0, limit]`` (``[0, 2**63 - 1]`` without a limit)."""
@@ -442,8 +630,8 @@ def cache_operands(
     if not isinstance(v_cache, np.ndarray):
         raise TypeError(f"v_cache must be a numpy.ndarray, got {type(v_cache).__name__}")
     cdt = k_cache.dtype
-    if not is_storage_dtype(cdt):
-        raise TypeError(f"k_cache must have dtype float16, bfloat16, float32 or float64, got {cdt}")
+    if not cache_dtype_ok(cdt):
+        raise TypeError(f"k_cache must have dtype {CACHE_DTYPES8}, got {cdt}")
     if v_cache.dtype != cdt:
         raise TypeError(f"v_cache must have the dtype of k_cache ({cdt}), got {v_cache.dtype}")
     if not query_dtype_ok(qa.dtype, cdt):

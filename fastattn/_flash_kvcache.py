@@ -11,9 +11,13 @@ import numpy as np
 from . import _torch_bridge, positions
 from ._args import sdpa_call
 from ._cache_args import (
+    CACHE_DTYPES8,
+    cache_dtype_ok,
     index_value,
     indices_value,
     keys_to_write,
+    kv8_tokens,
+    query_dtypes,
     reread_written,
     seqlens_value,
     to_cache_dtype,
@@ -22,7 +26,7 @@ from ._cache_args import (
 from ._cache_args import is_real_float as _is_real_float
 from ._cache_args import query_dtype_ok as _query_dtype_ok
 from ._cache_args import row_view as _rows
-from ._checks import is_storage_dtype
+from ._checks import F32
 from ._flash_args import alibi_value as _alibi
 from ._flash_args import array_value as _array
 from ._flash_args import check_ndim as _ndim
@@ -30,9 +34,55 @@ from ._flash_args import flag_value as _flag
 from ._flash_args import softcap_value as _softcap
 from ._flash_args import window_size_value as _window_size
 from ._flash_args import wrap as _wrap
+from ._quant import I8, is_kv8
 
 # The rotary helper of fastattn.positions (Any: that module is typed by its owner).
 _CacheRotary: Any = positions.CacheRotary
+
+
+_ONE = np.ones((1, 1, 1, 1), dtype=F32)  # an fp8 cache's scale without a descale
+_F32_TINY = float(np.finfo(np.float32).tiny)
+_FP8_TORCH = ("float8_e4m3fn", "float8_e5m2")
+
+
+def _cache_array(x: Any, name: str, writable: bool) -> np.ndarray:
+    """A cache as a NumPy array (a view of a CPU tensor's memory): as ``_flash_args.array_value``,
+    and an fp8 tensor (which has no NumPy dtype) as its bytes viewed as ml_dtypes' fp8."""
+    if _torch_bridge.is_tensor(x) and str(x.dtype).removeprefix("torch.") in _FP8_TORCH:
+        import ml_dtypes
+
+        torch = _torch_bridge.torch_module()
+        a = _torch_bridge.to_numpy(x.view(torch.uint8), name, writable=writable)
+        return a.view(getattr(ml_dtypes, str(x.dtype).removeprefix("torch.")))
+    return _array(x, name, writable=writable)
+
+
+def _descale(x: Any, name: str, cdt: np.dtype[Any], cache_name: str, B: int, Hk: int) -> np.ndarray | None:
+    """flash-attn 3's ``k_descale``/``v_descale`` of an 8-bit cache: ``(batch, nheads_k)`` (or
+    anything broadcasting to it), finite and positive, as a float32 ``(B, Hk)`` array; None
+    for an fp8 cache without one (scale 1).  TypeError for an int8 cache without one or a
+    float cache with one."""
+    if x is None:
+        if cdt == I8:
+            raise TypeError(
+                f"{name} is required for an int8 {cache_name}: ({B}, {Hk}) float32 scales, "
+                f"dequantised {cache_name} = {cache_name} * {name}"
+            )
+        return None
+    if not is_kv8(cdt):
+        raise TypeError(f"{name} applies to 8-bit caches (int8, float8_e4m3fn, float8_e5m2), got {cdt}")
+    a = _array(x, name)
+    if a.dtype.kind not in "fiu" or a.dtype == np.bool_:
+        raise TypeError(f"{name} must be a real array or number, got dtype {a.dtype}")
+    try:
+        if a.ndim > 2:
+            raise ValueError
+        d = np.broadcast_to(np.asarray(a, dtype=F32), (B, Hk))
+    except ValueError:
+        raise ValueError(f"{name} must have shape (batch, nheads_k) = ({B}, {Hk}), got {a.shape}") from None
+    if d.size and not (np.all(np.isfinite(d)) and np.min(d) >= _F32_TINY):
+        raise ValueError(f"{name} must be finite and positive (at least {_F32_TINY:g}, a float32 normal)")
+    return np.ascontiguousarray(d)
 
 
 def _ints(x: Any, name: str) -> Any:
@@ -61,6 +111,9 @@ def flash_attn_with_kvcache(
     alibi_slopes: Any = None,
     num_splits: Any = 0,
     return_softmax_lse: Any = False,
+    q_descale: Any = None,
+    k_descale: Any = None,
+    v_descale: Any = None,
 ) -> Any:
     """flash-attn's ``flash_attn_with_kvcache``: append new keys/values in place, then attend.
 
@@ -89,6 +142,17 @@ def flash_attn_with_kvcache(
     (2, 3), ...; False pairs i with i + rotary_dim/2 (GPT-NeoX).  Any even
     rotary_dim up to headdim is accepted (flash-attn's GPU kernel needs a
     multiple of 16).
+
+    8-bit caches (int8, ``ml_dtypes.float8_e4m3fn`` / ``float8_e5m2`` arrays, or
+    ``torch.int8`` / ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` tensors)
+    with flash-attn 3's per-head descales ``k_descale``/``v_descale`` ``(batch,
+    nheads_k)`` float32 (dequantised ``k_cache[b, :, h] * k_descale[b, h]``;
+    required for int8, 1 by default for fp8): the cache is read in place with
+    them, and new ``k``/``v`` (float) are quantised with them before anything
+    is written (``round(k / k_descale)`` for int8, the fp8 cast otherwise); a
+    value that does not fit (``|k / k_descale|`` beyond 127, 448 or 57344)
+    raises ValueError with nothing written.  q stays float (float32, float16
+    or bfloat16): ``q_descale`` must be None (NotImplementedError otherwise).
 
     Every check runs before anything is written; the attention reads exactly what
     the caches hold after the write, strided or misaligned caches included (K kept
@@ -130,6 +194,11 @@ def flash_attn_with_kvcache(
         Accepted and ignored.
     return_softmax_lse : bool, default False
         Also return the log-sum-exp.
+    q_descale : None
+        Flash-attn 3's fp8 query descale: only None (NotImplementedError).
+    k_descale, v_descale : array_like or torch.Tensor, optional
+        ``(batch, nheads_k)`` float32 scales of 8-bit caches, as above
+        (TypeError with float caches).
 
     Returns
     -------
@@ -153,6 +222,17 @@ def flash_attn_with_kvcache(
     >>> ref = flash_attn_func(q, k_cache[:, :4], v_cache[:, :4])
     >>> bool(np.allclose(out, ref))
     True
+
+    The same step with int8 caches and per-head descales:
+
+    >>> k8 = np.rint(k_cache / 0.05).astype(np.int8)
+    >>> v8 = np.rint(v_cache / 0.05).astype(np.int8)
+    >>> d = np.full((1, 2), 0.05, np.float32)  # (batch, nheads_k)
+    >>> out8 = flash_attn_with_kvcache(q, k8, v8, k, v, cache_seqlens=3, k_descale=d, v_descale=d)
+    >>> bool(np.array_equal(k8[:, 3], np.rint(k[:, 0] / 0.05)))
+    True
+    >>> bool(np.abs(out8 - ref).max() < 0.05)
+    True
     """
     # flash-attn features fastattn does not have: refused, never ignored.
     if block_table is not None:
@@ -169,19 +249,23 @@ def flash_attn_with_kvcache(
     appending = k is not None or v is not None
     if appending and (k is None or v is None):
         raise ValueError("k and v must be given together")
-    kc = _array(k_cache, "k_cache", writable=appending)
-    vc = _array(v_cache, "v_cache", writable=appending)
+    if q_descale is not None:
+        raise NotImplementedError(
+            "q_descale (flash-attn 3's fp8 queries) is not supported: fastattn's queries are float; "
+            "pass q dequantised (q * q_descale) and q_descale=None"
+        )
+    kc = _cache_array(k_cache, "k_cache", appending)
+    vc = _cache_array(v_cache, "v_cache", appending)
     _ndim(qa, "q", 4, "(batch, seqlen_q, nheads, headdim)")
     _ndim(kc, "k_cache", 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
     _ndim(vc, "v_cache", 4, "(batch_cache, seqlen_cache, nheads_k, headdim_v)")
     cdt = kc.dtype
-    if not is_storage_dtype(cdt):
-        raise TypeError(f"k_cache must have dtype float16, bfloat16, float32 or float64, got {cdt}")
+    if not cache_dtype_ok(cdt):
+        raise TypeError(f"k_cache must have dtype {CACHE_DTYPES8}, got {cdt}")
     if vc.dtype != cdt:
         raise TypeError(f"v_cache must have the dtype of k_cache ({cdt}), got {vc.dtype}")
     if not _query_dtype_ok(qa.dtype, cdt):
-        allowed = "float64" if cdt.name == "float64" else f"float32 or {cdt}"
-        raise TypeError(f"q must have dtype {allowed} for {cdt} caches, got {qa.dtype}")
+        raise TypeError(f"q must have dtype {query_dtypes(cdt)} for {cdt} caches, got {qa.dtype}")
     B, Lq, Hq, D = qa.shape
     Bc, S, Hk, Dk = kc.shape
     if vc.shape[:3] != (Bc, S, Hk):
@@ -191,6 +275,9 @@ def flash_attn_with_kvcache(
         raise ValueError(f"k_cache head dim ({Dk}) must equal q's ({D})")
     if Hk == 0 or Hq % Hk:
         raise ValueError(f"q heads ({Hq}) must be a multiple of the cache's heads ({Hk})")
+    # 8-bit caches: flash-attn 3's per-head descales (batch, nheads_k), None or float32.
+    kd = _descale(k_descale, "k_descale", cdt, "k_cache", B, Hk)
+    vd = _descale(v_descale, "v_descale", cdt, "v_cache", B, Hk)
 
     if cache_batch_idx is None:
         if Bc < B:
@@ -249,7 +336,15 @@ def flash_attn_with_kvcache(
         rot.check(kpos, "the new keys' positions (cache_seqlens + t)")
         rot.check(qpos, "the queries' positions")
         qr = rot.rotate_q(qa.swapaxes(1, 2), qpos)  # bhsd; before any write: it checks overflow
-    if appending:
+    if appending and is_kv8(cdt):
+        # Rotated in float32, then quantised with the descales (fp8 without one: 1), before
+        # any write: a value that does not fit raises.
+        kb = ka.swapaxes(1, 2)
+        kf = kb if rot is None else to_cache_dtype(kb, F32, "k", rot, kpos, bshd=True)
+        kw, _ = kv8_tokens(kf, cdt, _ONE if kd is None else kd[:, :, None, None], "k")
+        vw, _ = kv8_tokens(va.swapaxes(1, 2), cdt, _ONE if vd is None else vd[:, :, None, None], "v")
+        rot_direct = False
+    elif appending:
         # The new tokens as bhsd views, converted (and checked: a value, rotated or not, that
         # would overflow the cache dtype raises) before any write: the checks of
         # attention_with_kvcache and KVCache.append.
@@ -275,7 +370,19 @@ def flash_attn_with_kvcache(
     kview = kc[:B] if idx is None else _rows(kc, idx)
     vview = vc[:B] if idx is None else _rows(vc, idx)
     if kview is not None and vview is not None:
-        calls = [sdpa_call(qa, kview, vview, attn_mask=mask, key_lengths=total, alibi_slopes=al, **opts)]
+        calls = [
+            sdpa_call(
+                qa,
+                kview,
+                vview,
+                attn_mask=mask,
+                key_lengths=total,
+                alibi_slopes=al,
+                k_scale=None if kd is None else kd[:, None, :, None],  # (B, 1, Hk, 1): bshd per head
+                v_scale=None if vd is None else vd[:, None, :, None],
+                **opts,
+            )
+        ]
     else:  # scattered cache rows: one call per sequence, each on a view of its row
         if al is not None and al.ndim == 2 and al.shape[0] != B:
             raise ValueError(f"alibi_slopes must have shape ({Hq},) or ({B}, {Hq}), got {al.shape}")
@@ -287,6 +394,8 @@ def flash_attn_with_kvcache(
                 attn_mask=None if mask is None else mask[b : b + 1],
                 key_lengths=total[b : b + 1],
                 alibi_slopes=None if al is None else (al if al.ndim == 1 else al[b : b + 1]),
+                k_scale=None if kd is None else kd[b : b + 1, None, :, None],
+                v_scale=None if vd is None else vd[b : b + 1, None, :, None],
                 **opts,
             )
             for b, c in enumerate(rows.tolist())

@@ -14,6 +14,9 @@ cdef extern from "fastattn.h":
         FA_F64
         FA_F16
         FA_BF16
+        FA_I8
+        FA_E4M3
+        FA_E5M2
 
     cpdef enum fa_mask_kind:
         FA_MASK_NONE
@@ -52,6 +55,10 @@ cdef extern from "fastattn.h":
         int64_t o_sb, o_sh, o_sl
         void *lse
         int64_t lse_sb, lse_sh, lse_sl
+        const float *k_scale
+        int64_t ks_sb, ks_sh, ks_sl, ks_sd
+        const float *v_scale
+        int64_t vs_sb, vs_sh, vs_sl, vs_sd
         int mask_kind
         const void *mask
         int64_t m_sb, m_sh, m_sl, m_ss

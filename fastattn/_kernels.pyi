@@ -25,6 +25,9 @@ class fa_dtype(enum.IntEnum):
     FA_F64 = 1
     FA_F16 = 2
     FA_BF16 = 3
+    FA_I8 = 4
+    FA_E4M3 = 5
+    FA_E5M2 = 6
 
 class fa_mask_kind(enum.IntEnum):
     FA_MASK_NONE = 0
@@ -54,6 +57,9 @@ FA_F32: int
 FA_F64: int
 FA_F16: int
 FA_BF16: int
+FA_I8: int
+FA_E4M3: int
+FA_E5M2: int
 FA_MASK_NONE: int
 FA_MASK_BOOL: int
 FA_MASK_F32: int

@@ -32,17 +32,19 @@ class _DtypeCodes(dict):
     ~0.5 s, and a bfloat16 array exists only once its maker has imported it."""
 
     def __missing__(self, dt):
-        if getattr(dt, "name", None) == "bfloat16":
+        code = {"bfloat16": <int>FA_BF16, "float8_e4m3fn": <int>FA_E4M3,
+                "float8_e5m2": <int>FA_E5M2}.get(getattr(dt, "name", None))
+        if code is not None:
             import ml_dtypes
 
-            if dt == np.dtype(ml_dtypes.bfloat16):
-                self[dt] = <int>FA_BF16
-                return <int>FA_BF16
+            if dt == np.dtype(getattr(ml_dtypes, dt.name)):
+                self[dt] = code
+                return code
         raise KeyError(dt)
 
 
 DTYPE_CODES = _DtypeCodes({np.dtype(np.float32): <int>FA_F32, np.dtype(np.float64): <int>FA_F64,
-                           np.dtype(np.float16): <int>FA_F16})
+                           np.dtype(np.float16): <int>FA_F16, np.dtype(np.int8): <int>FA_I8})
 # Older names of the mask kinds.
 MASK_NONE, MASK_BOOL = <int>FA_MASK_NONE, <int>FA_MASK_BOOL
 MASK_F32, MASK_F64 = <int>FA_MASK_F32, <int>FA_MASK_F64
@@ -57,6 +59,8 @@ cdef inline int _dtype_code(cnp.ndarray a) except -1:
         return FA_F64
     if t == cnp.NPY_FLOAT16:
         return FA_F16
+    if t == cnp.NPY_INT8:
+        return FA_I8
     return DTYPE_CODES[a.dtype]
 
 
@@ -73,6 +77,15 @@ cdef inline void _strides3(cnp.ndarray a, int64_t *sb, int64_t *sh, int64_t *sl)
     sb[0] = _stride(a, 0)
     sh[0] = _stride(a, 1)
     sl[0] = _stride(a, 2)
+
+
+cdef inline void _scale4(object a, const float **ptr, int64_t *sb, int64_t *sh, int64_t *sl, int64_t *sd):
+    """An 8-bit K/V scale: a float32 (B, Hk, S, D) broadcast view, or None."""
+    ptr[0] = <const float *>_ptr(a)
+    sb[0] = sh[0] = sl[0] = sd[0] = 0
+    if a is not None:
+        _strides3(<cnp.ndarray>a, sb, sh, sl)
+        sd[0] = _stride(<cnp.ndarray>a, 3)
 
 
 cdef int _fill(fa_params *p, object plan) except -1:
@@ -110,6 +123,8 @@ cdef int _fill(fa_params *p, object plan) except -1:
     p.lse_sb = p.lse_sh = p.lse_sl = 0
     if lse is not None:
         _strides3(lse, &p.lse_sb, &p.lse_sh, &p.lse_sl)
+    _scale4(plan.k_scale, &p.k_scale, &p.ks_sb, &p.ks_sh, &p.ks_sl, &p.ks_sd)
+    _scale4(plan.v_scale, &p.v_scale, &p.vs_sb, &p.vs_sh, &p.vs_sl, &p.vs_sd)
     p.mask_kind = plan.mask_kind
     p.mask = _ptr(mask)
     p.m_sb = p.m_sh = p.m_sl = p.m_ss = 0

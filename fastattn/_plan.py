@@ -74,7 +74,9 @@ class Plan:
     Arrays are bhsd views with the same leading dims ``lead`` (at least one):
     ``q (*lead, Hq, L, D)``, ``k (*lead, Hk, S, D)``, ``v (*lead, Hk, S, Dv)``,
     ``o (*lead, Hq, L, Dv)`` (written), ``lse (*lead, Hq, L)`` (written),
-    ``mask (*lead, Hq, L, S)`` (broadcast strides), ``alibi (*lead, Hq)``
+    ``k_scale``/``v_scale (*lead, Hk, S, D or Dv)`` float32 broadcast views (the
+    scales of 8-bit K/V: per token, channel or head), ``mask (*lead, Hq, L,
+    S)`` (broadcast strides), ``alibi (*lead, Hq)``
     float64, ``q_lens``/``k_lens (*lead)`` int64, ``bmask (*lead, Hq, nbq, nbk)``
     bool; ``sinks (Hq,)`` float64 and ``cu_q``/``cu_k (B + 1,)`` int64 are
     shared by every batch element.  The binding reads 4-D plans (one leading
@@ -101,6 +103,8 @@ class Plan:
     precision: int
     causal: bool = False
     lse: Any = _batch_field(2)
+    k_scale: Any = _batch_field(3)
+    v_scale: Any = _batch_field(3)
     mask: Any = _batch_field(3)
     mask_kind: int = _kernels.FA_MASK_NONE
     window_left: int = -1

@@ -33,7 +33,11 @@ than a sequence, a new key that overflows a 16-bit cache).  ``deterministic``
 and ``num_splits`` are accepted and change nothing: every result is already
 deterministic and bit-identical for every thread count.  fastattn extends
 flash-attn where it costs nothing: float32/float64 inputs, a float32 ``q`` with
-16-bit caches, value head dims different from the key head dim.
+16-bit caches, value head dims different from the key head dim.  From
+flash-attn 3, ``flash_attn_with_kvcache`` takes 8-bit caches (int8, fp8
+e4m3fn / e5m2) with their per-head descales ``k_descale``/``v_descale``
+``(batch, nheads_k)``: new float keys/values are quantised with them (one
+that does not fit raises); queries stay float (``q_descale`` must be None).
 """
 
 from __future__ import annotations

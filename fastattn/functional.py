@@ -59,6 +59,8 @@ def scaled_dot_product_attention(
     block_size: tuple[int, int] | None = None,
     device: Literal["cpu", "cuda"] | None = None,
     precision: _Precision = None,
+    k_scale: npt.ArrayLike | float | None = None,
+    v_scale: npt.ArrayLike | float | None = None,
 ) -> np.ndarray: ...
 @overload
 def scaled_dot_product_attention(
@@ -85,6 +87,8 @@ def scaled_dot_product_attention(
     block_size: tuple[int, int] | None = None,
     device: Literal["cpu", "cuda"] | None = None,
     precision: _Precision = None,
+    k_scale: npt.ArrayLike | float | None = None,
+    v_scale: npt.ArrayLike | float | None = None,
 ) -> tuple[np.ndarray, np.ndarray]: ...
 def scaled_dot_product_attention(
     query: npt.ArrayLike,
@@ -110,6 +114,8 @@ def scaled_dot_product_attention(
     block_size: tuple[int, int] | None = None,
     device: Literal["cpu", "cuda"] | None = None,
     precision: _Precision = None,
+    k_scale: npt.ArrayLike | float | None = None,
+    v_scale: npt.ArrayLike | float | None = None,
 ) -> Any:
     """softmax(query @ key^T * scale + mask) @ value, fused and tiled.
 
@@ -126,7 +132,9 @@ def scaled_dot_product_attention(
     query, key, value : array_like
         float32, float64, float16 or bfloat16 (``ml_dtypes``); key and value share
         a dtype, and a float32 query may be used with 16-bit keys and values.
-        Read in place through their strides; never modified.
+        Key and value may also be 8-bit (``int8``, ``ml_dtypes.float8_e4m3fn`` or
+        ``float8_e5m2``) under a float32, float16 or bfloat16 query, with
+        ``k_scale`` / ``v_scale``.  Read in place through their strides; never modified.
     attn_mask : array_like, optional
         bool (True = may attend) or float (added to the scores; -inf
         excludes), broadcastable to ``(..., Hq, L, S)``; read in place through
@@ -187,6 +195,16 @@ def scaled_dot_product_attention(
         levels take effect on the ``amx`` path (>= 32 rows per key/value head) and
         compute as "highest" elsewhere; float64 and float16 ignore it.  bfloat16
         inputs on the ``amx`` path always use bf16 products (P rounded to bf16).
+
+    k_scale, v_scale : array_like or float, optional
+        Scales of 8-bit key and value: the kernel attends over ``key * k_scale``
+        and ``value * v_scale`` (float32), dequantised in registers, never
+        copied.  Each broadcasts against its array in the call's layout and
+        varies along the sequence axis (per token, e.g. ``(B, Hk, S, 1)``) or the
+        head-dim axis (per channel, ``(B, Hk, 1, D)``), not both; a scalar or
+        ``(B, Hk, 1, 1)`` is per tensor / head.  Finite and positive.  Required
+        for int8; 1 by default for fp8; an error with float keys and values.
+        See :func:`fastattn.quantize_kv`.
 
     Returns
     -------
@@ -254,6 +272,8 @@ def scaled_dot_product_attention(
         and query_lengths is None
         and block_mask is None
         and block_size is None
+        and k_scale is None
+        and v_scale is None
         and (scale is None or abs(scale) <= _SCALE_MAX_F32)  # finite, and finite times log2(e)
     ):
         # float32 ndarrays, 4-D, equal heads, native, aligned, last dim contiguous (tested in C).
@@ -285,6 +305,8 @@ def scaled_dot_product_attention(
             raise ValueError(f"device must be None, 'cpu' or 'cuda', got {device!r}")
         cpu_only = dict(
             num_threads=num_threads,
+            k_scale=k_scale,
+            v_scale=v_scale,
             sinks=sinks,
             query_lengths=query_lengths,
             block_mask=block_mask,
@@ -334,6 +356,8 @@ def scaled_dot_product_attention(
         block_mask,
         block_size,
         precision,
+        k_scale,
+        v_scale,
     ).run()
 
 
@@ -356,6 +380,8 @@ def varlen_attention(
     out: np.ndarray | None = None,
     num_threads: int | None = None,
     precision: _Precision = None,
+    k_scale: npt.ArrayLike | float | None = None,
+    v_scale: npt.ArrayLike | float | None = None,
 ) -> np.ndarray: ...
 @overload
 def varlen_attention(
@@ -376,6 +402,8 @@ def varlen_attention(
     out: np.ndarray | None = None,
     num_threads: int | None = None,
     precision: _Precision = None,
+    k_scale: npt.ArrayLike | float | None = None,
+    v_scale: npt.ArrayLike | float | None = None,
 ) -> tuple[np.ndarray, np.ndarray]: ...
 def varlen_attention(
     q: npt.ArrayLike,
@@ -395,6 +423,8 @@ def varlen_attention(
     out: np.ndarray | None = None,
     num_threads: int | None = None,
     precision: _Precision = None,
+    k_scale: npt.ArrayLike | float | None = None,
+    v_scale: npt.ArrayLike | float | None = None,
 ) -> Any:
     """Attention over packed variable-length sequences (flash-attn's
     ``flash_attn_varlen_func`` convention).
@@ -418,6 +448,9 @@ def varlen_attention(
     scale, enable_gqa, window, alibi_slopes, softcap, sinks, out, num_threads, precision
         As for :func:`scaled_dot_product_attention` (``alibi_slopes`` ``(Hq,)`` or
         ``(B, Hq)``).
+    k_scale, v_scale : array_like or float, optional
+        The scales of 8-bit k and v, as for :func:`scaled_dot_product_attention`,
+        broadcast against the packed ``(Tk, Hk, D)`` arrays (per token: ``(Tk, Hk, 1)``).
     return_lse : bool, default False
         Also return the log-sum-exp, ``(Hq, Tq)``.
 
@@ -467,4 +500,6 @@ def varlen_attention(
         out=out,
         num_threads=num_threads,
         precision=precision,
+        k_scale=k_scale,
+        v_scale=v_scale,
     ).run()

@@ -33,13 +33,20 @@ from ._cache_args import (
     index_value,
     indices_value,
     keys_to_write,
+    kv8_fixed_scale,
+    kv8_scale,
+    kv8_targets_apart,
+    kv8_tokens,
+    reread_scales,
     reread_written,
     row_view,
     to_cache_dtype,
+    write_rows,
     write_tokens,
 )
 from ._checks import F32, F64, as_array, flag_value
 from ._config import Precision, precision_code
+from ._quant import is_kv8
 
 __all__ = ["KVCache", "attention_with_kvcache"]
 
@@ -48,6 +55,14 @@ _Index = int | slice | npt.ArrayLike | None
 _Precision = Precision | None
 # The rotary helper of fastattn.positions (Any: that module is typed by its owner).
 _CacheRotary: Any = positions.CacheRotary
+
+
+def _read_only(a: np.ndarray | None) -> np.ndarray | None:
+    if a is None:
+        return None
+    view = a.view()
+    view.flags.writeable = False
+    return view
 
 
 class KVCache:
@@ -75,6 +90,21 @@ class KVCache:
 
     Appends convert to the cache dtype and cost O(new tokens); attention reads
     the cache in place and skips the part past each sequence's length.
+
+    8-bit caches (``dtype`` int8, ``ml_dtypes.float8_e4m3fn`` or
+    ``float8_e5m2``, or their names) store a quarter of float32's bytes plus
+    float32 scales: dequantised keys are ``k.astype(np.float32) * k_scale``
+    (values alike), and the attention reads them so, in place
+    (:func:`fastattn.scaled_dot_product_attention`'s ``k_scale``/``v_scale``).
+    By default the cache keeps one scale per token and head (``max|x| / 127``
+    for int8, ``/ 448`` for e4m3, ``/ 57344`` for e5m2, as
+    :func:`fastattn.quantize_kv`), written with the token and kept through
+    growth, :meth:`crop`, :meth:`reorder_cache` and :meth:`reset`; every value
+    is within half a quantisation step of the value appended.  A fixed
+    ``k_scale``/``v_scale`` given to the constructor (a number, per head or per
+    channel, the same for every sequence) quantises every append instead; a
+    value that does not fit it (``|x / scale|`` beyond 127, 448 or 57344)
+    raises ValueError before anything is written.
     Ragged batches: ``batch_index`` restricts ``append``/``attend``/``reset``
     to some sequences.  Generation loops: :meth:`crop` rolls back (speculative
     decoding), :meth:`reorder_cache` follows beam search, :meth:`get_seq_length`.
@@ -97,8 +127,10 @@ class KVCache:
         Tokens per sequence (allocated once), or None for a growing cache.
     head_dim : int
         D, the key head dimension.
-    dtype : dtype, default float32
-        float32, float64, float16 or bfloat16 (``ml_dtypes.bfloat16``).
+    dtype : dtype or str, default float32
+        float32, float64, float16 or bfloat16 (``ml_dtypes.bfloat16``); 8-bit:
+        int8, ``ml_dtypes.float8_e4m3fn`` or ``ml_dtypes.float8_e5m2`` (or the
+        names ``"int8"``, ``"float8_e4m3fn"``, ``"float8_e5m2"``, ``"bfloat16"``).
     value_dim : int, optional
         Dv, the value head dimension; default ``head_dim``.
     rotary_cos, rotary_sin : array_like, optional
@@ -106,6 +138,14 @@ class KVCache:
         keys are rotated as they are appended, queries in :meth:`attend`.
     rotary_interleaved : bool, default False
         GPT-J pairs (0, 1), (2, 3), ... instead of NeoX's rotate-half.
+    k_scale, v_scale : array_like or float, optional
+        8-bit caches only (TypeError otherwise): a fixed float32 scale
+        (finite, positive) for the keys / values, shaped to broadcast against
+        ``(num_kv_heads, 1, head_dim)`` (``value_dim`` for v_scale): a number
+        (per tensor), ``(num_kv_heads, 1, 1)`` (per head), ``(num_kv_heads, 1,
+        head_dim)`` or ``(head_dim,)`` (per channel), leading ones allowed up to
+        4-D; one scale for every sequence and position (ValueError for other
+        shapes).  None (the default): per-token scales kept by the cache.
 
     Examples
     --------
@@ -118,6 +158,19 @@ class KVCache:
     >>> out = cache.attend(rng.standard_normal((1, 4, 1, 8)).astype(np.float32))
     >>> out.shape
     (1, 4, 1, 8)
+
+    An int8 cache with per-token scales (a quarter of the memory, plus 4 bytes
+    per token and head):
+
+    >>> cache8 = fastattn.KVCache(1, 2, 16, 8, dtype="int8")
+    >>> k, v = rng.standard_normal((2, 1, 2, 4, 8))
+    >>> cache8.append(k, v)
+    array([4]...)
+    >>> cache8.k.dtype, cache8.k_scale.shape
+    (dtype('int8'), (1, 2, 16, 1))
+    >>> deq = cache8.k[:, :, :4] * cache8.k_scale[:, :, :4]
+    >>> bool(np.all(np.abs(deq - k) <= 0.5 * cache8.k_scale[:, :, :4] + 1e-7))
+    True
     """
 
     _INITIAL_CAPACITY = 16  # tokens per sequence of a growing cache before its first growth
@@ -134,6 +187,8 @@ class KVCache:
         rotary_cos: npt.ArrayLike | None = None,
         rotary_sin: npt.ArrayLike | None = None,
         rotary_interleaved: bool = False,
+        k_scale: npt.ArrayLike | float | None = None,
+        v_scale: npt.ArrayLike | float | None = None,
     ) -> None:
         B = index_value(batch, "batch", 1)
         Hk = index_value(num_kv_heads, "num_kv_heads", 1)
@@ -150,6 +205,16 @@ class KVCache:
                 f"a KVCache of batch={B}, num_kv_heads={Hk}, max_len={S}, head_dim={D} and "
                 f"value_dim={Dv} holds more {dt} values than an array can; lower max_len"
             ) from None
+        # 8-bit caches: per-token scales (B, Hk, capacity, 1) kept with the data (ones past
+        # the lengths: the attention checks every scale), or a fixed (1, Hk', 1, X') scale.
+        self._ks = kv8_fixed_scale(k_scale, "k_scale", dt, Hk, D, "k")
+        self._vs = kv8_fixed_scale(v_scale, "v_scale", dt, Hk, Dv, "v")
+        self._ktok = is_kv8(dt) and self._ks is None
+        self._vtok = is_kv8(dt) and self._vs is None
+        if self._ktok:
+            self._ks = np.ones((B, Hk, S, 1), dtype=F32)
+        if self._vtok:
+            self._vs = np.ones((B, Hk, S, 1), dtype=F32)
         self._len = np.zeros(B, dtype=np.int64)
         self._lock = threading.Lock()  # append/reset/crop/reorder_cache (see the class doc)
         # Rotary (RoPE): keys rotated at their positions as they are appended, queries as they attend.
@@ -265,7 +330,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the key and value arrays.
+        """Bytes held by the key and value arrays (and an 8-bit cache's scales).
 
         Examples
         --------
@@ -274,7 +339,8 @@ class KVCache:
         >>> cache.nbytes
         896
         """
-        return int(self._k.nbytes + self._v.nbytes)
+        scales = sum(int(s.nbytes) for s in (self._ks, self._vs) if s is not None)
+        return int(self._k.nbytes + self._v.nbytes) + scales
 
     @property
     def k(self) -> np.ndarray:
@@ -306,6 +372,39 @@ class KVCache:
         view.flags.writeable = False
         return view
 
+    @property
+    def k_scale(self) -> np.ndarray | None:
+        """The keys' float32 scales of an 8-bit cache (read-only view; None for a float cache).
+
+        Dequantised keys are ``k.astype(np.float32) * k_scale`` (it broadcasts against
+        :attr:`k`): per token ``(batch, num_kv_heads, capacity, 1)``, kept by the cache
+        (valid up to ``lengths[b]``, 1 past it), or the fixed scale given to the
+        constructor as ``(1, Hk or 1, 1, head_dim or 1)``.
+
+        Examples
+        --------
+        >>> cache = fastattn.KVCache(1, 1, 8, 4, dtype="int8")
+        >>> _ = cache.append(np.array([[[[0.5, -1.0, 0.25, 0.0]]]]), np.ones((1, 1, 1, 4)))
+        >>> cache.k[0, 0, 0], cache.k_scale[0, 0, 0]
+        (array([  64, -127,   32,    0], dtype=int8), array([0.00787402], dtype=float32))
+        """
+        return _read_only(self._ks)
+
+    @property
+    def v_scale(self) -> np.ndarray | None:
+        """The values' float32 scales of an 8-bit cache (read-only view; None for a float cache).
+
+        As :attr:`k_scale`, for :attr:`v`: per token ``(batch, num_kv_heads,
+        capacity, 1)`` or the fixed scale ``(1, Hk or 1, 1, value_dim or 1)``.
+
+        Examples
+        --------
+        >>> cache = fastattn.KVCache(1, 2, 8, 4, dtype="float8_e4m3fn", v_scale=0.5)
+        >>> cache.v_scale
+        array([[[[0.5]]]], dtype=float32)
+        """
+        return _read_only(self._vs)
+
     def __repr__(self) -> str:
         return (
             f"KVCache(batch={self.batch}, num_kv_heads={self.num_kv_heads}, max_len={self.max_len}, "
@@ -321,10 +420,12 @@ class KVCache:
         ``k_new``: ``(B, Hk, T, D)`` (``(len(idx), Hk, T, D)`` with
         ``batch_index``; an int ``batch_index`` also takes ``(Hk, T, D)``),
         ``v_new`` likewise with ``Dv``.  Any real floating dtype; converted to
-        the cache dtype.  Every check runs before anything is written: on an
-        error (a sequence would exceed ``max_len``, or a value does not fit the
-        cache dtype and would become inf) the cache and its lengths are
-        unchanged.  A growing cache (``max_len=None``) doubles its capacity when
+        the cache dtype (an 8-bit cache quantises them: per token, its scales
+        written with them, or with its fixed scale).  Every check runs before
+        anything is written: on an error (a sequence would exceed ``max_len``,
+        a value does not fit the cache dtype and would become inf, or does not
+        fit an 8-bit cache's fixed scale) the cache, its scales and its lengths
+        are unchanged.  A growing cache (``max_len=None``) doubles its capacity when
         needed.  Returns the new lengths of the selected sequences.
 
         Parameters
@@ -376,6 +477,23 @@ class KVCache:
         if rot is not None:  # keys rotated at positions lengths[b] + t while written (C)
             kpos = rot.positions(self._len[rows], T)
             rot.check(kpos, "the appended tokens' positions")
+        if is_kv8(dt):
+            # Rotated in float32, then quantised (per token, or with the fixed scale: a
+            # value that does not fit raises), all before the first write.
+            kf = k if rot is None else to_cache_dtype(k, F32, "k_new", rot, kpos)
+            kc, ks_new = kv8_tokens(kf, dt, None if self._ktok else self._ks, "k_new")
+            vc, vs_new = kv8_tokens(v, dt, None if self._vtok else self._vs, "v_new")
+            if need > self.capacity:
+                self._grow(need)
+            if T and rows.size:
+                starts = self._len[rows]
+                write_tokens(self._k, self._v, idx, starts, kc, vc)
+                if self._ktok and self._ks is not None:
+                    write_rows(self._ks, idx, starts, ks_new)
+                if self._vtok and self._vs is not None:
+                    write_rows(self._vs, idx, starts, vs_new)
+                self._len[rows] += T
+            return self._len[rows].copy()
         # Convert (and check that every value fits) before the first write, so that a
         # failing conversion changes nothing (the check attention_with_kvcache and
         # flash_attn_with_kvcache make: keys_to_write).
@@ -396,7 +514,16 @@ class KVCache:
         v = np.zeros(self._v.shape[:2] + (cap, self._v.shape[3]), dtype=self.dtype)
         k[:, :, :used] = self._k[:, :, :used]
         v[:, :, :used] = self._v[:, :, :used]
-        self._k, self._v = k, v
+        ks, vs = self._ks, self._vs
+        if self._ktok:
+            assert self._ks is not None
+            ks = np.ones(self._ks.shape[:2] + (cap, 1), dtype=F32)
+            ks[:, :, :used] = self._ks[:, :, :used]
+        if self._vtok:
+            assert self._vs is not None
+            vs = np.ones(self._vs.shape[:2] + (cap, 1), dtype=F32)
+            vs[:, :, :used] = self._vs[:, :, :used]
+        self._k, self._v, self._ks, self._vs = k, v, ks, vs
 
     def crop(self, n: int) -> None:
         """Roll back to at most ``n`` tokens per sequence (``lengths = min(lengths, n)``).
@@ -435,7 +562,8 @@ class KVCache:
 
         ``beam_idx``: ``(batch,)`` integers in ``[0, batch)`` (repeats allowed: a
         beam may be continued by several); checked before anything changes.
-        Copies the valid tokens of the selected rows (O(batch x longest length)).
+        Copies the valid tokens of the selected rows (O(batch x longest length)),
+        with their per-token scales in an 8-bit cache.
 
         Parameters
         ----------
@@ -464,6 +592,12 @@ class KVCache:
                 # The fancy index copies first, so rows that read each other are safe.
                 self._k[:, :, :used] = self._k[idx, :, :used]
                 self._v[:, :, :used] = self._v[idx, :, :used]
+                if self._ktok:  # per-token scales travel with their tokens
+                    assert self._ks is not None
+                    self._ks[:, :, :used] = self._ks[idx, :, :used]
+                if self._vtok:
+                    assert self._vs is not None
+                    self._vs[:, :, :used] = self._vs[idx, :, :used]
             self._len = self._len[idx]
 
     def get_seq_length(self) -> int:
@@ -613,9 +747,22 @@ class KVCache:
             num_threads=num_threads,
             precision=precision,
         )
+        ks, vs, ktok, vtok = self._ks, self._vs, self._ktok, self._vtok
         kv, vv = row_view(self._k, idx), row_view(self._v, idx)
         if kv is not None and vv is not None:
-            return sdpa_call(qa, kv, vv, key_lengths=lens.copy(), alibi_slopes=alibi_slopes, **opts).run()
+            # Per-token scales: the same rows (a progression: views); fixed ones broadcast.
+            kss = row_view(ks, idx) if ktok and ks is not None else ks
+            vss = row_view(vs, idx) if vtok and vs is not None else vs
+            return sdpa_call(
+                qa,
+                kv,
+                vv,
+                key_lengths=lens.copy(),
+                alibi_slopes=alibi_slopes,
+                k_scale=kss,
+                v_scale=vss,
+                **opts,
+            ).run()
         # Scattered indices: one kernel call per sequence, each on a view of the cache,
         # every one checked before the first runs.
         assert idx is not None
@@ -627,6 +774,8 @@ class KVCache:
                 self._v[b : b + 1],
                 key_lengths=self._len[b : b + 1].copy(),
                 alibi_slopes=None if al_all is None else (al_all[r : r + 1] if al_all.ndim == 2 else al_all),
+                k_scale=ks[b : b + 1] if ktok and ks is not None else ks,
+                v_scale=vs[b : b + 1] if vtok and vs is not None else vs,
                 **opts,
             )
             for r, b in enumerate(idx.tolist())
@@ -664,6 +813,8 @@ def attention_with_kvcache(
     rotary_sin: npt.ArrayLike | None = None,
     rotary_interleaved: bool = False,
     precision: _Precision = None,
+    k_scale: npt.ArrayLike | None = None,
+    v_scale: npt.ArrayLike | None = None,
 ) -> np.ndarray: ...
 @overload
 def attention_with_kvcache(
@@ -686,6 +837,8 @@ def attention_with_kvcache(
     rotary_sin: npt.ArrayLike | None = None,
     rotary_interleaved: bool = False,
     precision: _Precision = None,
+    k_scale: npt.ArrayLike | None = None,
+    v_scale: npt.ArrayLike | None = None,
 ) -> tuple[np.ndarray, np.ndarray]: ...
 def attention_with_kvcache(
     q: npt.ArrayLike,
@@ -707,6 +860,8 @@ def attention_with_kvcache(
     rotary_sin: npt.ArrayLike | None = None,
     rotary_interleaved: bool = False,
     precision: _Precision = None,
+    k_scale: npt.ArrayLike | None = None,
+    v_scale: npt.ArrayLike | None = None,
 ) -> Any:
     """Attention over caller-owned caches, optionally appending new keys/values first
     (the semantics of flash-attn's ``flash_attn_with_kvcache``).
@@ -732,6 +887,24 @@ def attention_with_kvcache(
     Returns the output in q's dtype and layout (and the LSE ``(B, Hq, Lq)``
     with ``return_lse``).  ``precision``: the float32 matmul level, as for
     :func:`fastattn.scaled_dot_product_attention` (None: the process default).
+
+    8-bit caches (int8, ``ml_dtypes.float8_e4m3fn``, ``float8_e5m2``; both
+    alike) take float32, float16 or bfloat16 queries and their float32 scales
+    ``k_scale``/``v_scale`` in the caches' layout, as
+    :func:`fastattn.scaled_dot_product_attention` takes them (dequantised
+    K = ``k_cache * k_scale``; required for int8, 1 by default for fp8).
+    New tokens are quantised before anything is written.  A scale with the
+    cache's length on its sequence axis is per token (bhsd ``(B, Hk, S_max,
+    1)``, bshd ``(B, S_max, Hk, 1)``, a writable float32 or float64 ndarray):
+    the new tokens' scales (``max|x| / 127`` for int8, ``/ 448`` e4m3, ``/
+    57344`` e5m2, per token and head, as :func:`fastattn.quantize_kv`) are
+    written into it at the same positions as their data.  Every scale is
+    checked, the positions past ``cache_seqlens`` included, so preallocate a
+    per-token scale array with ``np.ones``.  Any other scale (per channel,
+    per head, one number) is fixed: the new tokens are quantised with it,
+    and one that does not fit (``|x / scale|`` beyond 127, 448 or 57344)
+    raises ValueError naming k_new/v_new, with nothing written.  The
+    rotation of rotary keys happens in float32, before the quantisation.
 
     Rotary embeddings (flash-attn's): ``rotary_cos``/``rotary_sin``
     ``(positions, rotary_dim / 2)`` (:func:`fastattn.rotary_cos_sin`), with
@@ -765,6 +938,9 @@ def attention_with_kvcache(
         Rotary tables, as above.
     rotary_interleaved : bool, default False
         GPT-J pairs instead of NeoX's rotate-half.
+    k_scale, v_scale : array_like or float, optional
+        The float32 scales of 8-bit caches, as above (TypeError with float
+        caches; int8 caches require them).
 
     Returns
     -------
@@ -793,6 +969,16 @@ def attention_with_kvcache(
     >>> ref = fastattn.reference.scaled_dot_product_attention(q, k_new, v_new, is_causal=True)
     >>> bool(np.allclose(out, ref, atol=1e-5))
     True
+
+    int8 caches with per-token scales, written with the tokens:
+
+    >>> k8, v8 = np.zeros((2, 1, 2, 16, 8), np.int8)
+    >>> ks, vs = np.ones((2, 1, 2, 16, 1), np.float32)
+    >>> out8 = fastattn.attention_with_kvcache(q, k8, v8, 0, k_new, v_new, k_scale=ks, v_scale=vs)
+    >>> bool(np.allclose(ks[:, :, :3], np.abs(k_new).max(-1, keepdims=True) / 127))
+    True
+    >>> bool(np.abs(out8 - ref).max() < 0.05)
+    True
     """
     lay = layout_value(layout)
     is_causal = flag_value(is_causal, "is_causal")
@@ -802,6 +988,13 @@ def attention_with_kvcache(
     B, Hq, Lq, D = qh.shape
     cdt = kc.dtype
     T = 0 if kn is None else kn.shape[2]
+    # 8-bit caches: the scales (checked here, naming the caches; per token or fixed).
+    writing = bool(T and B)
+    kfix, kst = kv8_scale(k_scale, "k_scale", k_cache, lay, "k_cache", writing)
+    vfix, vst = kv8_scale(v_scale, "v_scale", v_cache, lay, "v_cache", writing)
+    if writing:
+        others = [a for a in (k_cache, v_cache, kn, vn) if a is not None]
+        kv8_targets_apart([(kst, "k_scale"), (vst, "v_scale")], others)
     total = seq + T
     if is_causal and total.size and total.min() < Lq:
         b = int(np.argmin(total))
@@ -828,6 +1021,8 @@ def attention_with_kvcache(
         return_lse=return_lse,
         num_threads=num_threads,
         precision=precision,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     rot: Any = None
     kpos = qpos = None
@@ -841,7 +1036,20 @@ def attention_with_kvcache(
         rot.check(kpos, "the new keys' positions (cache_seqlens + t)")
         rot.check(qpos, "the queries' positions")
         qr = rot.rotate_q(qh, qpos, num_threads)  # before any write: its overflow check raises
-    if T and B and kn is not None and vn is not None:
+    if writing and kn is not None and vn is not None and is_kv8(cdt):
+        # Rotated in float32, then quantised (a value that does not fit a fixed scale
+        # raises), all before any write.
+        kf = kn if rot is None else to_cache_dtype(kn, F32, "k_new", rot, kpos, num_threads)
+        kw, ks_new = kv8_tokens(kf, cdt, kfix, "k_new")
+        vw, vs_new = kv8_tokens(vn, cdt, vfix, "v_new")
+        write_tokens(kc, vc, None, seq, kw, vw)
+        if kst is not None:
+            write_rows(kst, None, seq, ks_new)
+        if vst is not None:
+            write_rows(vst, None, seq, vs_new)
+        reread_written(call, kc, vc, seq, T)
+        call = reread_scales(call, kst, vst)
+    elif writing and kn is not None and vn is not None:
         # Converted and checked (a value that would overflow the cache dtype raises) before any write.
         kw, rot_direct = keys_to_write(kn, cdt, "k_new", rot, kpos, num_threads)
         vw = to_cache_dtype(vn, cdt, "v_new")

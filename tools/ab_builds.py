@@ -58,6 +58,12 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=None, help="K/V heads (grouped-query; default: H)")
     ap.add_argument("--kv-float16", action="store_true", help="K and V in float16 (a 16-bit KV cache)")
     ap.add_argument(
+        "--kv-dtype",
+        default=None,
+        help="K and V in this dtype: float16, bfloat16, or int8 / float8_e4m3fn / float8_e5m2 "
+        "(8-bit: fastattn.quantize_kv's per-token scales; both trees need the 8-bit Plan fields)",
+    )
+    ap.add_argument(
         "--upper-bound", action="store_true", help="time NEW even if its results differ (a wrong build)"
     )
     a = ap.parse_args()
@@ -79,12 +85,22 @@ def main() -> None:
     q = rng.standard_normal((B, H, L, D), dtype=np.float32)
     k = rng.standard_normal((B, Hk, S, D), dtype=np.float32)
     v = rng.standard_normal((B, Hk, S, D), dtype=np.float32)
-    if a.kv_float16:
-        k, v = k.astype(np.float16), v.astype(np.float16)
+    kv_dtype = "float16" if a.kv_float16 else a.kv_dtype
+    scales: dict[str, np.ndarray] = {}
+    if kv_dtype in ("int8", "float8_e4m3fn", "float8_e5m2"):
+        from fastattn._quant import kv8_dtype, quantize
+
+        (k, ks), (v, vs) = (quantize(x, kv8_dtype(kv_dtype), None, "x") for x in (k, v))
+        scales = dict(k_scale=np.broadcast_to(ks, k.shape), v_scale=np.broadcast_to(vs, v.shape))
+    elif kv_dtype is not None:
+        import ml_dtypes
+
+        dt = np.dtype(getattr(ml_dtypes, kv_dtype, None) or kv_dtype)
+        k, v = k.astype(dt), v.astype(dt)
     o_old, o_new = np.empty_like(q), np.empty_like(q)
     # Plan(q, k, v, o, scale, L, S, num_threads, precision, causal), as fastattn.functional's fast path.
-    p_old = Plan(q, k, v, o_old, D**-0.5, L, S, a.threads, 0, a.causal)
-    p_new = Plan(q, k, v, o_new, D**-0.5, L, S, a.threads, 0, a.causal)
+    p_old = Plan(q, k, v, o_old, D**-0.5, L, S, a.threads, 0, a.causal, **scales)
+    p_new = Plan(q, k, v, o_new, D**-0.5, L, S, a.threads, 0, a.causal, **scales)
     for _ in range(3):
         old.attention(p_old)
         new.attention(p_new)
@@ -106,7 +122,7 @@ def main() -> None:
     r = np.array(t_old) / np.array(t_new)
     tag = (" causal" if a.causal else "") + (f" kv-heads={Hk}" if Hk != H else "")
     tag += f" isa={a.isa}" if a.isa else ""
-    tag += " kv=float16" if a.kv_float16 else ""
+    tag += f" kv={kv_dtype}" if kv_dtype else ""
     print(
         f"{a.shape} threads={a.threads}{tag}: old {np.median(t_old) * 1e6:.1f} us, "
         f"new {np.median(t_new) * 1e6:.1f} us, old/new {np.median(r):.3f} "

@@ -48,6 +48,14 @@ the scores), each converted to its library's form outside the timing; their FLOP
 the pairs the mask leaves visible.  The report adds masked / unmasked time per
 implementation and fastattn's speedup over torch with and without the mask.
 
+8-bit K/V cases (``int8kv``, ``e4m3kv``, ``e5m2kv``: K and V in int8 or ml_dtypes' fp8
+with one float32 scale per token and head, :func:`~fastattn.bench.cases.kv8_inputs`) time
+fastattn's 8-bit call against fastattn on the same contents (the dequantised K/V) in
+float32 and bfloat16, ``fastattn-f32kv`` and ``fastattn-bf16kv``, in the same interleaved
+rounds; the peers skip them.  Their decode GB/s counts the scales' bytes, and a summary
+gives each 8-bit call's speed relative to the two.  ``--quick`` runs them at S / 8
+(decode) or L / 4 (prefill).
+
 Where JAX is installed, ``jax.nn.dot_product_attention`` is timed too (float32; XLA
 runs on its own thread pool, whatever ``--threads`` says).
 

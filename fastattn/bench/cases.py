@@ -32,6 +32,13 @@ MASK_LIMIT = 1024**3  # peers get an explicit (L, S) mask only below this many b
 #   "random":   a dense bool (B, 1, L, S) mask, about 90% True, every row with a True.
 MASKS = ("padding", "hf_float", "random")
 
+# The 8-bit K/V formats of a case's kv_dtype (int8; fp8 from ml_dtypes), each with the short
+# name of its case names and the largest finite magnitude its per-token scale maps max|x| to
+# (the scales fastattn.quantize_kv computes: int8 rounded to nearest, fp8 by ml_dtypes' cast).
+KV8 = ("int8", "float8_e4m3fn", "float8_e5m2")
+KV8_SHORT = {"int8": "int8", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
+KV8_QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -46,10 +53,11 @@ class Case:
     D: int
     causal: bool = False
     window: tuple[int, int] | None = None
-    kv_dtype: str | None = None  # None: the --dtype of the run
+    kv_dtype: str | None = None  # None: the --dtype of the run; one of KV8: 8-bit K/V (kv8_inputs)
     kind: str = "prefill"
     seqlens: tuple[int, ...] = ()
     mask: str | None = None  # one of MASKS: an explicit attn_mask (case_mask), the same for every peer
+    q_dtype: str | None = None  # None: float32 in a case with its own kv_dtype, else the --dtype of the run
 
     def __post_init__(self) -> None:
         if self.mask is not None:
@@ -59,6 +67,13 @@ class Case:
             # causal / window flags (torch takes attn_mask or is_causal, not both)
             if self.causal or self.window is not None or self.kind == "varlen":
                 raise ValueError("a masked case cannot be causal, windowed or varlen")
+        if self.kv_dtype in KV8 and (self.kind == "varlen" or self.mask is not None):
+            raise ValueError("an 8-bit K/V case cannot be varlen or masked")
+
+    @property
+    def kv8(self) -> bool:
+        """K/V in an 8-bit format with per-token scales (:func:`kv8_inputs`)."""
+        return self.kv_dtype in KV8
 
     @property
     def gqa(self) -> bool:
@@ -88,6 +103,31 @@ QUICK_WHAT = "2 heads and L / 8 (at least 16)"
 def _varlen_lengths() -> tuple[int, ...]:
     rng = np.random.default_rng(1234)
     return tuple(int(x) for x in rng.integers(128, 2049, size=8))
+
+
+def _kv8_cases() -> list[Case]:
+    """Decode B1 H32 S32768 D128 and GQA B1 H32/8 S65536 D128 (float32 queries), and a causal
+    B1 H8 L2048 D128 prefill (bfloat16 queries), in each 8-bit format."""
+    out = []
+    for fmt in KV8:
+        kv = KV8_SHORT[fmt] + "kv"
+        out += [
+            Case(f"B1 H32 S32768 D128 decode {kv}", 1, 32, 32, 1, 32768, 128, kv_dtype=fmt, kind="decode"),
+            Case(f"B1 H32/8 S65536 D128 decode {kv}", 1, 32, 8, 1, 65536, 128, kv_dtype=fmt, kind="decode"),
+            Case(
+                f"B1 H8 L2048 D128 causal {kv}",
+                1,
+                8,
+                8,
+                2048,
+                2048,
+                128,
+                causal=True,
+                kv_dtype=fmt,
+                q_dtype="bfloat16",
+            ),
+        ]
+    return out
 
 
 CASES = [
@@ -126,6 +166,9 @@ CASES = [
     Case("B1 H32 L2048 D128", 1, 32, 32, 2048, 2048, 128),
     Case("B1 H32 L2048 D128 padding", 1, 32, 32, 2048, 2048, 128, mask="padding"),
     Case("B1 H32 L2048 D128 hf_float", 1, 32, 32, 2048, 2048, 128, mask="hf_float"),
+    # 8-bit K/V with per-token scales (kv8_inputs); fastattn on float32 and bfloat16 K/V of the
+    # same contents is timed beside each in its own rounds (runner.run_case, KV8_COMPARE)
+    *_kv8_cases(),
 ]
 
 QUICK_CASES = (
@@ -135,7 +178,26 @@ QUICK_CASES = (
     "B1 H32 S8192 D128 decode f16kv",
     "B1 H8 L16 D64",
     "B8 H12 L512 D64 padding",
+    "B1 H32/8 S65536 D128 decode int8kv",  # at quick_case's size: S8192
+    "B1 H8 L2048 D128 causal e5m2kv",  # L512
 )
+
+# What fastattn's 8-bit K/V calls are timed against in the same rounds: fastattn on the same
+# contents (the dequantised K/V) in these dtypes, as implementations named fastattn-<short>kv.
+KV8_COMPARE = {"bfloat16": "bf16", "float32": "f32"}
+
+
+def quick_case(case: Case) -> Case:
+    """The case at the size ``--quick`` runs it: an 8-bit K/V case at S / 8 (decode) or
+    L = S / 4 (prefill), renamed to that size; every other case unchanged."""
+    if not case.kv8:
+        return case
+    if case.kind == "decode":
+        S = max(case.S // 8, 16)
+        return dataclasses.replace(case, name=case.name.replace(f"S{case.S}", f"S{S}"), S=S)
+    L = max(case.L // 4, 16)
+    return dataclasses.replace(case, name=case.name.replace(f"L{case.L}", f"L{L}"), L=L, S=L)
+
 
 # The pairs of the causal / non-causal summary of a forward run.
 CAUSAL_PAIRS = (
@@ -211,11 +273,11 @@ def select_cases(patterns: Sequence[str] | None, cases: Sequence[Any]) -> list[A
 
 def np_dtype(name: str) -> np.dtype[Any]:
     """The NumPy dtype called ``name`` (bfloat16 from ml_dtypes)."""
-    if name == "bfloat16":
+    if name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
         import ml_dtypes
 
-        bf16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
-        return bf16
+        named: np.dtype[Any] = np.dtype(getattr(ml_dtypes, name))
+        return named
     return np.dtype(name)
 
 
@@ -246,8 +308,12 @@ def case_flops(case: Case) -> float:
 
 
 def kv_bytes(case: Case, dtype: np.dtype[Any]) -> int:
-    """Bytes of the case's K and V (Hk heads) in ``dtype``: what a decode step must read."""
-    return 2 * case.B * case.Hk * case.S * case.D * dtype.itemsize
+    """Bytes of the case's K and V (Hk heads) in ``dtype``: what a decode step must read;
+    an 8-bit ``dtype`` adds its float32 per-token scales (one per token and head of K and
+    of V: 4 / D bytes per cache byte)."""
+    n = 2 * case.B * case.Hk * case.S
+    scales = 4 * n if dtype.itemsize == 1 else 0
+    return n * case.D * dtype.itemsize + scales
 
 
 def scores_bytes(case: Case) -> int:
@@ -262,9 +328,12 @@ def scores_bytes(case: Case) -> int:
 
 def random_inputs(case: Case, dtype: str, seed: int = 0) -> tuple[Any, Any, Any]:
     """Standard normal q (B,Hq,L,D), k/v (B,Hk,S,D) in ``dtype`` (lists of per-sequence
-    (1,H,n,D) arrays for varlen); a case with its own K/V dtype keeps q in float32."""
+    (1,H,n,D) arrays for varlen); a case with its own K/V dtype keeps q in float32 (or its
+    ``q_dtype``).  An 8-bit K/V case: ValueError (its scales come with :func:`kv8_inputs`)."""
+    if case.kv8:
+        raise ValueError(f"case {case.name!r} has 8-bit K/V: its inputs are kv8_inputs(case)")
     rng = np.random.default_rng(seed)
-    qdt = np_dtype("float32" if case.kv_dtype else dtype)
+    qdt = np_dtype(case.q_dtype or ("float32" if case.kv_dtype else dtype))
     kvdt = np_dtype(case.kv_dtype or dtype)
 
     def gen(shape: tuple[int, ...], dt: np.dtype[Any]) -> Array:
@@ -280,6 +349,43 @@ def random_inputs(case: Case, dtype: str, seed: int = 0) -> tuple[Any, Any, Any]
         gen((case.B, case.Hk, case.S, case.D), kvdt),
         gen((case.B, case.Hk, case.S, case.D), kvdt),
     )
+
+
+def quantize_per_token(x: Array, fmt: str) -> tuple[Array, Array]:
+    """``(q, scale)``: float32 ``x`` (..., D) in the 8-bit format ``fmt`` (one of :data:`KV8`)
+    with one float32 scale per row, ``max|x| / KV8_QMAX[fmt]`` (1 for a row of zeros), shape
+    (..., 1): int8 rounded to nearest (ties to even), fp8 by ml_dtypes' cast; what
+    ``fastattn.quantize_kv(x, fmt)`` returns, written here in NumPy (this module imports no
+    fastattn: asv loads it on its own)."""
+    qmax = np.float32(KV8_QMAX[fmt])
+    amax = np.max(np.abs(x), axis=-1, keepdims=True).astype(np.float32)
+    s = np.where(amax > 0, amax / qmax, np.float32(1.0)).astype(np.float32)
+    s = np.maximum(s, np.finfo(np.float32).tiny)  # a scale that would be a denormal: the least normal
+    y = x.astype(np.float32) / s
+    if fmt == "int8":
+        q = np.clip(np.rint(y), -127, 127).astype(np.int8)
+    else:
+        q = np.clip(y, -qmax, qmax).astype(np_dtype(fmt))
+    return q, s
+
+
+def kv8_inputs(case: Case, seed: int = 0) -> tuple[Array, Array, Array, Array, Array]:
+    """``(q, k, v, k_scale, v_scale)`` of an 8-bit K/V case: the standard normal q, k, v of
+    :func:`random_inputs` (the same draws as the float cases), q in ``case.q_dtype`` (default
+    float32), K and V quantised to ``case.kv_dtype`` with per-token float32 scales
+    (B, Hk, S, 1) (:func:`quantize_per_token`).  Dequantised K is
+    ``k.astype(float32) * k_scale``."""
+    assert case.kv_dtype in KV8, case
+    rng = np.random.default_rng(seed)
+    qdt = np_dtype(case.q_dtype or "float32")
+    q = rng.standard_normal((case.B, case.Hq, case.L, case.D), dtype=np.float32).astype(qdt)
+    k, ks = quantize_per_token(
+        rng.standard_normal((case.B, case.Hk, case.S, case.D), dtype=np.float32), case.kv_dtype
+    )
+    v, vs = quantize_per_token(
+        rng.standard_normal((case.B, case.Hk, case.S, case.D), dtype=np.float32), case.kv_dtype
+    )
+    return q, k, v, ks, vs
 
 
 def bool_mask(L: int, S: int, causal: bool, window: tuple[int, int] | None) -> Array | None:

@@ -18,10 +18,17 @@ import fastattn
 from fastattn._checks import MAX_THREADS
 from fastattn._config import refusal_lines
 from fastattn.bench import backward
-from fastattn.bench.cases import BACKWARD_CASES, CASES, QUICK_CASES, select_cases, sweep_cases
+from fastattn.bench.cases import BACKWARD_CASES, CASES, QUICK_CASES, quick_case, select_cases, sweep_cases
 from fastattn.bench.ort import OrtAttention, OrtMHA
 from fastattn.bench.peers import PRECISIONS, FastAttn, FastAttnHighest, Impl, Jax, NumpyRef, Torch
-from fastattn.bench.report import causal_summary, markdown_table, mask_summary, print_case, write_json
+from fastattn.bench.report import (
+    causal_summary,
+    kv8_summary,
+    markdown_table,
+    mask_summary,
+    print_case,
+    write_json,
+)
 from fastattn.bench.runner import Record, run_case
 from fastattn.bench.yardsticks import (
     cpu_model,
@@ -81,8 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="a subset of the cases (unless --cases), fewer rounds, shorter samples (< 1 minute); "
-        "with --backward: 2 heads and L / 8",
+        help="a subset of the cases (unless --cases), fewer rounds, shorter samples (< 1 minute), "
+        "8-bit K/V cases at S / 8 (decode) or L / 4 (prefill); with --backward: 2 heads and L / 8",
     )
     p.add_argument(
         "--sweep",
@@ -196,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
     if args.quick and not args.cases and not args.sweep:
         cases = [c for c in cases if c.name in QUICK_CASES]
     cases = select_cases(args.cases, cases)
+    if args.quick:
+        cases = [quick_case(c) for c in cases]
     impls: list[type[Impl]] = [FastAttn, Torch, NumpyRef] if args.sweep else default_impls()
     if args.impls:
         names = {cls.name: cls for cls in IMPLS}
@@ -264,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
         records.extend(recs)
     causal_summary(records, out)
     masked = mask_summary(records, out)
+    kv8 = kv8_summary(records, out)
     if gemm is not None and bw is not None:  # measured again: on a busy machine one may be low
         gemm2 = measure_gemm(args.threads)
         bw2 = measure_bandwidth(args.threads, nbytes=args.bw_bytes)
@@ -287,5 +297,9 @@ def run(args: argparse.Namespace) -> int:
     if args.markdown:
         print("\n" + markdown_table(records, machine), file=out)
     if args.json:
-        return write_json(args.json, {"machine": machine, "records": records, "mask_summary": masked}, out)
+        return write_json(
+            args.json,
+            {"machine": machine, "records": records, "mask_summary": masked, "kv8_summary": kv8},
+            out,
+        )
     return 0

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 
 from fastattn import reference
-from fastattn.bench.cases import Array, Case, case_mask, mask_visible, random_inputs
+from fastattn.bench.cases import Array, Case, case_mask, kv8_inputs, mask_visible, np_dtype, random_inputs
 
 # One array (B, H, n, D), or for varlen cases a list of per-sequence (1, H, n, D) arrays.
 Batch = Array | list[Array]
@@ -17,13 +17,16 @@ Batch = Array | list[Array]
 @dataclasses.dataclass
 class Inputs:
     """q (B,Hq,L,D), k/v (B,Hk,S,D) for one case (lists of per-sequence (1,H,n,D) for varlen);
-    ``mask``: the masked case's attn_mask (:func:`fastattn.bench.cases.case_mask`), else None."""
+    ``mask``: the masked case's attn_mask (:func:`fastattn.bench.cases.case_mask`), else None;
+    ``k_scale``/``v_scale``: the per-token float32 scales (B,Hk,S,1) of 8-bit K/V, else None."""
 
     case: Case
     q: Batch
     k: Batch
     v: Batch
     mask: Array | None = None
+    k_scale: Array | None = None
+    v_scale: Array | None = None
 
     def seqs(self) -> list[tuple[Array, Array, Array]]:
         """(q, k, v) per sequence: one triple, or one per varlen sequence."""
@@ -39,10 +42,25 @@ class Inputs:
         return qkv
 
     def as_float32(self) -> Inputs:
+        """Everything in float32 (8-bit K/V dequantised: K = k * k_scale)."""
+        if self.k_scale is not None:
+            return self.dequantised("float32", "float32")
+
         def f(x: Batch) -> Batch:
             return [a.astype(np.float32) for a in x] if isinstance(x, list) else x.astype(np.float32)
 
         return Inputs(self.case, f(self.q), f(self.k), f(self.v), self.mask)
+
+    def dequantised(self, kv_dtype: str, q_dtype: str | None = None) -> Inputs:
+        """The same contents with K/V in ``kv_dtype`` (8-bit K/V dequantised, ``k * k_scale``
+        in float32, then rounded to ``kv_dtype``) and q in ``q_dtype`` (None: as it is)."""
+        q, k, v = self.dense()
+        ks, vs = self.k_scale, self.v_scale
+        kf = k.astype(np.float32) * ks if ks is not None else k.astype(np.float32)
+        vf = v.astype(np.float32) * vs if vs is not None else v.astype(np.float32)
+        dt = np_dtype(kv_dtype)
+        qa = q if q_dtype is None else q.astype(np_dtype(q_dtype))
+        return Inputs(self.case, qa, kf.astype(dt, copy=False), vf.astype(dt, copy=False), self.mask)
 
 
 def first(x: Batch) -> Array:
@@ -51,7 +69,11 @@ def first(x: Batch) -> Array:
 
 
 def make_inputs(case: Case, dtype: str, seed: int = 0) -> Inputs:
-    """The case's inputs (:func:`fastattn.bench.cases.random_inputs`) and mask."""
+    """The case's inputs (:func:`fastattn.bench.cases.random_inputs`, or
+    :func:`~fastattn.bench.cases.kv8_inputs` for 8-bit K/V) and mask."""
+    if case.kv8:
+        q, k, v, ks, vs = kv8_inputs(case, seed)
+        return Inputs(case, q, k, v, k_scale=ks, v_scale=vs)
     return Inputs(case, *random_inputs(case, dtype, seed), mask=case_mask(case))
 
 
@@ -86,12 +108,16 @@ def check_slice(inp: Inputs) -> Inputs:
         L = min(L, 512)
         m = m[b : b + 1, :, : min(m.shape[2], L)]
     c = dataclasses.replace(case, B=1, Hq=g, Hk=1, L=L, S=S)
-    return Inputs(c, q[b : b + 1, :g, :L], k[b : b + 1, :1, :S], v[b : b + 1, :1, :S], m)
+    ks, vs = (None if s is None else s[b : b + 1, :1, :S] for s in (inp.k_scale, inp.v_scale))
+    return Inputs(c, q[b : b + 1, :g, :L], k[b : b + 1, :1, :S], v[b : b + 1, :1, :S], m, ks, vs)
 
 
 def reference_output(inp: Inputs) -> Array:
-    """The float64 oracle's output: shaped like q, or (Hq, T, D) for varlen."""
+    """The float64 oracle's output: shaped like q, or (Hq, T, D) for varlen; 8-bit K/V
+    dequantised (the oracle computes on ``k * k_scale``)."""
     case = inp.case
+    if inp.k_scale is not None:
+        inp = inp.dequantised("float32")
 
     def one(q: Array, k: Array, v: Array) -> Array:
         # the oracle has no annotations (yet)

@@ -19,6 +19,7 @@ import numpy as np
 import fastattn
 from fastattn._config import Precision
 from fastattn.bench.cases import (
+    KV8_COMPARE,
     MASK_LIMIT,
     SCORES_LIMIT,
     Array,
@@ -61,12 +62,15 @@ class Impl:
     the attention itself (conversions, masks, sessions) happens in ``prepare``, outside
     the timing.  ``note`` (set by ``prepare``) says how the case was adapted;
     ``precision`` is the float32 matmul level fastattn's calls use (None for the peers)
-    and ``tolerance`` the least error bound its check against the oracle takes."""
+    and ``tolerance`` the least error bound its check against the oracle takes;
+    ``kv_dtype``: the dtype of the K/V it reads when not the case's (its bytes per second
+    count that dtype's bytes)."""
 
     name = ""
     note = ""
     precision: Precision | None = None
     tolerance = 0.0
+    kv_dtype: str | None = None
 
     def available(self) -> str | None:
         """None when usable, else the reason it is not."""
@@ -121,6 +125,7 @@ class FastAttn(Impl):
             return run
         q, k, v = inp.dense()
         mask = inp.mask  # bool: True = may attend; float: added to the scores
+        ks, vs = inp.k_scale, inp.v_scale  # 8-bit K/V: per-token scales (B, Hk, S, 1)
 
         def run_dense() -> Array:
             out: Array = fastattn.scaled_dot_product_attention(
@@ -133,10 +138,36 @@ class FastAttn(Impl):
                 window=case.window,
                 num_threads=threads,
                 precision=prec,
+                k_scale=ks,
+                v_scale=vs,
             )
             return out
 
         return run_dense
+
+
+class FastAttnKV(FastAttn):
+    """fastattn on the same contents as an 8-bit K/V case with K/V in ``kv_dtype``
+    (float32 or bfloat16: the dequantised ``k * k_scale``, rounded to that dtype), timed
+    beside fastattn's 8-bit call in the same rounds (``fastattn-f32kv``,
+    ``fastattn-bf16kv``).  q keeps its dtype, but a bfloat16 q goes to float32 with
+    float32 K/V (fastattn takes float32 K/V with a float32 q only)."""
+
+    def __init__(self, kv_dtype: str, precision: Precision = "highest") -> None:
+        super().__init__(precision)
+        self.kv_dtype = self.same_dtype = kv_dtype
+        if kv_dtype == "bfloat16":
+            # checked against the oracle on the float32 dequantised K/V: rounding them to
+            # bfloat16 moves the output by up to ~2^-9 of its scale, a 16-bit input's bound
+            self.tolerance = TOL_16BIT
+        self.name = f"fastattn-{KV8_COMPARE[kv_dtype]}kv"
+
+    def prepare(self, inp: Inputs, threads: int) -> Runner:
+        q_dtype = "float32" if self.same_dtype == "float32" else None
+        same = inp.dequantised(self.same_dtype, q_dtype) if inp.k_scale is not None else inp
+        if q_dtype and first(inp.q).dtype != np.float32:
+            self.note = "q in float32 too"
+        return super().prepare(same, threads)
 
 
 class FastAttnHighest(FastAttn):

@@ -10,6 +10,8 @@ from typing import Any, TextIO
 
 from fastattn.bench.cases import (
     CAUSAL_PAIRS,
+    KV8_COMPARE,
+    KV8_SHORT,
     MASK_PAIRS,
     Case,
     case_flops,
@@ -174,9 +176,51 @@ def mask_summary(
     return summary
 
 
+def kv8_summary(records: list[Record], out: TextIO) -> list[Record]:
+    """Print, and return for the JSON, each 8-bit K/V case's speed against fastattn on the
+    same contents in float32 and bfloat16 (timed in the same interleaved rounds):
+    ``speedup`` = time(fastattn-<dtype>kv) / time(fastattn), above 1 when the 8-bit call
+    is faster; ``gbps``: the 8-bit call's K/V bytes (scales included) per second."""
+    by = {(r["case"], r["impl"]): r for r in records}
+    rows: list[Record] = []
+    for r in records:
+        if r["impl"] != "fastattn" or r["dtype"] not in KV8_SHORT or not r["seconds"]:
+            continue
+        for dt, short in KV8_COMPARE.items():
+            other = by.get((r["case"], f"fastattn-{short}kv"))
+            if other and other["seconds"]:
+                rows.append(
+                    {
+                        "case": r["case"],
+                        "kv_dtype": r["dtype"],
+                        "against": dt,
+                        "speedup": other["seconds"] / r["seconds"],
+                        "seconds": r["seconds"],
+                        "gbps": r["gbps"],
+                    }
+                )
+    if rows:
+        print(
+            "\n8-bit K/V against fastattn's own float32 / bfloat16 K/V of the same contents (timed in "
+            "the same rounds; speed = their time / the 8-bit time, above 1: the 8-bit call is faster):",
+            file=out,
+        )
+        cw = max(len(x["case"]) for x in rows)
+        for case in dict.fromkeys(x["case"] for x in rows):
+            mine = [x for x in rows if x["case"] == case]
+            rate = f", {mine[0]['gbps']:.1f} GB/s" if mine[0]["gbps"] else ""
+            parts = ", ".join(f"{x['speedup']:.2f}x {KV8_COMPARE[x['against']]}" for x in mine)
+            print(f"  {case:{cw}s} {fmt_time(mine[0]['seconds']).strip()}{rate}: {parts}", file=out)
+    return rows
+
+
 def markdown_table(records: list[Record], machine: dict[str, Any]) -> str:
-    """One row per case: fastattn's time and rate, then fastattn's speedup over each peer."""
-    impls = list(dict.fromkeys(r["impl"] for r in records if r["impl"] != "fastattn"))
+    """One row per case: fastattn's time and rate, then fastattn's speedup over each peer
+    (a column per implementation timed in at least one case: an 8-bit K/V run's skipped
+    peers get none)."""
+    impls = list(
+        dict.fromkeys(r["impl"] for r in records if r["impl"] != "fastattn" and r["ratio"] is not None)
+    )
     head = "| case | fastattn | rate | " + " | ".join(f"speedup vs {i}" for i in impls) + " |"
     lines = [head, "|" + "---|" * (3 + len(impls))]
     cases = list(dict.fromkeys(r["case"] for r in records))

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-from fastattn.bench.cases import Case, case_flops, kv_bytes, mask_pairs, np_dtype
+from fastattn.bench.cases import KV8_COMPARE, Case, case_flops, kv_bytes, mask_pairs, np_dtype
 from fastattn.bench.inputs import check, check_slice, make_inputs, reference_output, tolerance
-from fastattn.bench.peers import FastAttn, Impl, Skip
+from fastattn.bench.peers import FastAttn, FastAttnKV, Impl, Skip
 from fastattn.bench.yardsticks import gemm_reader, kv_reader, mem_reader
 
 Record = dict[str, Any]
@@ -98,7 +99,11 @@ def run_case(
     case: Case, impls: Sequence[Callable[[], Impl]], args: argparse.Namespace, log: TextIO
 ) -> list[Record]:
     """Check, then time every implementation of one case (``impls``: the classes, or
-    callables that make them); returns records."""
+    callables that make them); returns records.  An 8-bit K/V case times fastattn on the
+    same contents in float32 and bfloat16 beside it (:class:`~fastattn.bench.peers.FastAttnKV`,
+    at fastattn's ``--precision``); the peers skip it."""
+    if case.kv8:
+        impls = list(impls) + [functools.partial(FastAttnKV, d, args.precision) for d in KV8_COMPARE]
     inp = make_inputs(case, args.dtype)
     small = check_slice(inp)
     ref = reference_output(small)
@@ -120,7 +125,7 @@ def run_case(
             "note": "",
             "max_err": None,
             "kind": case.kind,
-            "dtype": case.kv_dtype or args.dtype,
+            "dtype": impl.kv_dtype or case.kv_dtype or args.dtype,
             "L": case.L,
             "S": case.S,
             "mask": case.mask,
@@ -132,6 +137,10 @@ def run_case(
         why = impl.available()
         if why is None and args.quick and case.window is not None and not isinstance(impl, FastAttn):
             why = "peers skipped in --quick (they compute the full L×S)"
+        if why is None and case.kv8 and not isinstance(impl, FastAttn):
+            why = (
+                "8-bit K/V: fastattn only (timed against its own float32 / bfloat16 K/V of the same contents)"
+            )
         if why is not None:
             rec.update(status="skipped", note=why)
             continue
@@ -178,7 +187,7 @@ def run_case(
     fa = None
     read_gbps = mem_gbps = None
     gemm_gflops = gemm_flops / statistics.median(gemm.times) / 1e9 if gemm else None
-    nbytes = kv_bytes(case, np_dtype(case.kv_dtype or args.dtype))
+    nbytes = kv_bytes(case, np_dtype(case.kv_dtype or args.dtype))  # the kv-read yardstick's bytes
     if reads:
         read_gbps = nbytes / statistics.median(reads[0].times) / 1e9
         mem_gbps = args.bw_bytes / statistics.median(reads[1].times) / 1e9
@@ -192,8 +201,8 @@ def run_case(
         rec["seconds_min"] = min(t.times)
         rec["rounds"] = len(t.times)
         rec["gflops"] = flops / rec["seconds"] / 1e9
-        if case.kind == "decode":
-            rec["gbps"] = nbytes / rec["seconds"] / 1e9
+        if case.kind == "decode":  # each record's own K/V bytes (fastattn-f32kv reads float32)
+            rec["gbps"] = kv_bytes(case, np_dtype(rec["dtype"])) / rec["seconds"] / 1e9
         if rec["impl"] == "fastattn":
             fa = rec["seconds"]
     if fa is not None:

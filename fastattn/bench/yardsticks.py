@@ -80,8 +80,11 @@ def gemv_reader(shares: list[list[Array]]) -> Callable[[], None]:
     ones = np.ones(4096, dtype=np.float32)
 
     def read(parts: list[Array]) -> None:
-        for p in parts:
-            p @ ones[: p.shape[1]]
+        # 8-bit K/V read as float32 words holds inf/NaN patterns: only the speed matters
+        # (errstate is per thread: set here, in the reading thread)
+        with np.errstate(all="ignore"):
+            for p in parts:
+                p @ ones[: p.shape[1]]
 
     def run() -> None:
         with blas_limit(1):
@@ -96,9 +99,13 @@ def kv_reader(inp: Inputs, threads: int) -> Callable[[], None]:
     GEMV against a cached vector of ones (the fastest NumPy read measured here:
     faster than a sum or an integer OR-reduce).  The bytes are viewed as float32
     whatever the dtype (16-bit pairs read as float32 are ordinary numbers; only
-    the speed matters)."""
+    the speed matters; 8-bit bytes read as float32 hold a few denormal, inf and NaN
+    words, which the GEMV reads at the same speed on the CPUs measured).  8-bit K/V: their
+    per-token scales are read too, as the kernel reads them."""
     shares: list[list[Array]] = [[] for _ in range(threads)]
-    for a in (inp.k, inp.v):
+    for a in (inp.k, inp.v, inp.k_scale, inp.v_scale):
+        if a is None:  # no scales (float K/V)
+            continue
         assert not isinstance(a, list)  # decode cases only
         flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)  # the arrays are contiguous: no copy
         words = flat[: flat.size // 4 * 4].view(np.float32)

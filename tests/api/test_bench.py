@@ -380,3 +380,134 @@ def test_flop_count_by_hand():
     assert bench.case_flops(d) == 4 * 16 * 4 * 100
     v = bench.Case("v", 2, 2, 2, 0, 0, 4, causal=True, kind="varlen", seqlens=(2, 3))  # 3 + 6 pairs
     assert bench.case_flops(v) == 4 * 4 * 2 * 9
+
+
+# ----------------------------------------------------------------------------- 8-bit K/V cases
+
+
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "float8_e5m2"])
+def test_kv8_quantize_per_token_is_fastattns(fmt):
+    """The bench's NumPy quantiser (cases.py imports no fastattn) gives exactly what
+    fastattn.quantize_kv gives: the same codes and scales, a row of zeros included."""
+    from fastattn.bench import cases
+
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((2, 3, 17, 40)) * rng.uniform(0.01, 30, (2, 3, 17, 1))).astype(np.float32)
+    x[0, 1, 4] = 0.0
+    got_q, got_s = cases.quantize_per_token(x, fmt)
+    want_q, want_s = fastattn.quantize_kv(x, fmt)
+    assert got_q.dtype == want_q.dtype and got_s.shape == (2, 3, 17, 1)
+    np.testing.assert_array_equal(got_q.view(np.uint8), want_q.view(np.uint8))
+    np.testing.assert_array_equal(got_s, want_s)
+    assert got_s[0, 1, 4, 0] == 1.0
+
+
+def test_kv8_cases_and_their_quick_sizes():
+    from fastattn.bench import cases
+
+    kv8 = [c for c in cases.CASES if c.kv8]
+    assert {(c.kv_dtype, c.kind) for c in kv8} == {(f, k) for f in cases.KV8 for k in ("decode", "prefill")}
+    for fmt in cases.KV8:
+        kv = cases.KV8_SHORT[fmt] + "kv"
+        d = cases.by_name(f"B1 H32 S32768 D128 decode {kv}")
+        g = cases.by_name(f"B1 H32/8 S65536 D128 decode {kv}")
+        p = cases.by_name(f"B1 H8 L2048 D128 causal {kv}")
+        assert (d.Hq, d.Hk, d.S, d.D, g.Hq, g.Hk, g.S) == (32, 32, 32768, 128, 32, 8, 65536)
+        assert p.causal and p.L == p.S == 2048 and p.q_dtype == "bfloat16"
+        qd, qg, qp = (cases.quick_case(c) for c in (d, g, p))
+        assert (qd.name, qd.S, qd.L) == (f"B1 H32 S4096 D128 decode {kv}", 4096, 1)
+        assert (qg.name, qg.S) == (f"B1 H32/8 S8192 D128 decode {kv}", 8192)
+        assert (qp.name, qp.L, qp.S) == (f"B1 H8 L512 D128 causal {kv}", 512, 512)
+    plain = cases.by_name("B1 H32 S8192 D128 decode bf16kv")
+    assert cases.quick_case(plain) is plain  # only 8-bit cases shrink
+    assert all(cases.by_name(n) for n in cases.QUICK_CASES)
+    with pytest.raises(ValueError, match="8-bit"):
+        bench.Case("bad", 1, 1, 1, 4, 4, 8, kv_dtype="int8", mask="padding")
+    with pytest.raises(ValueError, match="kv8_inputs"):
+        cases.random_inputs(cases.by_name("B1 H32 S32768 D128 decode int8kv"), "float32")
+
+
+def test_kv8_bytes_count_the_scales():
+    from fastattn.bench import cases
+
+    c = bench.Case("c", 2, 8, 4, 1, 100, 64, kv_dtype="int8", kind="decode")
+    # K and V: 2 x (2 x 4 x 100) tokens of 64 bytes and one float32 scale each
+    assert cases.kv_bytes(c, cases.np_dtype("int8")) == 2 * 2 * 4 * 100 * (64 + 4)
+    assert cases.kv_bytes(c, cases.np_dtype("float8_e5m2")) == 2 * 2 * 4 * 100 * (64 + 4)
+    assert cases.kv_bytes(c, cases.np_dtype("bfloat16")) == 2 * 2 * 4 * 100 * 128
+    assert cases.kv_bytes(c, np.dtype(np.float32)) == 2 * 2 * 4 * 100 * 256
+
+
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "float8_e5m2"])
+def test_kv8_inputs_are_the_float_draws_quantised(fmt):
+    """An 8-bit case's K/V dequantise to the float case's draws within half a step (int8)
+    or fp8's relative rounding; the same-contents inputs are those dequantised values."""
+    from fastattn.bench import cases, inputs
+
+    c8 = bench.Case("c", 1, 4, 2, 3, 50, 16, kv_dtype=fmt, q_dtype="bfloat16")
+    inp = inputs.make_inputs(c8, "float32")
+    q, k, v = cases.random_inputs(dataclasses.replace(c8, kv_dtype="float32", q_dtype=None), "float32")
+    assert inp.q.dtype == cases.np_dtype("bfloat16") and inp.k.dtype == cases.np_dtype(fmt)
+    np.testing.assert_array_equal(inp.q.astype(np.float32), q.astype(cases.np_dtype("bfloat16")))
+    for x8, s, x in ((inp.k, inp.k_scale, k), (inp.v, inp.v_scale, v)):
+        assert s.shape == (1, 2, 50, 1) and s.dtype == np.float32
+        deq = x8.astype(np.float32) * s
+        step = s / 2 if fmt == "int8" else np.abs(x) * (2.0**-4 if fmt == "float8_e4m3fn" else 2.0**-3)
+        assert np.all(np.abs(deq - x) <= step + 1e-6)
+    same = inp.dequantised("float32", "float32")
+    np.testing.assert_array_equal(same.k, inp.k.astype(np.float32) * inp.k_scale)
+    assert same.q.dtype == np.float32 and same.k_scale is None
+    small = inputs.check_slice(inp)
+    assert small.k_scale.shape == (1, 1, 50, 1) and small.k.shape == (1, 1, 50, 16)
+    ref = inputs.reference_output(small)  # the oracle on the dequantised K/V
+    want = fastattn.reference.scaled_dot_product_attention(
+        small.q.astype(np.float32), same.k[:, :1], same.v[:, :1], is_causal=False
+    )
+    np.testing.assert_allclose(ref, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_kv8_case_is_timed_against_the_same_contents(kind):
+    """An 8-bit case: fastattn's 8-bit call passes the oracle's check, fastattn on the same
+    contents in float32 and bfloat16 is timed beside it, the peers skip, each record's
+    GB/s counts its own K/V bytes, and the summary gives the speed ratios."""
+    import io
+
+    from fastattn.bench import cases, peers, report, runner
+
+    L, causal = (1, False) if kind == "decode" else (40, True)
+    case = bench.Case("kv8", 1, 4, 2, L, 300 if L == 1 else 40, 32, causal=causal, kv_dtype="int8", kind=kind)
+    args = bench.parse_args(["--quick", "--repeat", "1", "--threads", "1", "--pause", "0"])
+    args.gemm_n = 64
+    recs = runner.run_case(case, [peers.FastAttn, peers.NumpyRef], args, io.StringIO())
+    by = {r["impl"]: r for r in recs}
+    assert list(by) == ["fastattn", "numpy", "fastattn-bf16kv", "fastattn-f32kv"]
+    assert by["numpy"]["status"] == "skipped" and "8-bit" in by["numpy"]["note"]
+    for name, dt in (("fastattn", "int8"), ("fastattn-bf16kv", "bfloat16"), ("fastattn-f32kv", "float32")):
+        r = by[name]
+        assert r["status"] == "ok" and r["dtype"] == dt and r["seconds"] > 0, r
+        assert r["max_err"] <= (3e-2 if dt == "bfloat16" else 2e-3)
+        if kind == "decode":
+            assert r["gbps"] * r["seconds"] * 1e9 == pytest.approx(cases.kv_bytes(case, cases.np_dtype(dt)))
+    out = io.StringIO()
+    rows = report.kv8_summary(recs, out)
+    assert [(x["kv_dtype"], x["against"]) for x in rows] == [("int8", "bfloat16"), ("int8", "float32")]
+    for x in rows:
+        other = by["fastattn-" + cases.KV8_COMPARE[x["against"]] + "kv"]
+        assert x["speedup"] == pytest.approx(other["seconds"] / by["fastattn"]["seconds"])
+    assert "x bf16" in out.getvalue() and "x f32" in out.getvalue()
+
+
+def test_kv8_quick_run_writes_its_summary(tmp_path):
+    out = tmp_path / "bench.json"
+    rc = bench.main(
+        ["--quick", "--cases", "B1 H32/8 S65536 D128 decode e5m2kv", "--no-machine", "--impls", "fastattn"]
+        + ["--repeat", "1", "--threads", "1", "--pause", "0", "--json", str(out)]
+    )
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert {r["case"] for r in data["records"]} == {"B1 H32/8 S8192 D128 decode e5m2kv"}  # the quick size
+    assert {(x["kv_dtype"], x["against"]) for x in data["kv8_summary"]} == {
+        ("float8_e5m2", "bfloat16"),
+        ("float8_e5m2", "float32"),
+    }
