@@ -45,13 +45,12 @@
 #define FA_NAME(x) FA_CAT(x, FA_SUFFIX)
 #define FA_BLK_NR (FA_BLK_NV * VW) /* keys per packed K panel */
 #define FA_PF_KEYS 16 /* decode: prefetch distance in keys */
-/* 8-bit K/V rows take the 16-bit rows' order and prefetch (qk_rows), and the
- * same distance in keys.  Measured on Zen 3 (avx2, B1 H32 S32768 D128 int8,
+/* 8-bit K/V rows take the 16-bit rows' order and prefetch (qk_rows, pv_row1),
+ * FA_PF_KEYS keys ahead.  Measured on Zen 3 (avx2, B1 H32 S32768 D128 int8,
  * builds alternated, 2 threads): key after key without software prefetch (as
  * float32 rows) 0.85x; 32 keys ahead 1.00x; 8-bit V of Dv = 128 through
  * path_rows instead of path_row1 (whose 16 accumulators spill on AVX2) 1.00x
  * in L2. */
-#define FA_KV8_PF_KEYS 16
 /* Keys per tile for a single query row whose K and V are read in place (the
  * usual decode step): one long tile streams K, then V, then the next K, each
  * pass reading its rows in address order, the output row held in registers

@@ -92,9 +92,7 @@ FA_INLINE void FA_NAME(qk_rows)(int nr, int kdt, const REAL *Q, int64_t Dp, cons
                                 int64_t vpf_row, const fa_stream *st)
 {
     const int kb = nr == 1 ? 4 : nr == 2 ? 2 : 1; /* nr * kb * 2 <= 8 chains */
-    /* 16- and 8-bit rows: see above (and FA_KV8_PF_KEYS) */
-    const int half = fa_dtype_16(kdt) || fa_dtype_8(kdt);
-    const int64_t pfk = fa_dtype_8(kdt) ? FA_KV8_PF_KEYS : FA_PF_KEYS;
+    const int half = fa_dtype_16(kdt) || fa_dtype_8(kdt); /* 16- and 8-bit rows: see above */
     const int64_t kbytes = (int64_t)fa_dtype_size(kdt), krow = Dp * kbytes;
     /* The two-accumulator part of d; 5-8 rows keep one accumulator per row
      * (already nr chains; two would spill them). */
@@ -106,7 +104,7 @@ FA_INLINE void FA_NAME(qk_rows)(int nr, int kdt, const REAL *Q, int64_t Dp, cons
          * and measured 0-6% faster without), and the V rows of these keys for
          * the P.V pass, which reads them in column blocks. */
         for (int u = 0; u < kb; u++) {
-            const int64_t t = j + u + pfk;
+            const int64_t t = j + u + FA_PF_KEYS;
             if (st) { /* one stream: this tile's K rows, then its V rows (16-bit only) */
                 if (!half) continue;
                 if (t < st->nj) FA_PREFETCH_ROW(st->k + t * st->kld, st->krow, 3);
@@ -223,7 +221,7 @@ FA_INLINE void FA_NAME(pv_row1)(int nv, int vdt, const REAL *P, int64_t nj, cons
     vf acc[16];
     for (int v = 0; v < nv; v++) acc[v] = vf_load(O + v * VW);
     for (int64_t j = 0; j < nj; j++) {
-        const int64_t t = j + (fa_dtype_8(vdt) ? FA_KV8_PF_KEYS : FA_PF_KEYS);
+        const int64_t t = j + FA_PF_KEYS;
         if (fa_dtype_16(vdt) || fa_dtype_8(vdt)) {
             if (t < nj) FA_PREFETCH_ROW(st->v + t * st->vld, st->vrow, 3);
             else if (t < st->nk) FA_PREFETCH_ROW(st->k + t * st->kld, st->krow, 3);

@@ -524,12 +524,10 @@ def varlen_call(
     if nb == 0 or Tq == 0:
         return Call(None, o, o, lse)
 
-    def repeat(a: Array) -> Array:  # (x, y, z) -> (nb, x, y, z) with batch stride 0
-        if a.dtype.kind == "V" or a.dtype.name.startswith(
-            "float8"
-        ):  # (as_strided cannot take ml_dtypes' fp8)
-            return np.broadcast_to(a[None], (nb,) + a.shape)
-        return np.lib.stride_tricks.as_strided(a, (nb,) + a.shape, (0,) + a.strides)
+    # (x, y, z) -> (nb, x, y, z) with batch stride 0: a broadcast view, for any dtype (as_strided
+    # cannot take ml_dtypes' fp8); read-only to NumPy, the kernel writes the output through it.
+    def repeat(a: Array) -> Array:
+        return np.broadcast_to(a[None], (nb,) + a.shape)
 
     def batched(a: Array) -> Array:  # (T, H, X) -> (nb, H, T, X): each batch sees every token
         return repeat(bhsd(kernel_ready(a), "bshd"))

@@ -387,32 +387,17 @@ def write_tokens(
     n, T = kw.shape[0], kw.shape[2]
     if not (n and T):
         return
-    kv = kc[:n] if rows is None else row_view(kc, rows)
-    vv = vc[:n] if rows is None else row_view(vc, rows)
-    rows_l = list(range(n)) if rows is None else rows.tolist()
-    if rot is not None:
+    if rot is None:
+        write_rows(kc, rows, starts, kw)
+    else:
         assert kpos is not None
+        kv = kc[:n] if rows is None else row_view(kc, rows)
         if kv is not None:
             rot.append(kw, kv, kpos, num_threads)
         else:
-            for r, b in enumerate(rows_l):
+            for r, b in enumerate(rows.tolist() if rows is not None else range(n)):
                 rot.append(kw[r : r + 1], kc[b : b + 1], kpos[r : r + 1], num_threads)
-    starts_l = starts.tolist()
-    if starts_l.count(starts_l[0]) == len(starts_l):  # one slice per cache (a few rows: no ufunc)
-        s0 = starts_l[0]
-        if kv is not None and vv is not None:
-            if rot is None:
-                kv[:, :, s0 : s0 + T] = kw
-            vv[:, :, s0 : s0 + T] = vw
-        else:
-            if rot is None:
-                kc[rows_l, :, s0 : s0 + T] = kw
-            vc[rows_l, :, s0 : s0 + T] = vw
-        return
-    for r, (b, s) in enumerate(zip(rows_l, starts_l)):
-        if rot is None:
-            kc[b, :, s : s + T] = kw[r]
-        vc[b, :, s : s + T] = vw[r]
+    write_rows(vc, rows, starts, vw)
 
 
 def reread_written(call: Call, kc: Array, vc: Array, starts: Array, T: int) -> None:
@@ -569,8 +554,9 @@ def kv8_targets_apart(targets: Sequence[tuple[Array | None, str]], others: Seque
 
 def write_rows(c: Array, rows: Array | None, starts: Array, w: Array) -> None:
     """Write ``w`` (bhsd ``(n, H, T, X)``) into the bhsd array ``c``: token t of row r into
-    row ``rows[r]`` (None: r) at position ``starts[r] + t`` (:func:`write_tokens` for one
-    array: an 8-bit cache's per-token scales)."""
+    row ``rows[r]`` (None: r) at position ``starts[r] + t``; one slice per array where every
+    row starts at the same position (a few rows: no ufunc).  :func:`write_tokens` writes the
+    caches with it, the 8-bit caches' per-token scales too."""
     n, T = w.shape[0], w.shape[2]
     if not (n and T):
         return
