@@ -229,6 +229,9 @@ int fa_isa_set(int isa)
     return 0;
 }
 
+/* Paged K/V (block_table) takes the vector kernels, whose tiles end at page
+ * boundaries (kernel_impl.h, tile_len); the matrix-unit kernels read one
+ * contiguous K/V per (batch, head) and are not chosen for it. */
 const fa_kernel *fa_select_kernel(const fa_params *p)
 {
     if (p->q_dtype == FA_F64) return &fa_kernel_f64_scalar;
@@ -239,13 +242,13 @@ const fa_kernel *fa_select_kernel(const fa_params *p)
         if (((p->q_dtype == FA_BF16 && p->k_dtype == FA_BF16 && p->v_dtype == FA_BF16) ||
              (p->q_dtype == FA_F32 && p->k_dtype == FA_F32 && p->v_dtype == FA_F32 &&
               (p->precision == FA_PRECISION_HIGH || p->precision == FA_PRECISION_MEDIUM))) &&
-            p->L * (p->Hq / p->Hk) >= FA_AMX_MIN_ROWS)
+            p->L * (p->Hq / p->Hk) >= FA_AMX_MIN_ROWS && !p->block_table)
             return &fa_kernel_bf16_amx;
 #endif
 #if defined(FA_HAVE_AMX_FP16)
         /* float16 on AMX-FP16 only: never rounded to bf16 behind the caller's back */
         if (p->q_dtype == FA_F16 && p->k_dtype == FA_F16 && p->v_dtype == FA_F16 &&
-            p->L * (p->Hq / p->Hk) >= FA_AMX_MIN_ROWS && fa_amx_fp16_usable())
+            p->L * (p->Hq / p->Hk) >= FA_AMX_MIN_ROWS && fa_amx_fp16_usable() && !p->block_table)
             return &fa_kernel_f16_amx;
 #endif
         return &fa_kernel_f32_avx512;
@@ -256,7 +259,7 @@ const fa_kernel *fa_select_kernel(const fa_params *p)
         if (((p->q_dtype == FA_BF16 && p->k_dtype == FA_BF16 && p->v_dtype == FA_BF16) ||
              (p->q_dtype == FA_F32 && p->k_dtype == FA_F32 && p->v_dtype == FA_F32 &&
               p->precision == FA_PRECISION_MEDIUM)) &&
-            p->L * (p->Hq / p->Hk) >= FA_AMX_MIN_ROWS)
+            p->L * (p->Hq / p->Hk) >= FA_AMX_MIN_ROWS && !p->block_table)
             return &fa_kernel_bf16_avx512bf16;
 #endif
         return &fa_kernel_f32_avx512;

@@ -72,6 +72,15 @@ typedef struct fa_params {
     /* Optional packed variable-length batches (B+1,) cumulative offsets along
      * the sequence axis (flash-attn's cu_seqlens); batch strides are then 0. */
     const int64_t *cu_q, *cu_k;
+    /* Optional paged K/V (flash-attn's block_table; NULL: contiguous).  Key j
+     * of batch b lies in page pg = block_table[b*bt_sb + j / page_size]: its
+     * row at k + pg*k_sb + h*k_sh + (j % page_size)*k_sl, so that k_sb (and
+     * v_sb, and ks_sb / vs_sb of per-token scales, which are paged with their
+     * tokens) is the stride between pages; per-channel and per-head scales
+     * stay indexed by batch.  Every entry that a key j < S_b falls in is a
+     * valid page (the caller checks); page_size >= 1.  With cu_k, cu_k gives
+     * the key lengths only (no offsets into k). */
+    const int32_t *block_table; int64_t bt_sb, page_size;
 
     /* Optional block-sparse pattern over (B, Hq, ceil(L/bm_q), ceil(S/bm_k)),
      * nonzero = block is computed. */

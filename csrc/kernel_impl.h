@@ -86,6 +86,7 @@
 typedef struct fa_stream {
     const char *k, *v;
     int64_t kld, vld, krow, vrow, nj, nk;
+    const float *ks, *vs; /* the per-token 8-bit scales of the tile's first key (NULL: none) */
 } fa_stream;
 
 #define FA_LOG2E 1.4426950408889634
@@ -274,6 +275,11 @@ typedef struct fa_ctx {
     const float *kts, *vts, *kcs, *vcs;
     int64_t kts_sl, vts_sl, kcs_sd, vcs_sd;
     int kv_dram;                     /* the call's K and V stream from DRAM (path_rows' prefetch) */
+    /* Paged K/V (fastattn.h): this batch's block table row and the page size
+     * (0: contiguous).  A tile never crosses a page (tile_len), so that within
+     * a tile K and V rows, and per-token scales, keep their strides. */
+    const int32_t *bt;
+    int64_t page;
 } fa_ctx;
 
 /* The prefill products take R rows in nb = ceil(R / FA_BLK_MR) register
@@ -426,13 +432,36 @@ FA_INLINE void FA_NAME(scale_keys)(REAL *S, int64_t TN, int64_t R, const float *
     }
 }
 
-/* The tile of nj keys at jt: its first K and V rows and the prefetch stream
- * over them (nk: keys left from jt to the end of the task's range). */
+/* The keys of the tile at jt: at most tn, to the end of the task's range and,
+ * for paged K/V, of jt's page. */
+FA_INLINE int64_t FA_NAME(tile_len)(const fa_ctx *c, int64_t jt, int64_t tn)
+{
+    const int64_t n = fa_min64(tn, c->jhi - jt);
+    return c->page ? fa_min64(n, c->page - jt % c->page) : n;
+}
+
+/* The tile of nj keys at jt: its first K and V rows, their per-token scales
+ * and the prefetch stream over them (nk: keys left from jt to the end of the
+ * task's range, in the same rows).  Paged: the rows of jt's page (the tile
+ * lies within it), and the stream ends with the tile (the next page is
+ * elsewhere). */
 FA_INLINE fa_stream FA_NAME(tile_stream)(const fa_ctx *c, int64_t jt, int64_t nj)
 {
     const fa_params *p = c->p;
-    const fa_stream st = { c->kbase + jt * p->k_sl * c->ksz, c->vbase + jt * p->v_sl * c->vsz, p->k_sl * c->ksz,
-                           p->v_sl * c->vsz, c->D * c->ksz, c->Dv * c->vsz, nj, c->jhi - jt };
+    const char *k = c->kbase, *v = c->vbase; /* key 0 of the rows that hold jt, key j there */
+    const float *ks = c->kts, *vs = c->vts;
+    int64_t j = jt;
+    if (c->page) {
+        const int64_t pg = c->bt[jt / c->page], hk = c->t->hk;
+        k = (const char *)p->k + (pg * p->k_sb + hk * p->k_sh) * c->ksz;
+        v = (const char *)p->v + (pg * p->v_sb + hk * p->v_sh) * c->vsz;
+        if (ks) ks = p->k_scale + pg * p->ks_sb + hk * p->ks_sh;
+        if (vs) vs = p->v_scale + pg * p->vs_sb + hk * p->vs_sh;
+        j = jt % c->page;
+    }
+    const fa_stream st = { k + j * p->k_sl * c->ksz, v + j * p->v_sl * c->vsz, p->k_sl * c->ksz, p->v_sl * c->vsz,
+                           c->D * c->ksz, c->Dv * c->vsz, nj, c->page ? nj : c->jhi - jt,
+                           ks ? ks + j * c->kts_sl : NULL, vs ? vs + j * c->vts_sl : NULL };
     return st;
 }
 
@@ -692,17 +721,17 @@ FA_INLINE void FA_NAME(path_row1)(const fa_ctx *c, const fa_ws *w)
 {
     const fa_params *p = c->p;
     const int64_t TN = FA_ROW_TN;
-    for (int64_t jt = c->jlo; jt < c->jhi; jt += TN) {
-        const int64_t nj = fa_min64(TN, c->jhi - jt);
+    for (int64_t jt = c->jlo, nj; jt < c->jhi; jt += nj) {
+        nj = FA_NAME(tile_len)(c, jt, TN);
         const fa_stream st = FA_NAME(tile_stream)(c, jt, nj);
         const int mst = FA_NAME(tile_mask_state)(c, jt, nj);
         if (mst == FA_TM_HIDDEN || FA_NAME(tile_hidden)(c, jt, nj)) continue;
         FA_NAME(qk_rows_nd)(1, p->k_dtype, w->Qs, c->Dp, st.k, p->k_sl, nj, w->S, TN, st.v,
                             p->v_sl * c->vsz, c->Dv * c->vsz, &st);
-        if (c->kts) FA_NAME(scale_keys)(w->S, TN, 1, c->kts + jt * c->kts_sl, c->kts_sl, nj);
+        if (c->kts) FA_NAME(scale_keys)(w->S, TN, 1, st.ks, c->kts_sl, nj);
         FA_NAME(mask_tile)(c, w->S, TN, jt, nj, c->elem_always && mst != FA_TM_VISIBLE);
         FA_NAME(softmax_tile)(c, w, TN, nj);
-        if (c->vts) FA_NAME(scale_keys)(w->S, TN, 1, c->vts + jt * c->vts_sl, c->vts_sl, nj);
+        if (c->vts) FA_NAME(scale_keys)(w->S, TN, 1, st.vs, c->vts_sl, nj);
         FA_NAME(pv_row1_n)(c->Dvp / VW, p->v_dtype, w->S, nj, st.v, p->v_sl, w->O, &st);
     }
 }
@@ -718,8 +747,8 @@ FA_INLINE void FA_NAME(path_rows)(const fa_ctx *c, const fa_ws *w)
 {
     const fa_params *p = c->p;
     const int64_t TN = FA_BLK_BN, Dp = c->Dp, Dvp = c->Dvp;
-    for (int64_t jt = c->jlo; jt < c->jhi; jt += TN) {
-        const int64_t nj = fa_min64(TN, c->jhi - jt);
+    for (int64_t jt = c->jlo, nj; jt < c->jhi; jt += nj) {
+        nj = FA_NAME(tile_len)(c, jt, TN);
         const fa_stream st = FA_NAME(tile_stream)(c, jt, nj);
         const int mst = FA_NAME(tile_mask_state)(c, jt, nj);
         if (mst == FA_TM_HIDDEN || FA_NAME(tile_hidden)(c, jt, nj)) continue;
@@ -735,14 +764,14 @@ FA_INLINE void FA_NAME(path_rows)(const fa_ctx *c, const fa_ws *w)
         }
         FA_NAME(qk_rows_nd)(c->R, kdt, w->Qs, Dp, kr, ldk, nj, w->S, TN, vpf, p->v_sl * c->vsz,
                             c->Dv * c->vsz, NULL);
-        if (c->kts) FA_NAME(scale_keys)(w->S, TN, c->R, c->kts + jt * c->kts_sl, c->kts_sl, nj);
+        if (c->kts) FA_NAME(scale_keys)(w->S, TN, c->R, st.ks, c->kts_sl, nj);
         FA_NAME(mask_tile)(c, w->S, TN, jt, nj, c->elem_always && mst != FA_TM_VISIBLE);
         FA_NAME(softmax_tile)(c, w, TN, nj);
-        if (c->vts) FA_NAME(scale_keys)(w->S, TN, c->R, c->vts + jt * c->vts_sl, c->vts_sl, nj);
+        if (c->vts) FA_NAME(scale_keys)(w->S, TN, c->R, st.vs, c->vts_sl, nj);
         fa_stream next;
         const fa_stream *nx = NULL;
-        if (c->kv_dram && jt + TN < c->jhi) {
-            next = FA_NAME(tile_stream)(c, jt + TN, fa_min64(TN, c->jhi - jt - TN));
+        if (c->kv_dram && jt + nj < c->jhi) {
+            next = FA_NAME(tile_stream)(c, jt + nj, FA_NAME(tile_len)(c, jt + nj, TN));
             nx = &next;
         }
         if (c->vfuse) {
@@ -799,7 +828,7 @@ FA_INLINE void FA_NAME(qk_blocks)(const fa_ctx *c, const fa_ws *w, const REAL *K
     const REAL *nk = NULL; /* the next tile's packed K, when the head buffer holds it */
     int64_t nkb = 0;
     if (next && c->kh && jt + nj < w->st->upto) {
-        nk = K + FA_BLK_BN * c->D; /* a tile with a next one is whole */
+        nk = K + nj * c->D; /* the head buffer holds the tiles back to back */
         nkb = next->nj * c->D * (int64_t)sizeof(REAL);
     }
     const int64_t nb = FA_NAME(row_nblocks)(R);
@@ -847,8 +876,8 @@ FA_INLINE void FA_NAME(qk_blocks)(const fa_ctx *c, const fa_ws *w, const REAL *K
  * alternated in one process, 2 threads / 1 thread): B1 H8 L2048 D128 1.03 /
  * 1.05, L1024 D128 1.05, B1 H4 L1024 D256 1.02; D = 64 (16 KiB tile) keeps
  * the row order (1.01 with panels outer). */
-FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, int64_t nj, int partial,
-                                   int fused, const fa_stream *next)
+FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, const fa_stream *st, int64_t jt, int64_t nj,
+                                   int partial, int fused, const fa_stream *next)
 {
     const fa_params *p = c->p;
     const int64_t D = c->D;
@@ -874,7 +903,7 @@ FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, i
      * multiples of VW, so a group never straddles two panels). */
     if (p->k_dtype == FA_F32)
         for (; cc + 8 <= nj; cc += 8) {
-            const float *ks = (const float *)(c->kbase + (jt + cc) * p->k_sl * c->ksz);
+            const float *ks = (const float *)(st->k + cc * st->kld);
             int64_t ld;
             REAL *kp = FA_NAME(panel_at)(K, D, jl, wl, cc, &ld);
             int64_t d = 0;
@@ -890,8 +919,8 @@ FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, i
         for (; cc + 8 <= nj; cc += 8) {
             for (int64_t u = 0; u < 8; u++) {
                 REAL *t = w->tmp + u * c->Dp;
-                fa_cvt_row(t, c->kbase + (jt + cc + u) * p->k_sl * c->ksz, p->k_dtype, D);
-                if (c->kts) FA_NAME(scale_row)(t, D, (REAL)c->kts[(jt + cc + u) * c->kts_sl]);
+                fa_cvt_row(t, st->k + (cc + u) * st->kld, p->k_dtype, D);
+                if (c->kts) FA_NAME(scale_row)(t, D, (REAL)st->ks[(cc + u) * c->kts_sl]);
             }
             int64_t ld;
             REAL *kp = FA_NAME(panel_at)(K, D, jl, wl, cc, &ld);
@@ -904,11 +933,11 @@ FA_INLINE void FA_NAME(qk_packed)(const fa_ctx *c, const fa_ws *w, int64_t jt, i
     for (; cc < nj; cc++) {
         int64_t ld;
         REAL *kp = FA_NAME(panel_at)(K, D, jl, wl, cc, &ld);
-        const char *ks = c->kbase + (jt + cc) * p->k_sl * c->ksz;
+        const char *ks = st->k + cc * st->kld;
         const REAL *kr = (const REAL *)ks;
         if (p->k_dtype != FA_SELF_DT) { fa_cvt_row(w->tmp, ks, p->k_dtype, D); kr = w->tmp; }
         if (c->kts) { /* the key's per-token scale, on its packed row */
-            const REAL ts = (REAL)c->kts[(jt + cc) * c->kts_sl];
+            const REAL ts = (REAL)st->ks[cc * c->kts_sl];
             for (int64_t d = 0; d < D; d++) kp[d * ld] = kr[d] * ts;
         } else
             for (int64_t d = 0; d < D; d++) kp[d * ld] = kr[d];
@@ -945,7 +974,7 @@ FA_INLINE void FA_NAME(pv_prefill)(const fa_ctx *c, const fa_ws *w, const fa_str
             if (!c->vdirect) {
                 FA_NAME(cvt_rows)(w->tmp, Dvp, st->v + jj * st->vld, 0, p->v_dtype, c->Dv, 1);
                 if (c->vts) /* the key's per-token V scale, on its converted row */
-                    FA_NAME(scale_row)(w->tmp, c->Dv, (REAL)c->vts[(jt + jj) * c->vts_sl]);
+                    FA_NAME(scale_row)(w->tmp, c->Dv, (REAL)st->vs[jj * c->vts_sl]);
                 src = w->tmp;
             }
             for (int64_t c0 = 0; c0 < Dfull; c0 += PW)
@@ -1009,8 +1038,8 @@ FA_PATH void FA_NAME(path_prefill)(const fa_ctx *c, const fa_ws *w)
 {
     const int64_t TN = FA_BLK_BN;
     double qmax = -1.0; /* huge_tile_skips' max|Q|, computed at the task's first such tile */
-    for (int64_t jt = c->jlo; jt < c->jhi; jt += TN) {
-        const int64_t nj = fa_min64(TN, c->jhi - jt);
+    for (int64_t jt = c->jlo, nj; jt < c->jhi; jt += nj) {
+        nj = FA_NAME(tile_len)(c, jt, TN);
         const fa_stream st = FA_NAME(tile_stream)(c, jt, nj);
         const int mst = FA_NAME(tile_mask_state)(c, jt, nj);
         if (mst == FA_TM_HIDDEN || FA_NAME(tile_hidden)(c, jt, nj)) continue;
@@ -1025,14 +1054,14 @@ FA_PATH void FA_NAME(path_prefill)(const fa_ctx *c, const fa_ws *w)
          * ~2% of the operations). */
         fa_stream next;
         const fa_stream *nx = NULL;
-        if (jt + TN < c->jhi) {
-            next = FA_NAME(tile_stream)(c, jt + TN, fa_min64(TN, c->jhi - jt - TN));
+        if (jt + nj < c->jhi) {
+            next = FA_NAME(tile_stream)(c, jt + nj, FA_NAME(tile_len)(c, jt + nj, TN));
             nx = &next;
         }
         /* A whole tile that needs no mask takes its softmax in qk_packed,
          * in one pass (softmax_block). */
         const int fused = !partial && nj == TN && !elem;
-        FA_NAME(qk_packed)(c, w, jt, nj, partial, fused, nx);
+        FA_NAME(qk_packed)(c, w, &st, jt, nj, partial, fused, nx);
         if (!partial && !fused) {
             FA_NAME(mask_tile)(c, w->S, TN, jt, nj, elem);
             FA_NAME(softmax_tile)(c, w, TN, nj);
@@ -1081,8 +1110,12 @@ FA_PATH void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
     c.use_log2 = p->softcap == 0.0;
     c.ksz = (int64_t)fa_dtype_size(p->k_dtype);
     c.vsz = (int64_t)fa_dtype_size(p->v_dtype);
-    c.kbase = (const char *)p->k + (c.b * p->k_sb + t->hk * p->k_sh + c.bi.koff * p->k_sl) * c.ksz;
-    c.vbase = (const char *)p->v + (c.b * p->v_sb + t->hk * p->v_sh + c.bi.koff * p->v_sl) * c.vsz;
+    /* Paged: tile_stream finds each tile's rows (and per-token scales) through
+     * the block table; k_sb is then a page stride, not a batch one. */
+    c.page = p->block_table ? p->page_size : 0;
+    c.bt = p->block_table ? p->block_table + c.b * p->bt_sb : NULL;
+    c.kbase = (const char *)p->k + (c.page ? 0 : (c.b * p->k_sb + t->hk * p->k_sh + c.bi.koff * p->k_sl) * c.ksz);
+    c.vbase = (const char *)p->v + (c.page ? 0 : (c.b * p->v_sb + t->hk * p->v_sh + c.bi.koff * p->v_sl) * c.vsz);
     const int kdirect = p->k_dtype == FA_SELF_DT && c.D % VW == 0;
     c.vdirect = p->v_dtype == FA_SELF_DT && c.Dv % VW == 0;
     /* The decode paths widen 16- and 8-bit K/V rows as they load them. */
@@ -1094,14 +1127,16 @@ FA_PATH void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
     c.kts = c.vts = c.kcs = c.vcs = NULL;
     c.kts_sl = c.vts_sl = c.kcs_sd = c.vcs_sd = 0;
     if (p->k_scale) {
-        const float *ks = p->k_scale + c.b * p->ks_sb + t->hk * p->ks_sh + c.bi.koff * p->ks_sl;
-        if (p->ks_sl) { c.kts = ks; c.kts_sl = p->ks_sl; }
-        else { c.kcs = ks; c.kcs_sd = p->ks_sd; }
+        if (p->ks_sl) { /* per token (paged: with the pages, tile_stream) */
+            c.kts = p->k_scale + (c.page ? 0 : c.b * p->ks_sb + t->hk * p->ks_sh + c.bi.koff * p->ks_sl);
+            c.kts_sl = p->ks_sl;
+        } else { c.kcs = p->k_scale + c.b * p->ks_sb + t->hk * p->ks_sh; c.kcs_sd = p->ks_sd; }
     }
     if (p->v_scale) {
-        const float *vs = p->v_scale + c.b * p->vs_sb + t->hk * p->vs_sh + c.bi.koff * p->vs_sl;
-        if (p->vs_sl) { c.vts = vs; c.vts_sl = p->vs_sl; }
-        else { c.vcs = vs; c.vcs_sd = p->vs_sd; }
+        if (p->vs_sl) {
+            c.vts = p->v_scale + (c.page ? 0 : c.b * p->vs_sb + t->hk * p->vs_sh + c.bi.koff * p->vs_sl);
+            c.vts_sl = p->vs_sl;
+        } else { c.vcs = p->v_scale + c.b * p->vs_sb + t->hk * p->vs_sh; c.vcs_sd = p->vs_sd; }
     }
 
     /* Key range any row may see, and the range every row sees (visible ranges

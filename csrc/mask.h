@@ -25,7 +25,7 @@ static inline fa_batch fa_batch_info(const fa_params *p, int64_t b)
     fa_batch r;
     if (p->cu_q) { r.qoff = p->cu_q[b]; r.Lb = p->cu_q[b + 1] - p->cu_q[b]; }
     else { r.qoff = 0; r.Lb = p->q_lens ? p->q_lens[b] : p->L; }
-    if (p->cu_k) { r.koff = p->cu_k[b]; r.Sb = p->cu_k[b + 1] - p->cu_k[b]; }
+    if (p->cu_k) { r.koff = p->block_table ? 0 : p->cu_k[b]; r.Sb = p->cu_k[b + 1] - p->cu_k[b]; }
     else { r.koff = 0; r.Sb = p->k_lens ? p->k_lens[b] : p->S; }
     return r;
 }

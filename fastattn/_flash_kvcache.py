@@ -34,6 +34,7 @@ from ._flash_args import flag_value as _flag
 from ._flash_args import softcap_value as _softcap
 from ._flash_args import window_size_value as _window_size
 from ._flash_args import wrap as _wrap
+from ._paged import paged_attention
 from ._quant import I8, is_kv8
 
 # The rotary helper of fastattn.positions (Any: that module is typed by its owner).
@@ -83,6 +84,47 @@ def _descale(x: Any, name: str, cdt: np.dtype[Any], cache_name: str, B: int, Hk:
     if d.size and not (np.all(np.isfinite(d)) and np.min(d) >= _F32_TINY):
         raise ValueError(f"{name} must be finite and positive (at least {_F32_TINY:g}, a float32 normal)")
     return np.ascontiguousarray(d)
+
+
+def _paged(
+    qa: Any, kc: Any, vc: Any, k: Any, v: Any, rotary_cos: Any, rotary_sin: Any, cache_seqlens: Any,
+    cache_batch_idx: Any, cache_leftpad: Any, block_table: Any, softmax_scale: Any, is_causal: bool,
+    window: Any, cap: Any, rotary_interleaved: Any, alibi_slopes: Any, ret: bool, kd: Any, vd: Any,
+    torch_out: bool,
+) -> Any:
+    """flash_attn_with_kvcache over page pools (``block_table``): fastattn's paged
+    attention_with_kvcache in the bshd layout, with the descales per sequence and head."""
+    if cache_batch_idx is not None:
+        raise ValueError("cache_batch_idx cannot be combined with block_table (the table picks the pages)")
+    if cache_leftpad is not None:
+        raise NotImplementedError("cache_leftpad together with block_table is not supported")
+    bt = _ints(block_table, "block_table")
+    if cache_seqlens is None:  # flash-attn: the whole table's capacity
+        if k is not None:
+            raise ValueError("cache_seqlens must be given with k and v (where to write them)")
+        cache_seqlens = int(np.shape(bt)[-1]) * int(kc.shape[1]) if np.ndim(bt) == 2 else 0
+    res = paged_attention(
+        qa,
+        kc,
+        vc,
+        _ints(cache_seqlens, "cache_seqlens"),
+        None if k is None else _array(k, "k"),
+        None if v is None else _array(v, "v"),
+        bt,
+        is_causal=is_causal,
+        window=window,
+        alibi_slopes=_alibi(alibi_slopes),
+        softcap=cap,
+        scale=softmax_scale,
+        return_lse=ret,
+        num_threads=None,
+        layout="bshd",
+        rotary=(rotary_cos, rotary_sin, rotary_interleaved),
+        precision=None,
+        k_scale=None if kd is None else kd[:, None, :, None],  # (B, 1, Hk, 1): bshd, per sequence and head
+        v_scale=None if vd is None else vd[:, None, :, None],
+    )
+    return _wrap(torch_out, *res) if ret else _wrap(torch_out, res)
 
 
 def _ints(x: Any, name: str) -> Any:
@@ -156,8 +198,8 @@ def flash_attn_with_kvcache(
 
     Every check runs before anything is written; the attention reads exactly what
     the caches hold after the write, strided or misaligned caches included (K kept
-    transposed).  ``block_table``, and rotary
-    together with a nonzero ``cache_leftpad``, raise ``NotImplementedError``;
+    transposed).  Rotary together with a nonzero ``cache_leftpad`` raises
+    ``NotImplementedError``;
     ``num_splits`` only tunes flash-attn's GPU kernel and changes nothing here.
 
     Parameters
@@ -176,8 +218,13 @@ def flash_attn_with_kvcache(
         ``(batch,)`` cache row of each batch entry; default ``b``.
     cache_leftpad : array_like of int, optional
         ``(batch,)`` first valid key of each row.
-    block_table : None
-        Paged caches are not supported (NotImplementedError).
+    block_table : array_like of int or torch.Tensor, optional
+        ``(batch, max_blocks_per_seq)`` int32: paged caches.  ``k_cache``/``v_cache``
+        are then page pools ``(num_blocks, page_block_size, nheads_k, headdim[_v])``
+        of any page size >= 1; token j of sequence b lies in page
+        ``block_table[b, j // page_block_size]``.  New tokens are written across
+        page boundaries; pages no entry in use points to are never touched.  Not
+        with ``cache_batch_idx`` or ``cache_leftpad``.
     softmax_scale : float, optional
         Score scale; None means ``1/sqrt(headdim)``.
     causal : bool, default False
@@ -235,8 +282,6 @@ def flash_attn_with_kvcache(
     True
     """
     # flash-attn features fastattn does not have: refused, never ignored.
-    if block_table is not None:
-        raise NotImplementedError("block_table (paged KV cache) is not supported by fastattn")
     _flag(rotary_interleaved, "rotary_interleaved")
     index_value(num_splits, "num_splits", 0)
     ret = _flag(return_softmax_lse, "return_softmax_lse")
@@ -278,6 +323,10 @@ def flash_attn_with_kvcache(
     # 8-bit caches: flash-attn 3's per-head descales (batch, nheads_k), None or float32.
     kd = _descale(k_descale, "k_descale", cdt, "k_cache", B, Hk)
     vd = _descale(v_descale, "v_descale", cdt, "v_cache", B, Hk)
+    if block_table is not None:
+        return _paged(qa, kc, vc, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                      block_table, softmax_scale, is_causal, window, cap, rotary_interleaved, alibi_slopes, ret,
+                      kd, vd, torch_out)
 
     if cache_batch_idx is None:
         if Bc < B:

@@ -6,7 +6,7 @@
 # file writes an enum value by hand.  A new fa_params field is added here and
 # in fastattn.h (same name), and filled in _kernels.pyx from the Plan field of
 # that name (fastattn/_args.py).
-from libc.stdint cimport int64_t, uint8_t
+from libc.stdint cimport int32_t, int64_t, uint8_t
 
 cdef extern from "fastattn.h":
     cpdef enum fa_dtype:
@@ -73,6 +73,8 @@ cdef extern from "fastattn.h":
         const int64_t *k_lens
         const int64_t *cu_q
         const int64_t *cu_k
+        const int32_t *block_table
+        int64_t bt_sb, page_size
         const uint8_t *bmask
         int64_t bm_sb, bm_sh, bm_si, bm_sj, bm_q, bm_k
         int num_threads

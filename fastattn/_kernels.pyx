@@ -8,7 +8,7 @@ The C declarations (fa_params, the enums) are in fastattn/_kernels.pxd, which
 Cython includes here.  Plan arrays arrive as 4-D ``(B, H, L, D)`` views whose
 last dimension is contiguous; strides are passed to C in elements.
 """
-from libc.stdint cimport int64_t, uint8_t
+from libc.stdint cimport int32_t, int64_t, uint8_t
 cimport numpy as cnp
 
 cnp.import_array()
@@ -146,6 +146,9 @@ cdef int _fill(fa_params *p, object plan) except -1:
     p.k_lens = <const int64_t *>_ptr(plan.k_lens)
     p.cu_q = <const int64_t *>_ptr(plan.cu_q)
     p.cu_k = <const int64_t *>_ptr(plan.cu_k)
+    p.block_table = <const int32_t *>_ptr(plan.block_table)
+    p.bt_sb = 0 if plan.block_table is None else _stride(<cnp.ndarray>plan.block_table, 0)
+    p.page_size = plan.page_size
     p.bmask = <const uint8_t *>_ptr(bmask)
     p.bm_sb = p.bm_sh = p.bm_si = p.bm_sj = 0
     if bmask is not None:

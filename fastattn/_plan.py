@@ -87,6 +87,11 @@ class Plan:
     arrays' lengths, except for packed variable-length batches (``cu_q``,
     ``cu_k``), where they are the longest sequence's.
 
+    Paged K/V (``block_table (B, max_pages)`` int32, ``page_size``): ``k``,
+    ``v`` (and per-token ``k_scale``/``v_scale``) are then the page pools,
+    ``(num_pages, Hk, page_size, X)`` bhsd views, not per-batch arrays, and
+    the plan is 4-D (fastattn._paged builds it).
+
     Field order: the fields every call sets come first, so that the small-call
     fast path can pass them by position (binding 10 keywords of a 25-field
     ``__init__`` costs ~0.8 µs more); every other caller passes keywords.
@@ -116,6 +121,8 @@ class Plan:
     k_lens: Any = _batch_field(0)
     cu_q: Array | None = None
     cu_k: Array | None = None
+    block_table: Array | None = None
+    page_size: int = 0
     bmask: Any = _batch_field(3)
     bm_q: int = 1
     bm_k: int = 1

@@ -46,6 +46,7 @@ from ._cache_args import (
 )
 from ._checks import F32, F64, as_array, flag_value
 from ._config import Precision, precision_code
+from ._paged import paged_attention
 from ._quant import is_kv8
 
 __all__ = ["KVCache", "attention_with_kvcache"]
@@ -815,6 +816,7 @@ def attention_with_kvcache(
     precision: _Precision = None,
     k_scale: npt.ArrayLike | None = None,
     v_scale: npt.ArrayLike | None = None,
+    block_table: npt.ArrayLike | None = None,
 ) -> np.ndarray: ...
 @overload
 def attention_with_kvcache(
@@ -839,6 +841,7 @@ def attention_with_kvcache(
     precision: _Precision = None,
     k_scale: npt.ArrayLike | None = None,
     v_scale: npt.ArrayLike | None = None,
+    block_table: npt.ArrayLike | None = None,
 ) -> tuple[np.ndarray, np.ndarray]: ...
 def attention_with_kvcache(
     q: npt.ArrayLike,
@@ -862,6 +865,7 @@ def attention_with_kvcache(
     precision: _Precision = None,
     k_scale: npt.ArrayLike | None = None,
     v_scale: npt.ArrayLike | None = None,
+    block_table: npt.ArrayLike | None = None,
 ) -> Any:
     """Attention over caller-owned caches, optionally appending new keys/values first
     (the semantics of flash-attn's ``flash_attn_with_kvcache``).
@@ -980,6 +984,28 @@ def attention_with_kvcache(
     >>> bool(np.abs(out8 - ref).max() < 0.05)
     True
     """
+    if block_table is not None:
+        return paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens,
+            k_new,
+            v_new,
+            block_table,
+            is_causal=is_causal,
+            window=window,
+            alibi_slopes=alibi_slopes,
+            softcap=softcap,
+            scale=scale,
+            return_lse=return_lse,
+            num_threads=num_threads,
+            layout=layout,
+            rotary=(rotary_cos, rotary_sin, rotary_interleaved),
+            precision=precision,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
     lay = layout_value(layout)
     is_causal = flag_value(is_causal, "is_causal")
     return_lse = flag_value(return_lse, "return_lse")

@@ -1,0 +1,110 @@
+"""Paged against contiguous decode: the same cache read through a shuffled block table.
+
+For each K/V format (bfloat16, float32, int8 with per-token scales), one decode step of
+B sequences (GQA Hq/Hk, head dim 128) over S cached tokens each, timed as
+``fastattn.attention_with_kvcache`` on the contiguous cache ``(B, Hk, S, D)`` and on the
+same tokens in a pool of ``--page``-token pages ``(num_pages, Hk, page, D)`` whose block
+table is a random permutation (no two consecutive pages adjacent, as in a long-running
+server).  The two calls alternate in one process (interleaved rounds, median per call),
+so the ratio ``paged / contiguous`` (speed, higher is better: 1.0 = no cost) is measured
+under the same machine state.  Both outputs are checked equal to float32 rounding first.
+
+    python benchmarks/paged_decode.py [--quick] [--page 16] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+import ml_dtypes
+import numpy as np
+
+import fastattn
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def paged(x: np.ndarray, page: int, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The (B, H, S, X) cache as a pool (num_pages, H, page, X) in ``order`` and its table."""
+    B, H, S, X = x.shape
+    n = S // page
+    pages = x.reshape(B, H, n, page, X).transpose(0, 2, 1, 3, 4).reshape(B * n, H, page, X)
+    pool = np.empty_like(pages)
+    pool[order] = pages  # logical page i lives at pool[order[i]]
+    return pool, order.reshape(B, n).astype(np.int32)
+
+
+def timed(fns: list, rounds: int, reps: int) -> list[float]:
+    """Median seconds per call of each fn, rounds interleaved."""
+    t: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            t[i].append((time.perf_counter() - t0) / reps)
+    return [float(np.median(x)) for x in t]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="S = 2048 and fewer rounds")
+    ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--rounds", type=int, default=15)
+    args = ap.parse_args()
+    B, Hq, Hk, D = 4, 32, 8, 128
+    S = 2048 if args.quick else 8192
+    rounds = 5 if args.quick else args.rounds
+    rng = np.random.default_rng(0)
+    print(f"CPU: {cpu_name()}; fastattn ISA {fastattn.get_isa()}; {args.threads} threads")
+    print(f"B{B} H{Hq}/{Hk} S{S} D{D} decode, {args.page}-token pages, shuffled block table\n")
+    print(f"{'K/V':>9} | {'contiguous ms':>13} | {'paged ms':>8} | {'paged speed':>11}")
+    print(f"{'-' * 9}-|-{'-' * 13}-|-{'-' * 8}-|-{'-' * 11}")
+    lens = np.full(B, S, np.int64)
+    order = rng.permutation(B * S // args.page)
+    for name in ("bfloat16", "float32", "int8"):
+        kf = rng.standard_normal((B, Hk, S, D)).astype(np.float32)
+        vf = rng.standard_normal((B, Hk, S, D)).astype(np.float32)
+        q = rng.standard_normal((B, Hq, 1, D)).astype(np.float32)
+        kw: dict = {}
+        pkw: dict = {}
+        if name == "int8":
+            k, ks = fastattn.quantize_kv(kf, "int8")
+            v, vs = fastattn.quantize_kv(vf, "int8")
+            kw = {"k_scale": ks, "v_scale": vs}
+            pkw = {"k_scale": paged(ks, args.page, order)[0], "v_scale": paged(vs, args.page, order)[0]}
+        else:
+            dt = np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(np.float32)
+            k, v = kf.astype(dt), vf.astype(dt)
+            q = q.astype(dt)
+        kp, bt = paged(k, args.page, order)
+        vp, _ = paged(v, args.page, order)
+
+        def dense(k=k, v=v, q=q, kw=kw):
+            return fastattn.attention_with_kvcache(q, k, v, lens, num_threads=args.threads, **kw)
+
+        def pagedcall(kp=kp, vp=vp, q=q, bt=bt, pkw=pkw):
+            return fastattn.attention_with_kvcache(q, kp, vp, lens, block_table=bt, num_threads=args.threads, **pkw)
+
+        np.testing.assert_allclose(
+            np.asarray(pagedcall(), np.float32), np.asarray(dense(), np.float32), rtol=2e-2, atol=2e-3
+        )
+        td, tp = timed([dense, pagedcall], rounds, 3)
+        print(f"{name:>9} | {td * 1e3:13.2f} | {tp * 1e3:8.2f} | {td / tp:10.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""Paged K/V caches (``block_table``) in attention_with_kvcache and flash_compat.
+
+Every output is compared with the float64 reference on the K/V *gathered* from
+the pages through the block table (after the write), per sequence; every write
+with the tokens given; pages that no table entry in use points to must stay
+unchanged byte for byte.  Page sizes 1, 16, 64 and 256 with shuffled tables,
+writes across page boundaries, GQA, the score options, LSE, 8-bit pages with
+their per-token scales, prefill chunks (many queries) over pages, thread
+counts 1-3 bit-identical, and the argument errors (nothing written).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import assert_close
+
+import fastattn
+from fastattn import reference as ref
+from fastattn.flash_compat import flash_attn_with_kvcache
+
+F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+I8 = np.dtype(np.int8)
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+TOL = {F32: 1e-4, BF16: 2e-2}
+
+
+def make_pool(rng, lens, page, Hk, D, Dv, dt, spare=3, room=8):
+    """A shuffled page pool holding sequences of ``lens`` tokens (room for ``room``
+    more each), and its block table; ``spare`` pages belong to no sequence."""
+    B = len(lens)
+    per = [-(-(n + room) // page) for n in lens]
+    M = max(per)
+    NP = sum(per) + spare
+    order = rng.permutation(NP)
+    bt = np.zeros((B, M), np.int32)
+    at = 0
+    for b in range(B):
+        bt[b, : per[b]] = order[at : at + per[b]]
+        bt[b, per[b] :] = rng.integers(0, NP, M - per[b])  # past the tokens: never read
+        at += per[b]
+    kp = rng.standard_normal((NP, Hk, page, D)).astype(dt)
+    vp = rng.standard_normal((NP, Hk, page, Dv)).astype(dt)
+    return kp, vp, bt, order[at:]
+
+
+def gather(pool, bt, b, n):
+    """Sequence b's first n tokens, bhsd (Hk, n, X), through the block table."""
+    page = pool.shape[2]
+    j = np.arange(n)
+    return pool[bt[b, j // page], :, j % page].transpose(1, 0, 2)
+
+
+def reference(q, kp, vp, bt, lens, **kw):
+    """The float64 reference per sequence on its gathered K/V: (out, lse)."""
+    outs, lses = [], []
+    for b, n in enumerate(lens):
+        K, V = gather(kp, bt, b, n).astype(F64), gather(vp, bt, b, n).astype(F64)
+        o, lse = ref.scaled_dot_product_attention(
+            q[b : b + 1].astype(F64), K[None], V[None], enable_gqa=True, return_lse=True, **kw
+        )
+        outs.append(o)
+        lses.append(lse)
+    return np.concatenate(outs), np.concatenate(lses)
+
+
+@pytest.mark.parametrize("page", [1, 16, 64, 256])
+@pytest.mark.parametrize("dt", [F32, BF16])
+@pytest.mark.parametrize("Lq", [1, 5])
+def test_paged_decode_with_writes(rng, page, dt, Lq):
+    B, Hq, Hk, D = 3, 4, 2, 32
+    lens = np.array([page * 2 - 1, 3, page + 5])  # the writes cross page boundaries
+    T = 3 if Lq == 1 else Lq
+    kp, vp, bt, spare = make_pool(rng, lens, page, Hk, D, D, dt)
+    kspare, vspare = kp[spare].copy(), vp[spare].copy()
+    q = rng.standard_normal((B, Hq, Lq, D)).astype(F32 if dt == F32 else dt)
+    kn = rng.standard_normal((B, Hk, T, D)).astype(F32)
+    vn = rng.standard_normal((B, Hk, T, D)).astype(F32)
+    out, lse = fastattn.attention_with_kvcache(q, kp, vp, lens, kn, vn, block_table=bt, return_lse=True)
+    total = lens + T
+    for b in range(B):  # the new tokens, at lens[b] .. + T of each sequence
+        np.testing.assert_array_equal(gather(kp, bt, b, total[b])[:, lens[b] :], kn[b].astype(dt))
+        np.testing.assert_array_equal(gather(vp, bt, b, total[b])[:, lens[b] :], vn[b].astype(dt))
+    np.testing.assert_array_equal(kp[spare], kspare)  # pages in no table: untouched
+    np.testing.assert_array_equal(vp[spare], vspare)
+    ro, rlse = reference(q, kp, vp, bt, total, is_causal=True)
+    assert_close(out, ro, tol=TOL[dt])
+    assert_close(lse, rlse, tol=TOL[dt], what="lse")
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"window": (7, 0)},
+        {"softcap": 5.0},
+        {"alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625])},
+        {"scale": 0.3, "is_causal": False},
+    ],
+    ids=["window", "softcap", "alibi", "noncausal"],
+)
+def test_paged_score_options(rng, opts):
+    B, Hq, Hk, D, page = 2, 4, 1, 16, 16
+    lens = np.array([40, 17])
+    kp, vp, bt, _ = make_pool(rng, lens, page, Hk, D, 24, F32)
+    q = rng.standard_normal((B, Hq, 3, D)).astype(F32)
+    out, lse = fastattn.attention_with_kvcache(q, kp, vp, lens, block_table=bt, return_lse=True, **opts)
+    kw = dict(opts)
+    kw.setdefault("is_causal", True)
+    ro, rlse = reference(q, kp, vp, bt, lens, **kw)
+    assert_close(out, ro, tol=1e-4)
+    assert_close(lse, rlse, tol=1e-4, what="lse")
+
+
+@pytest.mark.parametrize("page", [16, 64])
+def test_paged_prefill_chunk(rng, page):
+    """Many queries (the prefill path: packed K tiles that end at page boundaries)."""
+    B, Hq, Hk, D, Lq = 2, 2, 2, 64, 70
+    lens = np.array([150, 80])
+    kp, vp, bt, _ = make_pool(rng, lens, page, Hk, D, D, F32, room=Lq)
+    q = rng.standard_normal((B, Hq, Lq, D)).astype(F32)
+    kn = rng.standard_normal((B, Hk, Lq, D)).astype(F32)
+    vn = rng.standard_normal((B, Hk, Lq, D)).astype(F32)
+    out = fastattn.attention_with_kvcache(q, kp, vp, lens, kn, vn, block_table=bt)
+    ro, _ = reference(q, kp, vp, bt, lens + Lq, is_causal=True)
+    assert_close(out, ro, tol=1e-4)
+
+
+def test_paged_bshd_layout_matches_bhsd(rng):
+    B, Hq, Hk, D, page = 2, 4, 2, 16, 16
+    lens = np.array([33, 9])
+    kp, vp, bt, _ = make_pool(rng, lens, page, Hk, D, D, F32)
+    q = rng.standard_normal((B, Hq, 2, D)).astype(F32)
+    want = fastattn.attention_with_kvcache(q, kp, vp, lens, block_table=bt)
+    got = fastattn.attention_with_kvcache(
+        q.swapaxes(1, 2), kp.swapaxes(1, 2).copy(), vp.swapaxes(1, 2).copy(), lens, block_table=bt, layout="bshd"
+    )
+    np.testing.assert_array_equal(got.swapaxes(1, 2), want)
+
+
+@pytest.mark.parametrize("dt", [I8, E4M3])
+@pytest.mark.parametrize("page", [1, 16])
+def test_paged_kv8_per_token_scales(rng, dt, page):
+    """8-bit pages with per-token scales paged with them, written with the new tokens."""
+    B, Hq, Hk, D = 2, 4, 2, 32
+    lens = np.array([20, 7])
+    kf, vf, bt, _ = make_pool(rng, lens, page, Hk, D, D, F32)
+    kp, ks = fastattn.quantize_kv(kf, dt)
+    vp, vs = fastattn.quantize_kv(vf, dt)
+    q = rng.standard_normal((B, Hq, 1, D)).astype(F32)
+    kn = rng.standard_normal((B, Hk, 2, D)).astype(F32)
+    vn = rng.standard_normal((B, Hk, 2, D)).astype(F32)
+    out = fastattn.attention_with_kvcache(q, kp, vp, lens, kn, vn, block_table=bt, k_scale=ks, v_scale=vs)
+    total = lens + 2
+    qmax = 127.0 if dt == I8 else 448.0
+    for b in range(B):  # the new tokens' scales, beside them
+        got = gather(ks, bt, b, total[b])[:, lens[b] :]
+        np.testing.assert_allclose(got, np.abs(kn[b]).max(-1, keepdims=True) / qmax, rtol=1e-6)
+    kd = kp.astype(F64) * ks
+    vd = vp.astype(F64) * vs
+    ro, _ = reference(q, kd, vd, bt, total, is_causal=True)
+    assert_close(out, ro, tol=1e-4)
+
+
+def test_paged_kv8_per_head_scale(rng):
+    """A per-sequence, per-head scale (flash-attn 3's descale) with 8-bit pages."""
+    B, Hq, Hk, D, page = 2, 2, 2, 16, 16
+    lens = np.array([30, 12])
+    kf, vf, bt, _ = make_pool(rng, lens, page, Hk, D, D, F32)
+    s = np.array([[0.05, 0.04], [0.03, 0.05]], np.float32)[:, :, None, None]  # (B, Hk, 1, 1)
+    kp = np.clip(np.rint(kf / 0.05), -127, 127).astype(I8)
+    vp = np.clip(np.rint(vf / 0.05), -127, 127).astype(I8)
+    q = rng.standard_normal((B, Hq, 1, D)).astype(F32)
+    out = fastattn.attention_with_kvcache(q, kp, vp, lens, block_table=bt, k_scale=s, v_scale=s)
+    outs = []
+    for b, n in enumerate(lens):
+        K = gather(kp, bt, b, n).astype(F64) * s[b]
+        V = gather(vp, bt, b, n).astype(F64) * s[b]
+        outs.append(ref.scaled_dot_product_attention(q[b : b + 1].astype(F64), K[None], V[None], is_causal=True))
+    assert_close(out, np.concatenate(outs), tol=1e-4)
+
+
+def test_paged_threads_bit_identical(rng):
+    """Split-KV over a long paged cache: the same bits for 1, 2 and 3 threads."""
+    B, Hq, Hk, D, page = 1, 8, 2, 64, 16
+    lens = np.array([4000])
+    kp, vp, bt, _ = make_pool(rng, lens, page, Hk, D, D, F32)
+    q = rng.standard_normal((B, Hq, 1, D)).astype(F32)
+    outs = [fastattn.attention_with_kvcache(q, kp, vp, lens, block_table=bt, num_threads=n) for n in (1, 2, 3)]
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
+    ro, _ = reference(q, kp, vp, bt, lens, is_causal=True)
+    assert_close(outs[0], ro, tol=1e-4)
+
+
+def test_paged_equals_contiguous_bits_when_pages_are_in_order(rng):
+    """Pages in table order over one buffer read as the contiguous cache: same result
+    as the dense call (within float32 rounding: tiles end at page boundaries)."""
+    B, Hq, Hk, D, page = 1, 4, 4, 32, 16
+    lens = np.array([100])
+    kd = rng.standard_normal((1, Hk, 128, D)).astype(F32)
+    vd = rng.standard_normal((1, Hk, 128, D)).astype(F32)
+    kp = kd[0].reshape(Hk, 8, page, D).transpose(1, 0, 2, 3).copy()
+    vp = vd[0].reshape(Hk, 8, page, D).transpose(1, 0, 2, 3).copy()
+    bt = np.arange(8, dtype=np.int32)[None]
+    q = rng.standard_normal((B, Hq, 1, D)).astype(F32)
+    got = fastattn.attention_with_kvcache(q, kp, vp, lens, block_table=bt)
+    want = fastattn.attention_with_kvcache(q, kd, vd, lens)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_flash_compat_block_table(rng):
+    """flash-attn's paged layout (num_blocks, page_block_size, nheads_k, headdim)."""
+    B, Hq, Hk, D, page = 2, 4, 2, 32, 16
+    lens = np.array([21, 40])
+    kp, vp, bt, spare = make_pool(rng, lens, page, Hk, D, D, F32)
+    kfa, vfa = kp.transpose(0, 2, 1, 3).copy(), vp.transpose(0, 2, 1, 3).copy()
+    q = rng.standard_normal((B, 1, Hq, D)).astype(F32)
+    k = rng.standard_normal((B, 1, Hk, D)).astype(F32)
+    v = rng.standard_normal((B, 1, Hk, D)).astype(F32)
+    spare_before = kfa[spare].copy()
+    out, lse = flash_attn_with_kvcache(
+        q, kfa, vfa, k, v, cache_seqlens=lens.astype(np.int32), block_table=bt, causal=True, return_softmax_lse=True
+    )
+    np.testing.assert_array_equal(kfa[spare], spare_before)
+    kb, vb = kfa.transpose(0, 2, 1, 3), vfa.transpose(0, 2, 1, 3)
+    ro, rlse = reference(q.swapaxes(1, 2), kb, vb, bt, lens + 1, is_causal=True)
+    assert_close(out.swapaxes(1, 2), ro, tol=1e-4)
+    assert_close(lse, rlse, tol=1e-4, what="lse")
+
+
+def test_paged_errors_write_nothing(rng):
+    B, Hq, Hk, D, page = 2, 2, 2, 16, 16
+    lens = np.array([10, 20])
+    kp, vp, bt, _ = make_pool(rng, lens, page, Hk, D, D, F32)
+    q = rng.standard_normal((B, Hq, 1, D)).astype(F32)
+    kn = rng.standard_normal((B, Hk, 1, D)).astype(F32)
+    before = kp.copy(), vp.copy()
+
+    def call(table, **kw):
+        return fastattn.attention_with_kvcache(q, kp, vp, lens, kn, kn, block_table=table, **kw)
+
+    bad = bt.copy()
+    bad[1, 1] = kp.shape[0]
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\]"):
+        call(bad)
+    with pytest.raises(TypeError, match="block_table must be an integer array"):
+        call(bt.astype(np.float32))
+    with pytest.raises(ValueError, match="block_table must have shape"):
+        call(bt[:1])
+    with pytest.raises(ValueError, match="needs 2"):
+        call(bt[:, :1])
+    shared = bt.copy()
+    shared[1, 1] = bt[0, 0]  # both sequences append into one page slot
+    with pytest.raises(ValueError, match="same cache slot"):
+        fastattn.attention_with_kvcache(q, kp, vp, np.array([10, 26]), kn, kn, block_table=shared)
+    with pytest.raises(ValueError, match="k_cache must be a 4-D page pool"):
+        fastattn.attention_with_kvcache(q, kp[0], vp, lens, block_table=bt)
+    np.testing.assert_array_equal(kp, before[0])
+    np.testing.assert_array_equal(vp, before[1])
