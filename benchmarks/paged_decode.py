@@ -97,7 +97,9 @@ def main() -> None:
             return fastattn.attention_with_kvcache(q, k, v, lens, num_threads=args.threads, **kw)
 
         def pagedcall(kp=kp, vp=vp, q=q, bt=bt, pkw=pkw):
-            return fastattn.attention_with_kvcache(q, kp, vp, lens, block_table=bt, num_threads=args.threads, **pkw)
+            return fastattn.attention_with_kvcache(
+                q, kp, vp, lens, block_table=bt, num_threads=args.threads, **pkw
+            )
 
         np.testing.assert_allclose(
             np.asarray(pagedcall(), np.float32), np.asarray(dense(), np.float32), rtol=2e-2, atol=2e-3

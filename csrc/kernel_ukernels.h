@@ -106,12 +106,11 @@ FA_INLINE void FA_NAME(qk_rows)(int nr, int kdt, const REAL *Q, int64_t Dp, cons
         for (int u = 0; u < kb; u++) {
             const int64_t t = j + u + FA_PF_KEYS;
             if (st) { /* one stream: this tile's K rows, then its V rows (16-bit only) */
-                if (!half) continue;
-                if (t < st->nj) FA_PREFETCH_ROW(st->k + t * st->kld, st->krow, 3);
-                else if (t - st->nj < st->nj) FA_PREFETCH_ROW(st->v + (t - st->nj) * st->vld, st->vrow, 3);
-                continue;
+                if (half && t < st->nj) FA_PREFETCH_ROW(st->k + t * st->kld, st->krow, 3);
+                else if (half && t - st->nj < st->nj) FA_PREFETCH_ROW(st->v + (t - st->nj) * st->vld, st->vrow, 3);
+            } else if (half) {
+                FA_PREFETCH_ROW((const char *)K + t * ldk * kbytes, krow, 3);
             }
-            if (half) FA_PREFETCH_ROW((const char *)K + t * ldk * kbytes, krow, 3);
             if (vpf) FA_PREFETCH_ROW(vpf + (j + u) * vpf_ld, vpf_row, 2);
         }
         vf acc0[FA_BLK_RD][4], acc1[FA_BLK_RD][4];
@@ -224,7 +223,7 @@ FA_INLINE void FA_NAME(pv_row1)(int nv, int vdt, const REAL *P, int64_t nj, cons
         const int64_t t = j + FA_PF_KEYS;
         if (fa_dtype_16(vdt) || fa_dtype_8(vdt)) {
             if (t < nj) FA_PREFETCH_ROW(st->v + t * st->vld, st->vrow, 3);
-            else if (t < st->nk) FA_PREFETCH_ROW(st->k + t * st->kld, st->krow, 3);
+            else if (t - nj < st->nkn) FA_PREFETCH_ROW(st->kn + (t - nj) * st->kld, st->krow, 3);
         }
         vf pj = vf_set1(P[j]);
         for (int v = 0; v < nv; v += 2) { /* nv is even (4, 8, 12 or 16) */

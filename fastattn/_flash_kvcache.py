@@ -87,9 +87,26 @@ def _descale(x: Any, name: str, cdt: np.dtype[Any], cache_name: str, B: int, Hk:
 
 
 def _paged(
-    qa: Any, kc: Any, vc: Any, k: Any, v: Any, rotary_cos: Any, rotary_sin: Any, cache_seqlens: Any,
-    cache_batch_idx: Any, cache_leftpad: Any, block_table: Any, softmax_scale: Any, is_causal: bool,
-    window: Any, cap: Any, rotary_interleaved: Any, alibi_slopes: Any, ret: bool, kd: Any, vd: Any,
+    qa: Any,
+    kc: Any,
+    vc: Any,
+    k: Any,
+    v: Any,
+    rotary_cos: Any,
+    rotary_sin: Any,
+    cache_seqlens: Any,
+    cache_batch_idx: Any,
+    cache_leftpad: Any,
+    block_table: Any,
+    softmax_scale: Any,
+    is_causal: bool,
+    window: Any,
+    cap: Any,
+    rotary_interleaved: Any,
+    alibi_slopes: Any,
+    ret: bool,
+    kd: Any,
+    vd: Any,
     torch_out: bool,
 ) -> Any:
     """flash_attn_with_kvcache over page pools (``block_table``): fastattn's paged
@@ -324,9 +341,29 @@ def flash_attn_with_kvcache(
     kd = _descale(k_descale, "k_descale", cdt, "k_cache", B, Hk)
     vd = _descale(v_descale, "v_descale", cdt, "v_cache", B, Hk)
     if block_table is not None:
-        return _paged(qa, kc, vc, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                      block_table, softmax_scale, is_causal, window, cap, rotary_interleaved, alibi_slopes, ret,
-                      kd, vd, torch_out)
+        return _paged(
+            qa,
+            kc,
+            vc,
+            k,
+            v,
+            rotary_cos,
+            rotary_sin,
+            cache_seqlens,
+            cache_batch_idx,
+            cache_leftpad,
+            block_table,
+            softmax_scale,
+            is_causal,
+            window,
+            cap,
+            rotary_interleaved,
+            alibi_slopes,
+            ret,
+            kd,
+            vd,
+            torch_out,
+        )
 
     if cache_batch_idx is None:
         if Bc < B:

@@ -33,7 +33,7 @@ from ._cache_args import (
     to_cache_dtype,
 )
 from ._checks import F32, as_array, flag_value, kernel_ready
-from ._plan import Call, replace
+from ._plan import replace
 from ._quant import is_kv8, scale_value
 
 Array = npt.NDArray[Any]
@@ -105,7 +105,7 @@ def _paged_scale(
     if scale is None and not is_kv8(pool.dtype):
         return None, None, None
     seq_axis = -2 if lay == "bhsd" else -3
-    shape = np.shape(scale) if scale is not None else ()
+    shape: tuple[int, ...] = np.shape(scale) if scale is not None else ()
     NP, P = pool.shape[0], pool.shape[seq_axis]
     if len(shape) == 4 and shape[0] == NP and shape[seq_axis] == P and (P > 1 or shape[-1] == 1):
         checked = scale_value(scale, name, pool, seq_axis, pool_name)
@@ -200,14 +200,17 @@ def paged_attention(
     NP, Hk, P, Dk = kp.shape
     if vp.shape[:3] != (NP, Hk, P):
         raise ValueError(
-            f"v_cache must have the pages, heads and page size of k_cache, got {vpool.shape} and {kpool.shape}"
+            "v_cache must have the pages, heads and page size of k_cache, "
+            f"got {vpool.shape} and {kpool.shape}"
         )
     if Dk != D:
         raise ValueError(f"k_cache head dim ({Dk}) must equal q's ({D})")
     if NP > _I32_MAX:
         raise ValueError(f"k_cache holds {NP} pages; block_table's int32 entries address at most {_I32_MAX}")
     if P < 1 or NP < 1:
-        raise ValueError(f"k_cache must hold at least one page of at least one token, got shape {kpool.shape}")
+        raise ValueError(
+            f"k_cache must hold at least one page of at least one token, got shape {kpool.shape}"
+        )
     check_heads(Hq, Hk, True, "q", "the cache's kv")
     Dv = vp.shape[3]
     seq = seqlens_value(cache_seqlens, "cache_seqlens", B)
@@ -216,12 +219,18 @@ def paged_attention(
     if writing:
         kn, vn = bhsd(new_tokens(k_new, "k_new", lay), lay), bhsd(new_tokens(v_new, "v_new", lay), lay)
         if kn.shape[:2] != (B, Hk) or kn.shape[3] != D:
-            raise ValueError(f"k_new must have {B} sequences, {Hk} heads and head dim {D}, got shape {np.shape(k_new)}")
+            raise ValueError(
+                f"k_new must have {B} sequences, {Hk} heads and head dim {D}, got shape {np.shape(k_new)}"
+            )
         if vn.shape[:2] != (B, Hk) or vn.shape[3] != Dv:
-            raise ValueError(f"v_new must have {B} sequences, {Hk} heads and head dim {Dv}, got shape {np.shape(v_new)}")
+            raise ValueError(
+                f"v_new must have {B} sequences, {Hk} heads and head dim {Dv}, got shape {np.shape(v_new)}"
+            )
         T = kn.shape[2]
         if vn.shape[2] != T:
-            raise ValueError(f"k_new and v_new must hold the same number of tokens, got {T} and {vn.shape[2]}")
+            raise ValueError(
+                f"k_new and v_new must hold the same number of tokens, got {T} and {vn.shape[2]}"
+            )
         if np.may_share_memory(kpool, vpool):
             raise ValueError("k_cache and v_cache must not share memory")
     total = seq + T
@@ -237,8 +246,12 @@ def paged_attention(
     kpaged, kfix, ks_seq = _paged_scale(k_scale, "k_scale", kpool, lay, B, "k_cache")
     vpaged, vfix, vs_seq = _paged_scale(v_scale, "v_scale", vpool, lay, B, "v_cache")
     # Per-token paged scales are written with the new tokens, into the caller's arrays.
-    ktarget = _scale_target(k_scale, "k_scale", lay, (kpool, vpool)) if writing and kpaged is not None else None
-    vtarget = _scale_target(v_scale, "v_scale", lay, (kpool, vpool)) if writing and vpaged is not None else None
+    ktarget = (
+        _scale_target(k_scale, "k_scale", lay, (kpool, vpool)) if writing and kpaged is not None else None
+    )
+    vtarget = (
+        _scale_target(v_scale, "v_scale", lay, (kpool, vpool)) if writing and vpaged is not None else None
+    )
     if ktarget is not None and vtarget is not None and np.may_share_memory(ktarget, vtarget):
         raise ValueError("k_scale and v_scale must not share memory")
     # Every check of the attention, on stand-ins of the gathered K/V (and of paged scales).
@@ -283,8 +296,10 @@ def paged_attention(
         pg, sl = page_slots(bt, seq, T, P)
         flat = (pg * P + sl).ravel()
         if np.unique(flat).size != flat.size:
-            raise ValueError("block_table maps two new tokens to the same cache slot (a page shared by "
-                             "sequences that both append: give each its own last page)")
+            raise ValueError(
+                "block_table maps two new tokens to the same cache slot (a page shared by "
+                "sequences that both append: give each its own last page)"
+            )
         if is_kv8(cdt):
             kf = kn if rot is None else to_cache_dtype(kn, F32, "k_new", rot, kpos, num_threads)
             kw, ks_new = kv8_tokens(kf, cdt, kfix if kpaged is None else None, "k_new")
@@ -292,7 +307,7 @@ def paged_attention(
         else:
             kw = to_cache_dtype(kn, cdt, "k_new", rot, kpos, num_threads)
             vw = to_cache_dtype(vn, cdt, "v_new")
-            ks_new = vs_new = None
+            ks_new = vs_new = np.empty(0, F32)  # (no scales: ktarget and vtarget are None)
         # ---- write (nothing has been modified before this point)
         kp[pg, :, sl] = kw.transpose(0, 2, 1, 3)
         vp[pg, :, sl] = vw.transpose(0, 2, 1, 3)
@@ -304,7 +319,12 @@ def paged_attention(
             vpaged = vtarget
     if call.plan is None:
         return call.run()
-    changes: dict[str, Any] = {"k": kernel_ready(kp), "v": kernel_ready(vp), "block_table": bt, "page_size": P}
+    changes: dict[str, Any] = {
+        "k": kernel_ready(kp),
+        "v": kernel_ready(vp),
+        "block_table": bt,
+        "page_size": P,
+    }
     if kpaged is not None:
         changes["k_scale"] = _token_view(kpaged)
     if vpaged is not None:
@@ -313,4 +333,3 @@ def paged_attention(
         changes["q"] = kernel_ready(qr)
     call.plan = replace(call.plan, changes)
     return call.run()
-

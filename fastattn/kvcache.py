@@ -920,6 +920,19 @@ def attention_with_kvcache(
     q and k_new are not modified; a finite q or k_new whose rotation overflows
     its dtype (the cache's for k_new) raises ValueError before anything is written.
 
+    Paged caches (``block_table``, flash-attn's convention): ``k_cache`` /
+    ``v_cache`` are page pools ``(num_pages, Hk, page_size, D/Dv)`` (bshd:
+    ``(num_pages, page_size, Hk, D/Dv)``) of any page size >= 1, and
+    ``block_table`` an integer ``(B, max_pages)`` array: token j of sequence
+    b lies in page ``block_table[b, j // page_size]`` at slot ``j %
+    page_size``.  New tokens are written there (across page boundaries);
+    no other slot is written, entries past a sequence's tokens are never
+    read, and an entry out of range, too few pages or two sequences writing
+    one slot raise ValueError with nothing written.  Per-token scales of
+    8-bit pools are paged too, ``(num_pages, Hk, page_size, 1)`` (bhsd;
+    written with the tokens); any other scale is per sequence.  The pages
+    are read in place.
+
     Parameters
     ----------
     q : array_like
@@ -945,6 +958,8 @@ def attention_with_kvcache(
     k_scale, v_scale : array_like or float, optional
         The float32 scales of 8-bit caches, as above (TypeError with float
         caches; int8 caches require them).
+    block_table : array_like of int, optional
+        Paged caches, as below: ``(B, max_pages)`` page indices.
 
     Returns
     -------

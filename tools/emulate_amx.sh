@@ -18,7 +18,7 @@ tar -C "$src" --exclude=./build --exclude="*.so" --exclude=./.git --exclude=./.v
 cd "$work/src"
 FASTATTN_EMULATE_AMX=1 python setup.py -q build_ext --inplace >build.log 2>&1 || { cat build.log; exit 1; }
 args=("$@")
-[ ${#args[@]} -gt 0 ] || args=(tests/kernel/test_amx.py tests/kernel/test_amx_fp16.py tests/kernel/test_precision.py tests/kernel/test_dtypes.py tests/kernel/test_masks.py tests/kernel/test_kv8.py -q -x -p no:cacheprovider)
+[ ${#args[@]} -gt 0 ] || args=(tests/kernel/test_amx.py tests/kernel/test_amx_fp16.py tests/kernel/test_precision.py tests/kernel/test_dtypes.py tests/kernel/test_masks.py tests/kernel/test_kv8.py tests/api/test_paged.py -q -x -p no:cacheprovider)
 FASTATTN_ISA=amx PYTHONPATH="$work/src" python -c \
     "import fastattn, sys; c = fastattn._config.config(); sys.exit(0 if fastattn.get_isa() == 'amx' and c['amx_emulated (FASTATTN_EMULATE_AMX, tests only)'] else 1)"
 FASTATTN_ISA=amx PYTHONPATH="$work/src" python -m pytest "${args[@]}"

@@ -18,7 +18,7 @@ FASTATTN_EMULATE_AVX512=1 python setup.py -q build_ext --inplace >build.log 2>&1
 args=("$@")
 [ ${#args[@]} -gt 0 ] || args=(tests/kernel/test_sdpa.py tests/kernel/test_isa.py tests/kernel/test_variants.py tests/kernel/test_dtypes.py
                                 tests/api/test_kvcache.py tests/kernel/test_threads.py tests/kernel/test_backward.py tests/kernel/test_family.py
-                                tests/kernel/test_register_blocks.py tests/kernel/test_fused_softmax.py tests/kernel/test_masks.py tests/kernel/test_kv8.py -q -x -p no:cacheprovider)
+                                tests/kernel/test_register_blocks.py tests/kernel/test_fused_softmax.py tests/kernel/test_masks.py tests/kernel/test_kv8.py tests/api/test_paged.py -q -x -p no:cacheprovider)
 FASTATTN_ISA=avx512 PYTHONPATH="$work/src" python -c \
     "import fastattn, sys; c = fastattn._config.config(); sys.exit(0 if fastattn.get_isa() == 'avx512' else 1)"
 FASTATTN_ISA=avx512 PYTHONPATH="$work/src" python -m pytest "${args[@]}"

@@ -383,7 +383,11 @@ def test_with_kvcache_bad_arguments_write_nothing(rng):
         ),
         (ValueError, r"block_table\[0, 0\] = 5", dict(block_table=np.full((2, 1), 5, np.int32))),
         (TypeError, "block_table", dict(block_table=np.zeros((2, 1), np.float32))),
-        (ValueError, "same cache slot", dict(block_table=np.zeros((2, 1), np.int32), cache_seqlens=np.array([2, 2]))),
+        (
+            ValueError,
+            "same cache slot",
+            dict(block_table=np.zeros((2, 1), np.int32), cache_seqlens=np.array([2, 2])),
+        ),
         (ValueError, "exceeds", dict(cache_seqlens=np.array([2, 8]))),
         (ValueError, "cache_seqlens", dict(cache_seqlens=np.array([2, 9]))),
         (ValueError, "cache_seqlens", dict(cache_seqlens=np.array([1, 2, 3]))),

@@ -134,7 +134,12 @@ def test_paged_bshd_layout_matches_bhsd(rng):
     q = rng.standard_normal((B, Hq, 2, D)).astype(F32)
     want = fastattn.attention_with_kvcache(q, kp, vp, lens, block_table=bt)
     got = fastattn.attention_with_kvcache(
-        q.swapaxes(1, 2), kp.swapaxes(1, 2).copy(), vp.swapaxes(1, 2).copy(), lens, block_table=bt, layout="bshd"
+        q.swapaxes(1, 2),
+        kp.swapaxes(1, 2).copy(),
+        vp.swapaxes(1, 2).copy(),
+        lens,
+        block_table=bt,
+        layout="bshd",
     )
     np.testing.assert_array_equal(got.swapaxes(1, 2), want)
 
@@ -177,7 +182,9 @@ def test_paged_kv8_per_head_scale(rng):
     for b, n in enumerate(lens):
         K = gather(kp, bt, b, n).astype(F64) * s[b]
         V = gather(vp, bt, b, n).astype(F64) * s[b]
-        outs.append(ref.scaled_dot_product_attention(q[b : b + 1].astype(F64), K[None], V[None], is_causal=True))
+        outs.append(
+            ref.scaled_dot_product_attention(q[b : b + 1].astype(F64), K[None], V[None], is_causal=True)
+        )
     assert_close(out, np.concatenate(outs), tol=1e-4)
 
 
@@ -187,7 +194,9 @@ def test_paged_threads_bit_identical(rng):
     lens = np.array([4000])
     kp, vp, bt, _ = make_pool(rng, lens, page, Hk, D, D, F32)
     q = rng.standard_normal((B, Hq, 1, D)).astype(F32)
-    outs = [fastattn.attention_with_kvcache(q, kp, vp, lens, block_table=bt, num_threads=n) for n in (1, 2, 3)]
+    outs = [
+        fastattn.attention_with_kvcache(q, kp, vp, lens, block_table=bt, num_threads=n) for n in (1, 2, 3)
+    ]
     for o in outs[1:]:
         np.testing.assert_array_equal(o, outs[0])
     ro, _ = reference(q, kp, vp, bt, lens, is_causal=True)
@@ -221,7 +230,15 @@ def test_flash_compat_block_table(rng):
     v = rng.standard_normal((B, 1, Hk, D)).astype(F32)
     spare_before = kfa[spare].copy()
     out, lse = flash_attn_with_kvcache(
-        q, kfa, vfa, k, v, cache_seqlens=lens.astype(np.int32), block_table=bt, causal=True, return_softmax_lse=True
+        q,
+        kfa,
+        vfa,
+        k,
+        v,
+        cache_seqlens=lens.astype(np.int32),
+        block_table=bt,
+        causal=True,
+        return_softmax_lse=True,
     )
     np.testing.assert_array_equal(kfa[spare], spare_before)
     kb, vb = kfa.transpose(0, 2, 1, 3), vfa.transpose(0, 2, 1, 3)
