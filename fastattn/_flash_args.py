@@ -48,7 +48,13 @@ def flag_value(x: Any, name: str) -> bool:
 
 
 def window_size_value(window_size: Any) -> tuple[int, int] | None:
-    """flash-attn's (left, right), -1 = unbounded; None when both sides are unbounded."""
+    """flash-attn's (left, right), -1 = unbounded; None when both sides are unbounded.
+    A pair given as a 1-D integer array or CPU tensor of two values is taken too (flash-attn's
+    own tests build it with torch)."""
+    if _torch_bridge.is_tensor(window_size) or isinstance(window_size, np.ndarray):
+        a = array_value(window_size, "window_size")
+        if a.ndim == 1 and a.shape[0] == 2 and a.dtype.kind in "iu":
+            window_size = (int(a[0]), int(a[1]))
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
     left = index_value(window_size[0], "window_size[0]", -1)

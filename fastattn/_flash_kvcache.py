@@ -298,6 +298,11 @@ def flash_attn_with_kvcache(
     >>> bool(np.abs(out8 - ref).max() < 0.05)
     True
     """
+    # Rotary tables given as torch tensors (bf16 ones too, which torch cannot hand to NumPy).
+    if _torch_bridge.is_tensor(rotary_cos):
+        rotary_cos = _array(rotary_cos, "rotary_cos")
+    if _torch_bridge.is_tensor(rotary_sin):
+        rotary_sin = _array(rotary_sin, "rotary_sin")
     # flash-attn features fastattn does not have: refused, never ignored.
     _flag(rotary_interleaved, "rotary_interleaved")
     index_value(num_splits, "num_splits", 0)

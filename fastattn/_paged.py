@@ -59,6 +59,8 @@ def block_table_value(x: Any, name: str, B: int, num_pages: int, page: int, leng
             f"{name} has {a.shape[1]} pages per sequence but sequence {b} needs {int(need[b])} "
             f"({int(lengths[b])} tokens in pages of {page})"
         )
+    if a.size and int(a.min()) >= 0 and int(a.max()) < num_pages:  # every entry a page (the usual table)
+        return np.ascontiguousarray(a, dtype=np.int32)
     used = np.arange(a.shape[1])[None, :] < need[:, None]
     vals = a[used]
     if vals.size and (int(vals.min()) < 0 or int(vals.max()) >= num_pages):

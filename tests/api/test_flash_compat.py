@@ -449,3 +449,43 @@ def test_torch_tensors_in_and_out(rng):
         fc.flash_attn_func(t, t, t)
     with torch.no_grad():
         fc.flash_attn_func(t, t, t)
+
+
+def test_with_kvcache_rotary_tables_as_bf16_tensors():
+    """flash-attn's tests pass rotary cos/sin as bf16 tensors: taken as the same float32
+    tables (the rotation is the same as with those tables given as arrays)."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(0)
+    B, S, Hk, Hq, D = 2, 32, 2, 4, 16
+    q = torch.randn(B, 1, Hq, D, generator=gen).to(torch.bfloat16)
+    k = torch.randn(B, 1, Hk, D, generator=gen).to(torch.bfloat16)
+    v = torch.randn(B, 1, Hk, D, generator=gen).to(torch.bfloat16)
+    cos, sin = (
+        torch.from_numpy(np.asarray(t, np.float32)).to(torch.bfloat16) for t in fastattn.rotary_cos_sin(S, D)
+    )
+    seq = torch.tensor([3, 5], dtype=torch.int32)
+    outs = []
+    for c, s in ((cos, sin), (cos.float().numpy(), sin.float().numpy())):
+        kc = torch.zeros(B, S, Hk, D, dtype=torch.bfloat16)
+        vc = torch.zeros_like(kc)
+        outs.append(
+            fc.flash_attn_with_kvcache(
+                q, kc, vc, k, v, rotary_cos=c, rotary_sin=s, cache_seqlens=seq, causal=True
+            )
+        )
+    assert outs[0].dtype == torch.bfloat16
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_window_size_as_array_or_tensor(rng):
+    """window_size given as a 2-value integer array (or CPU tensor) is the same pair."""
+    q, k, v = randn(rng, (1, 20, 2, 16)), randn(rng, (1, 20, 2, 16)), randn(rng, (1, 20, 2, 16))
+    want = fc.flash_attn_func(q, k, v, causal=True, window_size=(3, 0))
+    np.testing.assert_array_equal(
+        fc.flash_attn_func(q, k, v, causal=True, window_size=np.array([3, 0])), want
+    )
+    torch = pytest.importorskip("torch")
+    got = fc.flash_attn_func(q, k, v, causal=True, window_size=torch.tensor([3, 0]))
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(TypeError, match="window_size"):
+        fc.flash_attn_func(q, k, v, window_size=np.array([3.0, 0.0]))
