@@ -85,6 +85,7 @@ if _installed_copy() is None:  # else sys.modules["fastattn"] is the installed c
     from .lsh import lsh_attention
     from .merge import merge_attention_states
     from .modules import MultiHeadAttention
+    from .paged import PagedKVCache
     from .positions import apply_rotary, rotary_cos_sin, sinusoidal_positions
     from .weights import attention_weights, plot_attention_weights
 
@@ -96,6 +97,7 @@ __all__ = [
     "dot_product_attention",
     "merge_attention_states",
     "KVCache",
+    "PagedKVCache",
     "attention_with_kvcache",
     "quantize_kv",
     "MultiHeadAttention",
