@@ -107,6 +107,43 @@ def main() -> None:
         td, tp = timed([dense, pagedcall], rounds, 3)
         print(f"{name:>9} | {td * 1e3:13.2f} | {tp * 1e3:8.2f} | {td / tp:10.2f}x")
 
+    # Chunked prefill: one varlen call over the pages (decode rows of 6 sequences and a
+    # 512-token prefill chunk of a seventh) against the separate calls it replaces.
+    print(f"\nchunked prefill, bfloat16, {args.page}-token pages: 6 decode rows + one 512-query chunk")
+    dt = np.dtype(ml_dtypes.bfloat16)
+    lens = np.array([S // 2] * 6 + [S // 4])
+    nq = np.array([1] * 6 + [512])
+    pages_per = -(-lens // args.page)
+    order = rng.permutation(int(pages_per.sum()))
+    kp = rng.standard_normal((order.size, args.page, Hk, D)).astype(dt)  # flash-attn's page layout
+    vp = rng.standard_normal((order.size, args.page, Hk, D)).astype(dt)
+    bt = np.zeros((lens.size, int(pages_per.max())), np.int32)
+    at = 0
+    for b, n in enumerate(pages_per):
+        bt[b, :n] = order[at : at + n]
+        at += n
+    cq = np.concatenate([[0], np.cumsum(nq)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q = rng.standard_normal((int(cq[-1]), Hq, D)).astype(dt)
+    kb, vb = kp.transpose(0, 2, 1, 3), vp.transpose(0, 2, 1, 3)
+
+    def one_call():
+        return fastattn.varlen_attention(
+            q, kp, vp, cq, ck, block_table=bt, is_causal=True, enable_gqa=True, num_threads=args.threads
+        )
+
+    def separate():  # the decode rows in one batched call, the chunk in another
+        d = fastattn.attention_with_kvcache(
+            q[:6, :, None], kb, vb, lens[:6], block_table=bt[:6], num_threads=args.threads
+        )
+        c = fastattn.attention_with_kvcache(
+            q[6:].swapaxes(0, 1)[None], kb, vb, lens[6:], block_table=bt[6:], num_threads=args.threads
+        )
+        return d, c
+
+    tv, ts = timed([one_call, separate], rounds, 3)
+    print(f"one varlen call {tv * 1e3:.2f} ms, separate calls {ts * 1e3:.2f} ms: {ts / tv:.2f}x")
+
 
 if __name__ == "__main__":
     main()

@@ -15,13 +15,14 @@ K/V (and per-token scales) are then the pools themselves.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from . import positions
-from ._args import bhsd, check_heads, layout_value, sdpa_call
+from ._args import bhsd, check_heads, layout_value, sdpa_call, varlen_call
 from ._cache_args import (
     CACHE_DTYPES8,
     cache_dtype_ok,
@@ -33,12 +34,12 @@ from ._cache_args import (
     to_cache_dtype,
 )
 from ._checks import F32, as_array, flag_value, kernel_ready
-from ._plan import replace
+from ._plan import Call, replace
 from ._quant import is_kv8, scale_value
 
 Array = npt.NDArray[Any]
 
-__all__ = ["block_table_value", "paged_attention", "page_slots"]
+__all__ = ["block_table_value", "paged_attention", "paged_varlen_call", "page_slots"]
 
 _I32_MAX = 2**31 - 1
 
@@ -335,3 +336,65 @@ def paged_attention(
         changes["q"] = kernel_ready(qr)
     call.plan = replace(call.plan, changes)
     return call.run()
+
+
+def paged_varlen_call(
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    block_table: Any,
+    *,
+    k_scale: Any = None,
+    v_scale: Any = None,
+    **options: Any,
+) -> Call:
+    """:func:`fastattn.varlen_attention` with ``block_table`` (chunked prefill): packed
+    queries ``(Tq, Hq, D)``, K/V in page pools ``(num_pages, page_size, Hk, D/Dv)``,
+    ``cu_seqlens_k`` the sequences' cumulative key lengths.  Every check is
+    varlen_call's, on stand-ins ``(Tk, Hk, D)`` of the gathered K/V."""
+    kpool, vpool = _pool(k_cache, "k", "bshd", False), _pool(v_cache, "v", "bshd", False)
+    if vpool.shape[:3] != kpool.shape[:3]:
+        raise ValueError(
+            f"v must have the pages, page size and heads of k, got {vpool.shape} and {kpool.shape}"
+        )
+    ca = as_array(cu_seqlens_k, "cu_seqlens_k")
+    Tk = int(ca[-1]) if ca.ndim == 1 and ca.shape[0] and ca.dtype.kind in "iu" else 0
+    # cu_seqlens_k is checked (1-D, from 0, non-decreasing) by varlen_call; the table here.
+    lens = np.maximum(np.diff(ca.astype(np.int64)), 0) if ca.ndim == 1 and ca.dtype.kind in "iu" else None
+    NP, P = kpool.shape[0], kpool.shape[1]
+    nb = 0 if lens is None else lens.shape[0]
+    kpaged, _, ks_seq = _paged_scale(k_scale, "k_scale", kpool, "bshd", max(nb, 1), "k")
+    vpaged, _, vs_seq = _paged_scale(v_scale, "v_scale", vpool, "bshd", max(nb, 1), "v")
+    kst = np.broadcast_to(kpool[0, 0], (Tk,) + kpool.shape[2:])
+    vst = np.broadcast_to(vpool[0, 0], (Tk,) + vpool.shape[2:])
+    call = varlen_call(
+        q,
+        kst,
+        vst,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        k_scale=ks_seq
+        if kpaged is None
+        else np.broadcast_to(np.asarray(k_scale)[0, 0], (Tk, kpool.shape[2], 1)),
+        v_scale=vs_seq
+        if vpaged is None
+        else np.broadcast_to(np.asarray(v_scale)[0, 0], (Tk, vpool.shape[2], 1)),
+        **options,
+    )
+    assert lens is not None  # (varlen_call raised otherwise)
+    bt = block_table_value(block_table, "block_table", nb, NP, P, lens)
+    if call.plan is None:
+        return call
+    changes: dict[str, Any] = {
+        "k": bhsd(kernel_ready(kpool), "bshd"),
+        "v": bhsd(kernel_ready(vpool), "bshd"),
+        "block_table": bt,
+        "page_size": P,
+    }
+    if kpaged is not None:
+        changes["k_scale"] = _token_view(kpaged)
+    if vpaged is not None:
+        changes["v_scale"] = _token_view(vpaged)
+    return dataclasses.replace(call, plan=replace(call.plan, changes))

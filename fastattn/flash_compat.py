@@ -24,8 +24,8 @@ bfloat16 arrays) or CPU torch tensors, read in place (bfloat16 tensors too);
 outputs are NumPy arrays, or torch tensors when ``q`` (``qkv``) is one.
 
 Differences, all loud: ``dropout_p`` must be 0 (``NotImplementedError``
-otherwise: fastattn is inference only); paged caches (``block_table``) and
-rotary embeddings together with ``cache_leftpad`` raise ``NotImplementedError``;
+otherwise: fastattn is inference only); rotary embeddings together with
+``cache_leftpad``, and ``cache_leftpad`` with paged caches, raise ``NotImplementedError``;
 ``return_attn_probs`` returns an empty ``S_dmask`` as flash-attn does without
 dropout.  Where flash-attn leaves a case undefined, fastattn refuses it with a
 ``ValueError`` (repeated ``cache_batch_idx`` with new keys, ``max_seqlen`` smaller
@@ -56,6 +56,7 @@ from ._flash_args import flag_value as _flag
 from ._flash_args import probs_placeholder as _probs_placeholder
 from ._flash_args import wrap as _wrap
 from ._flash_kvcache import flash_attn_with_kvcache
+from ._paged import paged_varlen_call
 
 __all__ = [
     "flash_attn_func",
@@ -360,8 +361,6 @@ def _varlen(
     o: _Opts,
     block_table: Any,
 ) -> Any:
-    if block_table is not None:
-        raise NotImplementedError("block_table (paged KV cache) is not supported by fastattn")
     opts = o.common()
     ret = _flag(o.return_attn_probs, "return_attn_probs")
     # Offsets as given (uint64, Python ints beyond int64) checked before any conversion.
@@ -371,18 +370,34 @@ def _varlen(
     )
     _max_seqlen(max_seqlen_q, "max_seqlen_q", cq, "cu_seqlens_q")
     _max_seqlen(max_seqlen_k, "max_seqlen_k", ck, "cu_seqlens_k")
-    res = varlen_call(
-        q,
-        k,
-        v,
-        cq,
-        ck,
-        is_causal=_flag(o.causal, "causal"),
-        scale=o.softmax_scale,
-        enable_gqa=True,
-        return_lse=ret,
-        **opts,
-    ).run()
+    if block_table is not None:  # chunked prefill: k and v are page pools
+        bt = _array(block_table, "block_table") if _torch_bridge.is_tensor(block_table) else block_table
+        res = paged_varlen_call(
+            q,
+            k,
+            v,
+            cq,
+            ck,
+            bt,
+            is_causal=_flag(o.causal, "causal"),
+            scale=o.softmax_scale,
+            enable_gqa=True,
+            return_lse=ret,
+            **opts,
+        ).run()
+    else:
+        res = varlen_call(
+            q,
+            k,
+            v,
+            cq,
+            ck,
+            is_causal=_flag(o.causal, "causal"),
+            scale=o.softmax_scale,
+            enable_gqa=True,
+            return_lse=ret,
+            **opts,
+        ).run()
     if not ret:
         return _wrap(torch_out, res)
     out, lse = res
@@ -445,8 +460,11 @@ def flash_attn_varlen_func(
         Accepted and ignored (every result is deterministic).
     return_attn_probs : bool, default False
         Also return the log-sum-exp and an empty ``S_dmask``.
-    block_table : None
-        Paged caches are not supported (NotImplementedError).
+    block_table : array_like of int or torch.Tensor, optional
+        ``(batch, max_blocks_per_seq)`` int32: chunked prefill over paged caches.  k
+        and v are then page pools ``(num_blocks, page_block_size, nheads_k,
+        headdim[_v])`` and ``cu_seqlens_k`` the cumulative key lengths (each
+        sequence's keys are its first tokens in its pages).
 
     Returns
     -------

@@ -23,6 +23,7 @@ from . import _kernels
 from ._args import dropout_value, sdpa_call, varlen_call
 from ._checks import F32, threads_value
 from ._config import Precision, get_num_threads, precision_code
+from ._paged import paged_varlen_call
 from ._plan import Plan
 
 __all__ = ["scaled_dot_product_attention", "varlen_attention"]
@@ -382,6 +383,7 @@ def varlen_attention(
     precision: _Precision = None,
     k_scale: npt.ArrayLike | float | None = None,
     v_scale: npt.ArrayLike | float | None = None,
+    block_table: npt.ArrayLike | None = None,
 ) -> np.ndarray: ...
 @overload
 def varlen_attention(
@@ -404,6 +406,7 @@ def varlen_attention(
     precision: _Precision = None,
     k_scale: npt.ArrayLike | float | None = None,
     v_scale: npt.ArrayLike | float | None = None,
+    block_table: npt.ArrayLike | None = None,
 ) -> tuple[np.ndarray, np.ndarray]: ...
 def varlen_attention(
     q: npt.ArrayLike,
@@ -425,6 +428,7 @@ def varlen_attention(
     precision: _Precision = None,
     k_scale: npt.ArrayLike | float | None = None,
     v_scale: npt.ArrayLike | float | None = None,
+    block_table: npt.ArrayLike | None = None,
 ) -> Any:
     """Attention over packed variable-length sequences (flash-attn's
     ``flash_attn_varlen_func`` convention).
@@ -450,7 +454,15 @@ def varlen_attention(
         ``(B, Hq)``).
     k_scale, v_scale : array_like or float, optional
         The scales of 8-bit k and v, as for :func:`scaled_dot_product_attention`,
-        broadcast against the packed ``(Tk, Hk, D)`` arrays (per token: ``(Tk, Hk, 1)``).
+        broadcast against the packed ``(Tk, Hk, D)`` arrays (per token: ``(Tk, Hk, 1)``;
+        with ``block_table``, per token ``(num_pages, page_size, Hk, 1)``).
+    block_table : array_like of int, optional
+        Chunked prefill over paged caches: k and v are then page pools
+        ``(num_pages, page_size, Hk, D/Dv)`` (flash-attn's), ``block_table`` an
+        integer ``(B, max_pages)`` array of each sequence's pages, and
+        ``cu_seqlens_k`` the cumulative key lengths (the keys of sequence b are
+        its first ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` paged tokens).  Decode
+        rows (one query) and prefill chunks mix in one call.
     return_lse : bool, default False
         Also return the log-sum-exp, ``(Hq, Tq)``.
 
@@ -483,6 +495,28 @@ def varlen_attention(
     >>> bool(np.allclose(out[3:], second, atol=1e-6))
     True
     """
+    if block_table is not None:
+        return paged_varlen_call(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            block_table,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            window=window,
+            alibi_slopes=alibi_slopes,
+            softcap=softcap,
+            sinks=sinks,
+            return_lse=return_lse,
+            out=out,
+            num_threads=num_threads,
+            precision=precision,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        ).run()
     return varlen_call(
         q,
         k,

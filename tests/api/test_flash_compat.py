@@ -205,7 +205,7 @@ def test_varlen_argument_checks(rng):
         fc.flash_attn_varlen_func(q, q, q, cu, cu, 5, 6)
     with pytest.raises(ValueError, match="max_seqlen_k"):
         fc.flash_attn_varlen_func(q, q, q, cu, cu, 6, 2)
-    with pytest.raises(NotImplementedError, match="block_table"):
+    with pytest.raises(ValueError, match="k must be a 4-D page pool"):
         fc.flash_attn_varlen_func(q, q, q, cu, cu, 6, 6, block_table=np.zeros((2, 1), np.int32))
     with pytest.raises(NotImplementedError, match="dropout"):
         fc.flash_attn_varlen_func(q, q, q, cu, cu, 6, 6, dropout_p=0.1)
