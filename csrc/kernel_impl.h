@@ -88,6 +88,7 @@ typedef struct fa_stream {
     int64_t kld, vld, krow, vrow, nj;
     const char *kn; int64_t nkn; /* the next tile's first K row and its keys (0: none) */
     const float *ks, *vs; /* the per-token 8-bit scales of the tile's first key (NULL: none) */
+    int paged;            /* rows of pages: float32 rows are prefetched too (qk_rows, pv_row1) */
 } fa_stream;
 
 #define FA_LOG2E 1.4426950408889634
@@ -476,7 +477,7 @@ FA_INLINE fa_stream FA_NAME(tile_stream)(const fa_ctx *c, int64_t jt, int64_t nj
     }
     fa_stream st = { k + j * p->k_sl * c->ksz, v + j * p->v_sl * c->vsz, p->k_sl * c->ksz, p->v_sl * c->vsz,
                      c->D * c->ksz, c->Dv * c->vsz, nj, NULL, 0,
-                     ks ? ks + j * c->kts_sl : NULL, vs ? vs + j * c->vts_sl : NULL };
+                     ks ? ks + j * c->kts_sl : NULL, vs ? vs + j * c->vts_sl : NULL, c->page != 0 };
     /* The keys after the tile: the same rows on, or the next page's first. */
     const int64_t jn = jt + nj;
     st.nkn = c->jhi - jn;

@@ -106,8 +106,9 @@ FA_INLINE void FA_NAME(qk_rows)(int nr, int kdt, const REAL *Q, int64_t Dp, cons
         for (int u = 0; u < kb; u++) {
             const int64_t t = j + u + FA_PF_KEYS;
             if (st) { /* one stream: this tile's K rows, then its V rows (16-bit only) */
-                if (half && t < st->nj) FA_PREFETCH_ROW(st->k + t * st->kld, st->krow, 3);
-                else if (half && t - st->nj < st->nj) FA_PREFETCH_ROW(st->v + (t - st->nj) * st->vld, st->vrow, 3);
+                const int pf = half || st->paged; /* paged float32 rows: no hardware stream to follow */
+                if (pf && t < st->nj) FA_PREFETCH_ROW(st->k + t * st->kld, st->krow, 3);
+                else if (pf && t - st->nj < st->nj) FA_PREFETCH_ROW(st->v + (t - st->nj) * st->vld, st->vrow, 3);
             } else if (half) {
                 FA_PREFETCH_ROW((const char *)K + t * ldk * kbytes, krow, 3);
             }
@@ -221,7 +222,7 @@ FA_INLINE void FA_NAME(pv_row1)(int nv, int vdt, const REAL *P, int64_t nj, cons
     for (int v = 0; v < nv; v++) acc[v] = vf_load(O + v * VW);
     for (int64_t j = 0; j < nj; j++) {
         const int64_t t = j + FA_PF_KEYS;
-        if (fa_dtype_16(vdt) || fa_dtype_8(vdt)) {
+        if (fa_dtype_16(vdt) || fa_dtype_8(vdt) || st->paged) {
             if (t < nj) FA_PREFETCH_ROW(st->v + t * st->vld, st->vrow, 3);
             else if (t - nj < st->nkn) FA_PREFETCH_ROW(st->kn + (t - nj) * st->kld, st->krow, 3);
         }
