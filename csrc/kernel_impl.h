@@ -765,6 +765,18 @@ FA_INLINE void FA_NAME(seg_streams)(const fa_ctx *c, int64_t jt, int64_t js, int
     }
 }
 
+/* Paged 8-bit K/V: the per-token scales of the segment at js (a line or two
+ * of each page's scales) prefetched a tile ahead; without it each segment's
+ * scale_keys waited on their cache misses (perf, int8 GQA decode on 16-token
+ * pages: a quarter of the kernel's samples on the scale loads). */
+FA_INLINE void FA_NAME(prefetch_scales)(const fa_ctx *c, int64_t js, int64_t je)
+{
+    if (!c->page || !(c->kts || c->vts) || js >= je) return;
+    const fa_stream n = FA_NAME(tile_stream)(c, js, FA_NAME(seg_len)(c, js, je));
+    if (n.ks) FA_PREFETCH_ROW(n.ks, n.nj * c->kts_sl * (int64_t)sizeof(float), 2);
+    if (n.vs) FA_PREFETCH_ROW(n.vs, n.nj * c->vts_sl * (int64_t)sizeof(float), 2);
+}
+
 /* path_row1: a single query row whose K and V are read in place (the usual
  * decode step; kfuse && vfuse, R == 1, Dvp / VW in {4, 8, 12, 16}).  Long
  * tiles of FA_ROW_TN keys (also the row stride of S): one pass over the
@@ -788,6 +800,7 @@ FA_INLINE void FA_NAME(path_row1)(const fa_ctx *c, const fa_ws *w)
             ns = FA_NAME(seg_len)(c, js, je);
             fa_stream st, ps;
             FA_NAME(seg_streams)(c, jt, js, ns, je, &st, &ps);
+            FA_NAME(prefetch_scales)(c, js + TN, fa_min64(js + TN + ns, c->jhi));
             REAL *S = w->S + (js - jt);
             FA_NAME(qk_rows_nd)(1, p->k_dtype, w->Qs, c->Dp, st.k, p->k_sl, ns, S, TN, NULL, 0, 0, &st);
             if (c->kts) FA_NAME(scale_keys)(S, TN, 1, st.ks, c->kts_sl, ns);
@@ -827,6 +840,7 @@ FA_INLINE void FA_NAME(path_rows)(const fa_ctx *c, const fa_ws *w)
             ns = FA_NAME(seg_len)(c, js, je);
             fa_stream st, ps;
             FA_NAME(seg_streams)(c, jt, js, ns, je, &st, &ps);
+            FA_NAME(prefetch_scales)(c, js + TN, fa_min64(js + TN + ns, c->jhi));
             const char *vpf = c->vfuse ? ps.v : NULL;
             REAL *S = w->S + (js - jt);
             /* Paged: the stream of the segment's K rows, then the next segment's
