@@ -836,31 +836,33 @@ FA_INLINE void FA_NAME(path_rows)(const fa_ctx *c, const fa_ws *w)
         const int64_t nj = fa_min64(TN, c->jhi - jt), je = jt + nj;
         const int mst = FA_NAME(tile_mask_state)(c, jt, nj);
         if (mst == FA_TM_HIDDEN || FA_NAME(tile_hidden)(c, jt, nj)) continue;
+        if (!c->kfuse) /* rows of another dtype or D converted to w->K first, page by page */
+            for (int64_t js = jt, ns; js < je; js += ns) {
+                ns = FA_NAME(seg_len)(c, js, je);
+                const fa_stream st = FA_NAME(tile_stream)(c, js, ns);
+                FA_NAME(cvt_rows)(w->K + (js - jt) * Dp, Dp, st.k, st.kld, p->k_dtype, c->D, ns);
+            }
+        /* Q.K^T: page by page from the key rows, or the converted tile at once.
+         * One call site of qk_rows_nd (it expands into a copy per row count,
+         * dtype and head size: two sites doubled the compile, ASan's above all). */
         for (int64_t js = jt, ns; js < je; js += ns) {
-            ns = FA_NAME(seg_len)(c, js, je);
+            ns = c->kfuse ? FA_NAME(seg_len)(c, js, je) : nj;
             fa_stream st, ps;
             FA_NAME(seg_streams)(c, jt, js, ns, je, &st, &ps);
             FA_NAME(prefetch_scales)(c, js + TN, fa_min64(js + TN + ns, c->jhi));
-            const char *vpf = c->vfuse ? ps.v : NULL;
-            REAL *S = w->S + (js - jt);
             /* Paged: the stream of the segment's K rows, then the next segment's
-             * (past the segment, K + t * ldk is another head's or page's rows). */
-            if (c->kfuse)
-                FA_NAME(qk_rows_nd)(c->R, p->k_dtype, w->Qs, Dp, st.k, p->k_sl, ns, S, TN, vpf, p->v_sl * c->vsz,
-                                    c->Dv * c->vsz, c->page ? &st : NULL);
-            else
-                FA_NAME(cvt_rows)(w->K + (js - jt) * Dp, Dp, st.k, st.kld, p->k_dtype, c->D, ns);
-            if (c->kts && c->kfuse) FA_NAME(scale_keys)(S, TN, c->R, st.ks, c->kts_sl, ns);
+             * (past the segment, K + t * ldk is another head's or page's rows);
+             * V rows prefetched where they lie as the keys do. */
+            const char *vpf = c->vfuse && (c->kfuse || !c->page) ? ps.v : NULL;
+            FA_NAME(qk_rows_nd)(c->R, c->kfuse ? p->k_dtype : FA_SELF_DT, w->Qs, Dp,
+                                c->kfuse ? (const void *)st.k : (const void *)w->K, c->kfuse ? p->k_sl : Dp, ns,
+                                w->S + (js - jt), TN, vpf, p->v_sl * c->vsz, c->Dv * c->vsz,
+                                c->page && c->kfuse ? &st : NULL);
         }
-        if (!c->kfuse) { /* the tile's converted rows, in one product (V prefetched: contiguous only) */
-            const char *vpf = c->vfuse && !c->page ? FA_NAME(tile_stream)(c, jt, nj).v : NULL;
-            FA_NAME(qk_rows_nd)(c->R, FA_SELF_DT, w->Qs, Dp, w->K, Dp, nj, w->S, TN, vpf, p->v_sl * c->vsz,
-                                c->Dv * c->vsz, NULL);
-            for (int64_t js = jt, ns; js < je && c->kts; js += ns) {
-                ns = FA_NAME(seg_len)(c, js, je);
-                const fa_stream st = FA_NAME(tile_stream)(c, js, ns);
-                FA_NAME(scale_keys)(w->S + (js - jt), TN, c->R, st.ks, c->kts_sl, ns);
-            }
+        for (int64_t js = jt, ns; js < je && c->kts; js += ns) { /* per-token K scales, page by page */
+            ns = FA_NAME(seg_len)(c, js, je);
+            const fa_stream st = FA_NAME(tile_stream)(c, js, ns);
+            FA_NAME(scale_keys)(w->S + (js - jt), TN, c->R, st.ks, c->kts_sl, ns);
         }
         FA_NAME(mask_tile)(c, w->S, TN, jt, nj, c->elem_always && mst != FA_TM_VISIBLE);
         FA_NAME(softmax_tile)(c, w, TN, nj);
