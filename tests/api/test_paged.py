@@ -301,3 +301,16 @@ def test_paged_varlen_chunked_prefill(rng, page):
     # flash-attn's name for it
     fo = fastattn.flash_compat.flash_attn_varlen_func(q, kf, vf, cq, ck, 20, 50, causal=True, block_table=bt)
     np.testing.assert_array_equal(fo, out)
+
+
+@pytest.mark.parametrize("Hq", [2, 8])
+def test_paged_head_dim_not_whole_vectors(rng, Hq):
+    """D = 20: K rows are converted to whole vectors page by page before Q.K^T."""
+    B, Hk, D, page = 2, 2, 20, 16
+    lens = np.array([70, 33])
+    kp, vp, bt, _ = make_pool(rng, lens, page, Hk, D, D, F32)
+    q = rng.standard_normal((B, Hq, 1, D)).astype(F32)
+    out, lse = fastattn.attention_with_kvcache(q, kp, vp, lens, block_table=bt, return_lse=True)
+    ro, rlse = reference(q, kp, vp, bt, lens, is_causal=True)
+    assert_close(out, ro, tol=1e-4)
+    assert_close(lse, rlse, tol=1e-4, what="lse")
