@@ -157,6 +157,36 @@ def _token_view(t: Array) -> Array:
     return a
 
 
+def _on_pages(
+    call: Call,
+    kp: Array,
+    vp: Array,
+    bt: Array,
+    kpaged: Array | None,
+    vpaged: Array | None,
+    q: Array | None = None,
+) -> Call:
+    """``call`` (checked on stand-ins) reading the bhsd pools ``kp``/``vp`` through the
+    block table ``bt``, with the per-token paged scales (None: the call's own) and the
+    queries ``q`` (None: the call's own).  Pools the kernel cannot read in place are
+    copied here, after any write."""
+    if call.plan is None:
+        return call
+    changes: dict[str, Any] = {
+        "k": kernel_ready(kp),
+        "v": kernel_ready(vp),
+        "block_table": bt,
+        "page_size": kp.shape[2],
+    }
+    if kpaged is not None:
+        changes["k_scale"] = _token_view(kpaged)
+    if vpaged is not None:
+        changes["v_scale"] = _token_view(vpaged)
+    if q is not None:
+        changes["q"] = q
+    return dataclasses.replace(call, plan=replace(call.plan, changes))
+
+
 def paged_attention(
     q: Any,
     k_cache: Any,
@@ -320,22 +350,7 @@ def paged_attention(
         if vtarget is not None:
             vtarget[pg, :, sl] = vs_new.transpose(0, 2, 1, 3)
             vpaged = vtarget
-    if call.plan is None:
-        return call.run()
-    changes: dict[str, Any] = {
-        "k": kernel_ready(kp),
-        "v": kernel_ready(vp),
-        "block_table": bt,
-        "page_size": P,
-    }
-    if kpaged is not None:
-        changes["k_scale"] = _token_view(kpaged)
-    if vpaged is not None:
-        changes["v_scale"] = _token_view(vpaged)
-    if qr is not None:
-        changes["q"] = kernel_ready(qr)
-    call.plan = replace(call.plan, changes)
-    return call.run()
+    return _on_pages(call, kp, vp, bt, kpaged, vpaged, None if qr is None else kernel_ready(qr)).run()
 
 
 def paged_varlen_call(
@@ -385,16 +400,4 @@ def paged_varlen_call(
     )
     assert lens is not None  # (varlen_call raised otherwise)
     bt = block_table_value(block_table, "block_table", nb, NP, P, lens)
-    if call.plan is None:
-        return call
-    changes: dict[str, Any] = {
-        "k": bhsd(kernel_ready(kpool), "bshd"),
-        "v": bhsd(kernel_ready(vpool), "bshd"),
-        "block_table": bt,
-        "page_size": P,
-    }
-    if kpaged is not None:
-        changes["k_scale"] = _token_view(kpaged)
-    if vpaged is not None:
-        changes["v_scale"] = _token_view(vpaged)
-    return dataclasses.replace(call, plan=replace(call.plan, changes))
+    return _on_pages(call, bhsd(kpool, "bshd"), bhsd(vpool, "bshd"), bt, kpaged, vpaged)

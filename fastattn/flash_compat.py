@@ -370,34 +370,14 @@ def _varlen(
     )
     _max_seqlen(max_seqlen_q, "max_seqlen_q", cq, "cu_seqlens_q")
     _max_seqlen(max_seqlen_k, "max_seqlen_k", ck, "cu_seqlens_k")
+    kw: dict[str, Any] = dict(
+        is_causal=_flag(o.causal, "causal"), scale=o.softmax_scale, enable_gqa=True, return_lse=ret, **opts
+    )
     if block_table is not None:  # chunked prefill: k and v are page pools
         bt = _array(block_table, "block_table") if _torch_bridge.is_tensor(block_table) else block_table
-        res = paged_varlen_call(
-            q,
-            k,
-            v,
-            cq,
-            ck,
-            bt,
-            is_causal=_flag(o.causal, "causal"),
-            scale=o.softmax_scale,
-            enable_gqa=True,
-            return_lse=ret,
-            **opts,
-        ).run()
+        res = paged_varlen_call(q, k, v, cq, ck, bt, **kw).run()
     else:
-        res = varlen_call(
-            q,
-            k,
-            v,
-            cq,
-            ck,
-            is_causal=_flag(o.causal, "causal"),
-            scale=o.softmax_scale,
-            enable_gqa=True,
-            return_lse=ret,
-            **opts,
-        ).run()
+        res = varlen_call(q, k, v, cq, ck, **kw).run()
     if not ret:
         return _wrap(torch_out, res)
     out, lse = res

@@ -495,34 +495,7 @@ def varlen_attention(
     >>> bool(np.allclose(out[3:], second, atol=1e-6))
     True
     """
-    if block_table is not None:
-        return paged_varlen_call(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            block_table,
-            is_causal=is_causal,
-            scale=scale,
-            enable_gqa=enable_gqa,
-            window=window,
-            alibi_slopes=alibi_slopes,
-            softcap=softcap,
-            sinks=sinks,
-            return_lse=return_lse,
-            out=out,
-            num_threads=num_threads,
-            precision=precision,
-            k_scale=k_scale,
-            v_scale=v_scale,
-        ).run()
-    return varlen_call(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
+    opts: dict[str, Any] = dict(
         is_causal=is_causal,
         scale=scale,
         enable_gqa=enable_gqa,
@@ -536,4 +509,7 @@ def varlen_attention(
         precision=precision,
         k_scale=k_scale,
         v_scale=v_scale,
-    ).run()
+    )
+    if block_table is not None:
+        return paged_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, **opts).run()
+    return varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, **opts).run()
