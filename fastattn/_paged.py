@@ -35,7 +35,7 @@ from ._cache_args import (
 )
 from ._checks import F32, as_array, flag_value, kernel_ready
 from ._plan import Call, replace
-from ._quant import is_kv8, scale_value
+from ._quant import _F32_TINY, _positive_normal, is_kv8, scale_value
 
 Array = npt.NDArray[Any]
 
@@ -111,7 +111,8 @@ def _paged_scale(
     shape: tuple[int, ...] = np.shape(scale) if scale is not None else ()
     NP, P = pool.shape[0], pool.shape[seq_axis]
     if len(shape) == 4 and shape[0] == NP and shape[seq_axis] == P and (P > 1 or shape[-1] == 1):
-        checked = scale_value(scale, name, pool, seq_axis, pool_name)
+        # its values are checked where the call reads them (_check_token_scales)
+        checked = scale_value(scale, name, pool, seq_axis, pool_name, values=False)
         assert checked is not None  # (broadcast to the pool's shape: one column is the scales)
         return bhsd(checked, lay)[..., :1], None, None
     # The sequences' scale: checked against the gathered shape (B, Hk, S, X) by sdpa_call;
@@ -123,6 +124,31 @@ def _paged_scale(
     checked = scale_value(scale, name, proxy, seq_axis, pool_name)
     fixed = None if checked is None else np.broadcast_to(bhsd(checked, lay), (B, Hk, 1, X))
     return None, fixed, scale
+
+
+def _check_token_scales(paged: Array | None, bt: Array, lens: Array, name: str) -> None:
+    """A per-token paged scale (bhsd ``(num_pages, Hk, page, 1)``) holds float32 normals
+    where the call reads it: the slots below each sequence's length ``lens``, through the
+    table ``bt``.  Slots past a sequence's end and pages in no row are never read and may
+    hold anything (a pool's unused pages: zeros, garbage), so they are not checked.  Reads
+    the sequences' scales once (a gather of the full pages, then the last pages' used
+    slots): work in proportion to the tokens, not the pool."""
+    if paged is None or not lens.size:
+        return
+    P = paged.shape[2]
+    full = lens // P  # pages each sequence fills
+    pages = bt[np.arange(bt.shape[1])[None, :] < full[:, None]]
+    ok = not pages.size or _positive_normal(paged[pages])
+    tail = np.nonzero(lens % P)[0]  # sequences whose last page is partly filled
+    if ok and tail.size:
+        last = paged[bt[tail, full[tail]]]  # (n, Hk, P, 1)
+        used = np.arange(P)[None, None, :, None] < (lens[tail] % P)[:, None, None, None]
+        ok = _positive_normal(last[np.broadcast_to(used, last.shape)])
+    if not ok:
+        raise ValueError(
+            f"{name} must be finite and positive (at least {_F32_TINY:g}, a float32 normal) in every "
+            "slot the call reads (the sequences' tokens through block_table)"
+        )
 
 
 def _scale_target(scale: Any, name: str, lay: str, pools: tuple[Array, Array]) -> Array:
@@ -278,6 +304,9 @@ def paged_attention(
         )
     kpaged, kfix, ks_seq = _paged_scale(k_scale, "k_scale", kpool, lay, B, "k_cache")
     vpaged, vfix, vs_seq = _paged_scale(v_scale, "v_scale", vpool, lay, B, "v_cache")
+    # the cached tokens' scales (the new tokens' are computed here, or checked fixed ones)
+    _check_token_scales(kpaged, bt, seq, "k_scale")
+    _check_token_scales(vpaged, bt, seq, "v_scale")
     # Per-token paged scales are written with the new tokens, into the caller's arrays.
     ktarget = (
         _scale_target(k_scale, "k_scale", lay, (kpool, vpool)) if writing and kpaged is not None else None
@@ -288,8 +317,10 @@ def paged_attention(
     if ktarget is not None and vtarget is not None and np.may_share_memory(ktarget, vtarget):
         raise ValueError("k_scale and v_scale must not share memory")
     # Every check of the attention, on stand-ins of the gathered K/V (and of paged scales).
-    ks_arg = ks_seq if kpaged is None else _standin(np.asarray(k_scale), lay, B, S)
-    vs_arg = vs_seq if vpaged is None else _standin(np.asarray(v_scale), lay, B, S)
+    # (a per-token paged scale's stand-in is ones: its values were checked where read above)
+    ones = np.broadcast_to(np.ones((1, 1, 1, 1), F32), (1, Hk, 1, 1) if lay == "bhsd" else (1, 1, Hk, 1))
+    ks_arg = ks_seq if kpaged is None else _standin(ones, lay, B, S)
+    vs_arg = vs_seq if vpaged is None else _standin(ones, lay, B, S)
     call = sdpa_call(
         qa,
         _standin(kpool, lay, B, S),
@@ -390,14 +421,13 @@ def paged_varlen_call(
         vst,
         cu_seqlens_q,
         cu_seqlens_k,
-        k_scale=ks_seq
-        if kpaged is None
-        else np.broadcast_to(np.asarray(k_scale)[0, 0], (Tk, kpool.shape[2], 1)),
-        v_scale=vs_seq
-        if vpaged is None
-        else np.broadcast_to(np.asarray(v_scale)[0, 0], (Tk, vpool.shape[2], 1)),
+        # (a per-token paged scale's stand-in is ones: its values are checked where read below)
+        k_scale=ks_seq if kpaged is None else np.broadcast_to(np.float32(1.0), (Tk, kpool.shape[2], 1)),
+        v_scale=vs_seq if vpaged is None else np.broadcast_to(np.float32(1.0), (Tk, vpool.shape[2], 1)),
         **options,
     )
     assert lens is not None  # (varlen_call raised otherwise)
     bt = block_table_value(block_table, "block_table", nb, NP, P, lens)
+    _check_token_scales(kpaged, bt, lens, "k_scale")
+    _check_token_scales(vpaged, bt, lens, "v_scale")
     return _on_pages(call, bhsd(kpool, "bshd"), bhsd(vpool, "bshd"), bt, kpaged, vpaged)

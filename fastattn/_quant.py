@@ -83,7 +83,9 @@ def _positive_normal(s: Array) -> bool:
     return bool(s.min() >= _F32_TINY and s.max() <= _F32_MAX)
 
 
-def scale_value(scale: Any, name: str, arr: Any, seq_axis: int, kv_name: str) -> Array | None:
+def scale_value(
+    scale: Any, name: str, arr: Any, seq_axis: int, kv_name: str, values: bool = True
+) -> Array | None:
     """The scale of 8-bit ``arr`` (``kv_name``'s array) as a float32 read-only view of
     ``arr.shape``, checked; ``seq_axis`` is arr's sequence axis (negative), its last
     the head dim.  None for a float ``arr`` without a scale.  fp8 without a scale: 1.
@@ -91,7 +93,8 @@ def scale_value(scale: Any, name: str, arr: Any, seq_axis: int, kv_name: str) ->
     Raises TypeError for int8 without a scale, a scale with a float ``arr`` or a
     non-real scale; ValueError for a shape that does not broadcast, a scale that
     varies along both the sequence and head-dim axes, or a value that is not a
-    positive float32 normal."""
+    positive float32 normal (``values=False``: the values are the caller's to check, as a
+    paged scale's are where the call reads them)."""
     kv8 = is_kv8(arr.dtype)
     if scale is None:
         if not kv8:
@@ -118,7 +121,7 @@ def scale_value(scale: Any, name: str, arr: Any, seq_axis: int, kv_name: str) ->
             "or per head / tensor"
         )
     s32 = s if s.dtype == F32 else np.asarray(s, dtype=F32)
-    if s32.size and not _positive_normal(s32):
+    if values and s32.size and not _positive_normal(s32):
         raise ValueError(f"{name} must be finite and positive (at least {_F32_TINY:g}, a float32 normal)")
     try:
         return np.broadcast_to(s32, arr.shape)

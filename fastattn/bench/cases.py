@@ -42,7 +42,14 @@ KV8_QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One benchmark shape.  ``kind`` is prefill, decode, varlen or small."""
+    """One benchmark shape.  ``kind`` is prefill, decode, varlen or small.
+
+    ``page`` > 0: K/V are read from a pool of ``page``-token pages through a shuffled block
+    table (:func:`paged_pool`): fastattn only, timed against its own call on the same
+    contents without pages (a decode case: the contiguous cache) or, for a varlen case with
+    ``q_lens`` (chunked prefill), against the separate calls the one call replaces.
+    ``q_lens``: a varlen case's queries per sequence (its last positions, bottom-right
+    causal) when they are fewer than its keys ``seqlens``; () = ``seqlens``."""
 
     name: str
     B: int
@@ -58,6 +65,8 @@ class Case:
     seqlens: tuple[int, ...] = ()
     mask: str | None = None  # one of MASKS: an explicit attn_mask (case_mask), the same for every peer
     q_dtype: str | None = None  # None: float32 in a case with its own kv_dtype, else the --dtype of the run
+    page: int = 0  # > 0: K/V in pages of this many tokens, shuffled (paged_pool); 0: contiguous
+    q_lens: tuple[int, ...] = ()  # varlen: queries per sequence, the last of its seqlens keys
 
     def __post_init__(self) -> None:
         if self.mask is not None:
@@ -69,6 +78,14 @@ class Case:
                 raise ValueError("a masked case cannot be causal, windowed or varlen")
         if self.kv_dtype in KV8 and (self.kind == "varlen" or self.mask is not None):
             raise ValueError("an 8-bit K/V case cannot be varlen or masked")
+        if self.page and (self.kind not in ("decode", "varlen") or self.mask is not None):
+            raise ValueError("a paged case is decode or varlen, without a mask")
+        if self.q_lens and (
+            self.kind != "varlen"
+            or len(self.q_lens) != len(self.seqlens)
+            or any(not 1 <= m <= n for m, n in zip(self.q_lens, self.seqlens))
+        ):
+            raise ValueError("q_lens: a varlen case's 1 <= queries <= keys of each sequence")
 
     @property
     def kv8(self) -> bool:
@@ -78,6 +95,11 @@ class Case:
     @property
     def gqa(self) -> bool:
         return self.Hq != self.Hk
+
+    @property
+    def query_lens(self) -> tuple[int, ...]:
+        """A varlen case's queries per sequence (``q_lens``, else ``seqlens``)."""
+        return self.q_lens or self.seqlens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +152,46 @@ def _kv8_cases() -> list[Case]:
     return out
 
 
+def _paged_cases() -> list[Case]:
+    """Paged decode of B4 GQA 32/8 sequences of 8192 tokens, D128, in 16-token pages (vLLM's
+    size) with K/V in bfloat16, the run's dtype and int8 (per-token scales paged with the
+    tokens); and one chunked-prefill call: decode rows of 6 sequences of 4096 cached tokens
+    beside a 512-query prefill chunk of a seventh (2048 tokens with the chunk), bottom-right
+    causal, the same pages."""
+    out = [
+        Case(
+            f"B4 H32/8 S8192 D128 decode{kv} page16",
+            4,
+            32,
+            8,
+            1,
+            8192,
+            128,
+            kv_dtype=dt,
+            kind="decode",
+            page=16,
+        )
+        for dt, kv in (("bfloat16", " bf16kv"), (None, ""), ("int8", " int8kv"))
+    ]
+    out.append(
+        Case(
+            "chunked prefill H32/8 D128 page16: 6 decode rows + a 512-query chunk",
+            7,
+            32,
+            8,
+            0,
+            0,
+            128,
+            causal=True,
+            kind="varlen",
+            seqlens=(4096,) * 6 + (2048,),
+            q_lens=(1,) * 6 + (512,),
+            page=16,
+        )
+    )
+    return out
+
+
 CASES = [
     Case("B1 H8 L1024 D64", 1, 8, 8, 1024, 1024, 64),
     Case("B1 H8 L4096 D64", 1, 8, 8, 4096, 4096, 64),
@@ -169,6 +231,9 @@ CASES = [
     # 8-bit K/V with per-token scales (kv8_inputs); fastattn on float32 and bfloat16 K/V of the
     # same contents is timed beside each in its own rounds (runner.run_case, KV8_COMPARE)
     *_kv8_cases(),
+    # paged K/V (paged_pool); fastattn on the same contents without pages, or the separate
+    # calls a chunked-prefill call replaces, is timed beside each (runner.run_case)
+    *_paged_cases(),
 ]
 
 QUICK_CASES = (
@@ -180,6 +245,8 @@ QUICK_CASES = (
     "B8 H12 L512 D64 padding",
     "B1 H32/8 S65536 D128 decode int8kv",  # at quick_case's size: S8192
     "B1 H8 L2048 D128 causal e5m2kv",  # L512
+    "B4 H32/8 S8192 D128 decode int8kv page16",  # at quick_case's size: S2048
+    "chunked prefill H32/8 D128 page16: 6 decode rows + a 512-query chunk",  # keys / 4
 )
 
 # What fastattn's 8-bit K/V calls are timed against in the same rounds: fastattn on the same
@@ -189,7 +256,17 @@ KV8_COMPARE = {"bfloat16": "bf16", "float32": "f32"}
 
 def quick_case(case: Case) -> Case:
     """The case at the size ``--quick`` runs it: an 8-bit K/V case at S / 8 (decode) or
-    L = S / 4 (prefill), renamed to that size; every other case unchanged."""
+    L = S / 4 (prefill), renamed to that size; a paged decode case at S / 4, a chunked
+    prefill case with a quarter of each sequence's keys (its queries capped there); every
+    other case unchanged."""
+    if case.page and case.kind == "decode":
+        S = max(case.S // 4, 16)
+        return dataclasses.replace(case, name=case.name.replace(f"S{case.S}", f"S{S}"), S=S)
+    if case.page:
+        keys = tuple(max(n // 4, 1) for n in case.seqlens)
+        return dataclasses.replace(
+            case, seqlens=keys, q_lens=tuple(min(m, n) for m, n in zip(case.query_lens, keys))
+        )
     if not case.kv8:
         return case
     if case.kind == "decode":
@@ -300,7 +377,9 @@ def visible_pairs(L: int, S: int, causal: bool, window: tuple[int, int] | None) 
 def case_flops(case: Case) -> float:
     """4·D per visible (query, key) pair per batch and query head."""
     if case.kind == "varlen":
-        pairs = sum(visible_pairs(n, n, case.causal, case.window) for n in case.seqlens)
+        pairs = sum(
+            visible_pairs(m, n, case.causal, case.window) for m, n in zip(case.query_lens, case.seqlens)
+        )
         return 4.0 * case.Hq * case.D * pairs
     if case.mask is not None:  # the pairs the mask leaves visible, over the batch
         return 4.0 * case.Hq * case.D * mask_pairs(case)
@@ -319,7 +398,7 @@ def kv_bytes(case: Case, dtype: np.dtype[Any]) -> int:
 def scores_bytes(case: Case) -> int:
     """Bytes of the float32 scores an implementation that materialises them needs at once."""
     if case.kind == "varlen":
-        return max(case.Hq * n * n * 4 for n in case.seqlens)
+        return max(case.Hq * m * n * 4 for m, n in zip(case.query_lens, case.seqlens))
     return case.B * case.Hq * case.L * case.S * 4
 
 
@@ -340,7 +419,7 @@ def random_inputs(case: Case, dtype: str, seed: int = 0) -> tuple[Any, Any, Any]
         return rng.standard_normal(shape, dtype=np.float32).astype(dt)
 
     if case.kind == "varlen":
-        qs = [gen((1, case.Hq, n, case.D), qdt) for n in case.seqlens]
+        qs = [gen((1, case.Hq, m, case.D), qdt) for m in case.query_lens]
         ks = [gen((1, case.Hk, n, case.D), kvdt) for n in case.seqlens]
         vs = [gen((1, case.Hk, n, case.D), kvdt) for n in case.seqlens]
         return qs, ks, vs
@@ -386,6 +465,29 @@ def kv8_inputs(case: Case, seed: int = 0) -> tuple[Array, Array, Array, Array, A
         rng.standard_normal((case.B, case.Hk, case.S, case.D), dtype=np.float32), case.kv_dtype
     )
     return q, k, v, ks, vs
+
+
+def paged_pool(xs: Sequence[Array], page: int, seed: int = 0) -> tuple[Array, Array]:
+    """Sequences' K, V or per-token scales (each ``(H, n_b, X)``) as one pool of ``page``-token
+    pages ``(num_pages, H, page, X)`` and its block table ``(len(xs), max pages)`` int32:
+    logical page i of sequence b is ``pool[table[b, i]]``.  The pages lie in a random order
+    (``seed``: one order for a case's K, V and scales), so that a sequence's pages lie
+    scattered, as in a server's pool after many sequences came and went; a
+    sequence's last page is zero past its end, unused table entries are 0."""
+    counts = [-(-x.shape[1] // page) for x in xs]
+    order = np.random.default_rng(seed).permutation(sum(counts))
+    H, X = xs[0].shape[0], xs[0].shape[2]
+    pool = np.zeros((len(order), H, page, X), xs[0].dtype)
+    table = np.zeros((len(xs), max(counts)), np.int32)
+    at = 0
+    for b, (x, c) in enumerate(zip(xs, counts)):
+        ids = order[at : at + c]
+        at += c
+        table[b, :c] = ids
+        padded = np.zeros((H, c * page, X), x.dtype)
+        padded[:, : x.shape[1]] = x
+        pool[ids] = padded.reshape(H, c, page, X).transpose(1, 0, 2, 3)
+    return pool, table
 
 
 def bool_mask(L: int, S: int, causal: bool, window: tuple[int, int] | None) -> Array | None:

@@ -26,6 +26,7 @@ from fastattn.bench.report import (
     kv8_summary,
     markdown_table,
     mask_summary,
+    paged_summary,
     print_case,
     write_json,
 )
@@ -274,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
     causal_summary(records, out)
     masked = mask_summary(records, out)
     kv8 = kv8_summary(records, out)
+    paged = paged_summary(records, out)
     if gemm is not None and bw is not None:  # measured again: on a busy machine one may be low
         gemm2 = measure_gemm(args.threads)
         bw2 = measure_bandwidth(args.threads, nbytes=args.bw_bytes)
@@ -299,7 +301,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         return write_json(
             args.json,
-            {"machine": machine, "records": records, "mask_summary": masked, "kv8_summary": kv8},
+            {
+                "machine": machine,
+                "records": records,
+                "mask_summary": masked,
+                "kv8_summary": kv8,
+                "paged_summary": paged,
+            },
             out,
         )
     return 0

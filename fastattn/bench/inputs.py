@@ -84,6 +84,8 @@ def check_slice(inp: Inputs) -> Inputs:
     case keeps the batch its mask hides most of (batch 0 of a padding mask is full), all
     S keys (padding sits at the end) and the first min(L, 512) rows of the mask."""
     case = inp.case
+    if case.q_lens:  # chunked prefill: checked whole (its decode rows and chunk side by side)
+        return inp
     if case.kind == "varlen":
         n = 4
         cut = [max(16, x // 8) for x in case.seqlens[:n]]  # unequal lengths, as in the case

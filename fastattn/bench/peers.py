@@ -27,6 +27,7 @@ from fastattn.bench.cases import (
     bool_mask,
     mask_additive,
     numpy_attention,
+    paged_pool,
 )
 from fastattn.bench.cases import scores_bytes as _scores_bytes
 from fastattn.bench.inputs import TOL_16BIT, Inputs, first
@@ -99,6 +100,8 @@ class FastAttn(Impl):
     def prepare(self, inp: Inputs, threads: int) -> Runner:
         case = inp.case
         prec = self.precision
+        if case.page:
+            return self._paged(inp, threads)
         if case.kind == "varlen":
             seqs = inp.seqs()
             q, k, v = (
@@ -144,6 +147,145 @@ class FastAttn(Impl):
             return out
 
         return run_dense
+
+    def _paged(self, inp: Inputs, threads: int) -> Runner:
+        """A paged case's one call: ``attention_with_kvcache`` over a bhsd pool (decode), or
+        ``varlen_attention`` over a pool in flash-attn's page layout ``(pages, page, Hk, D)``
+        (chunked prefill); pages from :func:`~fastattn.bench.cases.paged_pool`."""
+        case, prec = inp.case, self.precision
+        if case.kind == "decode":
+            q, k, v = inp.dense()
+            kp, bt = paged_pool(list(k), case.page)
+            vp, _ = paged_pool(list(v), case.page)
+            ks, vs = (
+                None if s is None else paged_pool(list(s), case.page)[0] for s in (inp.k_scale, inp.v_scale)
+            )
+            lens = np.full(q.shape[0], k.shape[2], np.int64)
+
+            def run_decode() -> Array:
+                out: Array = fastattn.attention_with_kvcache(
+                    q,
+                    kp,
+                    vp,
+                    lens,
+                    block_table=bt,
+                    is_causal=case.causal,
+                    k_scale=ks,
+                    v_scale=vs,
+                    num_threads=threads,
+                    precision=prec,
+                )
+                return out
+
+            return run_decode
+        q, kp, vp, bt, cu_q, cu_k = chunked_inputs(inp)
+
+        def run_chunked() -> Array:
+            o = fastattn.varlen_attention(
+                q,
+                kp,
+                vp,
+                cu_q,
+                cu_k,
+                block_table=bt,
+                is_causal=case.causal,
+                enable_gqa=case.gqa,
+                window=case.window,
+                num_threads=threads,
+                precision=prec,
+            )
+            out: Array = o.transpose(1, 0, 2)
+            return out
+
+        return run_chunked
+
+
+def chunked_inputs(inp: Inputs) -> tuple[Array, Array, Array, Array, Array, Array]:
+    """A paged varlen case's packed queries ``(T, Hq, D)``, K and V pools in flash-attn's page
+    layout ``(pages, page, Hk, D)``, block table and cumulative query / key lengths."""
+    case = inp.case
+    seqs = inp.seqs()
+    q = np.concatenate([s[0][0].transpose(1, 0, 2) for s in seqs])
+    kp, bt = paged_pool([s[1][0] for s in seqs], case.page)
+    vp, _ = paged_pool([s[2][0] for s in seqs], case.page)
+    kp, vp = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (kp, vp))
+    cu_q, cu_k = (
+        np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (case.query_lens, case.seqlens)
+    )
+    return q, kp, vp, bt, cu_q, cu_k
+
+
+class FastAttnContiguous(FastAttn):
+    """fastattn's decode on the contiguous cache ``(B, Hk, S, D)`` that a paged decode case
+    reads through pages (the same ``attention_with_kvcache`` call without ``block_table``),
+    timed beside it in the same rounds: their ratio is what the pages cost."""
+
+    name = "fastattn-contig"
+
+    def prepare(self, inp: Inputs, threads: int) -> Runner:
+        case, prec = inp.case, self.precision
+        q, k, v = inp.dense()
+        ks, vs = inp.k_scale, inp.v_scale
+        lens = np.full(q.shape[0], k.shape[2], np.int64)
+
+        def run() -> Array:
+            out: Array = fastattn.attention_with_kvcache(
+                q,
+                k,
+                v,
+                lens,
+                is_causal=case.causal,
+                k_scale=ks,
+                v_scale=vs,
+                num_threads=threads,
+                precision=prec,
+            )
+            return out
+
+        return run
+
+
+class FastAttnSeparate(FastAttn):
+    """The separate calls one chunked-prefill call replaces, over the same pages: the
+    sequences with one query in one batched ``attention_with_kvcache`` decode call, each
+    longer chunk in a call of its own (the pool's bhsd view)."""
+
+    name = "fastattn-separate"
+
+    def prepare(self, inp: Inputs, threads: int) -> Runner:
+        case, prec = inp.case, self.precision
+        q, kp, vp, bt, cu_q, cu_k = chunked_inputs(inp)
+        kb, vb = kp.transpose(0, 2, 1, 3), vp.transpose(0, 2, 1, 3)
+        lens = np.asarray(case.seqlens, np.int64)
+        rows = [b for b, m in enumerate(case.query_lens) if m == 1]
+        chunks = [b for b, m in enumerate(case.query_lens) if m > 1]
+        q_rows = q[cu_q[rows]][:, :, None]  # (rows, Hq, 1, D)
+        q_chunks = [q[cu_q[b] : cu_q[b + 1]].transpose(1, 0, 2)[None] for b in chunks]  # (1, Hq, m, D)
+
+        def call(qx: Array, b: slice | list[int]) -> Array:
+            out: Array = fastattn.attention_with_kvcache(
+                qx,
+                kb,
+                vb,
+                lens[b],
+                block_table=bt[b],
+                is_causal=case.causal,
+                num_threads=threads,
+                precision=prec,
+            )
+            return out
+
+        def run() -> Array:
+            outs: list[Array] = [np.empty(0)] * len(case.query_lens)
+            if rows:
+                o = call(q_rows, rows)
+                for i, b in enumerate(rows):
+                    outs[b] = o[i]
+            for b, qc in zip(chunks, q_chunks):
+                outs[b] = call(qc, slice(b, b + 1))[0]
+            return np.concatenate(outs, axis=1)
+
+        return run
 
 
 class FastAttnKV(FastAttn):

@@ -214,6 +214,41 @@ def kv8_summary(records: list[Record], out: TextIO) -> list[Record]:
     return rows
 
 
+def paged_summary(records: list[Record], out: TextIO) -> list[Record]:
+    """Print, and return for the JSON, each paged case's speed against fastattn's same call
+    without pages (``fastattn-contig``) or the separate calls a chunked-prefill call
+    replaces (``fastattn-separate``), timed in the same rounds: ``speed`` = their time /
+    the paged call's time, 1.0 when the pages cost nothing."""
+    by = {(r["case"], r["impl"]): r for r in records}
+    rows: list[Record] = []
+    for r in records:
+        if r["impl"] != "fastattn" or not r["seconds"]:
+            continue
+        for against in ("fastattn-contig", "fastattn-separate"):
+            other = by.get((r["case"], against))
+            if other and other["seconds"]:
+                rows.append(
+                    {
+                        "case": r["case"],
+                        "against": against,
+                        "speed": other["seconds"] / r["seconds"],
+                        "seconds": r["seconds"],
+                    }
+                )
+    if rows:
+        print(
+            "\npaged K/V against fastattn without pages (contig: the contiguous cache) or the separate "
+            "calls one chunked-prefill call replaces (timed in the same rounds; speed = their time / the "
+            "paged time, 1.00: the pages cost nothing):",
+            file=out,
+        )
+        cw = max(len(x["case"]) for x in rows)
+        for x in rows:
+            what = x["against"].removeprefix("fastattn-")
+            print(f"  {x['case']:{cw}s} {fmt_time(x['seconds']).strip()}: {x['speed']:.2f}x {what}", file=out)
+    return rows
+
+
 def markdown_table(records: list[Record], machine: dict[str, Any]) -> str:
     """One row per case: fastattn's time and rate, then fastattn's speedup over each peer
     (a column per implementation timed in at least one case: an 8-bit K/V run's skipped

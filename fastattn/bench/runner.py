@@ -15,7 +15,7 @@ from typing import Any, TextIO
 
 from fastattn.bench.cases import KV8_COMPARE, Case, case_flops, kv_bytes, mask_pairs, np_dtype
 from fastattn.bench.inputs import check, check_slice, make_inputs, reference_output, tolerance
-from fastattn.bench.peers import FastAttn, FastAttnKV, Impl, Skip
+from fastattn.bench.peers import FastAttn, FastAttnContiguous, FastAttnKV, FastAttnSeparate, Impl, Skip
 from fastattn.bench.yardsticks import gemm_reader, kv_reader, mem_reader
 
 Record = dict[str, Any]
@@ -101,8 +101,15 @@ def run_case(
     """Check, then time every implementation of one case (``impls``: the classes, or
     callables that make them); returns records.  An 8-bit K/V case times fastattn on the
     same contents in float32 and bfloat16 beside it (:class:`~fastattn.bench.peers.FastAttnKV`,
-    at fastattn's ``--precision``); the peers skip it."""
-    if case.kv8:
+    at fastattn's ``--precision``); the peers skip it.  A paged case times fastattn's same
+    call without pages (:class:`~fastattn.bench.peers.FastAttnContiguous`) or, for chunked
+    prefill, the separate calls it replaces (:class:`~fastattn.bench.peers.FastAttnSeparate`)
+    beside it; the peers skip it (none reads pages)."""
+    if case.page:
+        impls = list(impls) + [
+            functools.partial(FastAttnSeparate if case.q_lens else FastAttnContiguous, args.precision)
+        ]
+    elif case.kv8:
         impls = list(impls) + [functools.partial(FastAttnKV, d, args.precision) for d in KV8_COMPARE]
     inp = make_inputs(case, args.dtype)
     small = check_slice(inp)
@@ -137,6 +144,8 @@ def run_case(
         why = impl.available()
         if why is None and args.quick and case.window is not None and not isinstance(impl, FastAttn):
             why = "peers skipped in --quick (they compute the full L×S)"
+        if why is None and case.page and not isinstance(impl, FastAttn):
+            why = "paged K/V: fastattn only (timed against its own call without pages, or the separate calls)"
         if why is None and case.kv8 and not isinstance(impl, FastAttn):
             why = (
                 "8-bit K/V: fastattn only (timed against its own float32 / bfloat16 K/V of the same contents)"

@@ -511,3 +511,121 @@ def test_kv8_quick_run_writes_its_summary(tmp_path):
         ("float8_e5m2", "bfloat16"),
         ("float8_e5m2", "float32"),
     }
+
+
+def test_paged_pool_gathers_back_to_the_sequences():
+    """paged_pool: the table's pages, gathered, are each sequence's tokens (zeros past its
+    end); every page belongs to one sequence; the order is shuffled, the same for a seed."""
+    from fastattn.bench import cases
+
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal((2, n, 5)).astype(np.float32) for n in (33, 16, 1)]
+    pool, table = cases.paged_pool(xs, 16, seed=7)
+    assert pool.shape == (3 + 1 + 1, 2, 16, 5) and table.shape == (3, 3) and table.dtype == np.int32
+    for b, x in enumerate(xs):
+        n = x.shape[1]
+        pages = -(-n // 16)
+        got = pool[table[b, :pages]].transpose(1, 0, 2, 3).reshape(2, pages * 16, 5)
+        np.testing.assert_array_equal(got[:, :n], x)
+        assert not got[:, n:].any()
+        assert not table[b, pages:].any()
+    used = np.concatenate([table[0, :3], table[1, :1], table[2, :1]])
+    assert sorted(used) == list(range(5))
+    np.testing.assert_array_equal(cases.paged_pool(xs, 16, seed=7)[1], table)
+    assert not np.array_equal(cases.paged_pool(xs, 16, seed=8)[1], table)
+
+
+def test_paged_cases_and_their_quick_sizes():
+    from fastattn.bench import cases
+
+    paged = [c for c in cases.CASES if c.page]
+    assert {(c.kind, c.kv_dtype) for c in paged} == {
+        ("decode", "bfloat16"),
+        ("decode", None),
+        ("decode", "int8"),
+        ("varlen", None),
+    }
+    d = cases.by_name("B4 H32/8 S8192 D128 decode int8kv page16")
+    assert (d.B, d.Hq, d.Hk, d.S, d.D, d.page) == (4, 32, 8, 8192, 128, 16)
+    qd = cases.quick_case(d)
+    assert (qd.name, qd.S) == ("B4 H32/8 S2048 D128 decode int8kv page16", 2048)
+    c = next(c for c in paged if c.kind == "varlen")
+    assert c.causal and c.query_lens == (1,) * 6 + (512,) and c.seqlens == (4096,) * 6 + (2048,)
+    qc = cases.quick_case(c)
+    assert qc.seqlens == (1024,) * 6 + (512,) and qc.query_lens == (1,) * 6 + (512,)
+    # FLOPs: each decode row sees its keys, the chunk's rows a bottom-right causal band
+    want = 4 * 32 * 128 * (6 * 4096 + sum(2048 - 512 + i + 1 for i in range(512)))
+    assert cases.case_flops(c) == want
+    with pytest.raises(ValueError, match="paged"):
+        bench.Case("bad", 1, 1, 1, 4, 4, 8, page=16)
+    with pytest.raises(ValueError, match="q_lens"):
+        bench.Case("bad", 2, 1, 1, 0, 0, 8, kind="varlen", seqlens=(4, 4), q_lens=(5, 1))
+
+
+@pytest.mark.parametrize("kv", [None, "bfloat16", "int8"])
+def test_paged_decode_case_is_timed_against_the_contiguous_call(kv):
+    """A paged decode case: fastattn's paged call (pages shuffled, a partly filled last
+    page) passes the oracle's check, its call without pages is timed beside it, the peers
+    skip, and the summary gives the ratio."""
+    import io
+
+    from fastattn.bench import peers, report, runner
+
+    case = bench.Case("paged", 2, 4, 2, 1, 300, 32, kv_dtype=kv, kind="decode", page=16)
+    args = bench.parse_args(["--quick", "--repeat", "1", "--threads", "1", "--pause", "0"])
+    recs = runner.run_case(case, [peers.FastAttn, peers.NumpyRef], args, io.StringIO())
+    by = {r["impl"]: r for r in recs}
+    assert list(by) == ["fastattn", "numpy", "fastattn-contig"]
+    assert by["numpy"]["status"] == "skipped" and "paged" in by["numpy"]["note"]
+    for name in ("fastattn", "fastattn-contig"):
+        assert by[name]["status"] == "ok" and by[name]["seconds"] > 0, by[name]
+        assert by[name]["max_err"] <= (3e-2 if kv == "bfloat16" else 2e-3)
+    out = io.StringIO()
+    (row,) = report.paged_summary(recs, out)
+    assert row["speed"] == pytest.approx(by["fastattn-contig"]["seconds"] / by["fastattn"]["seconds"])
+    assert "x contig" in out.getvalue()
+
+
+def test_paged_runner_really_reads_pages(monkeypatch):
+    """The paged call passes the shuffled pool and its table to attention_with_kvcache, and
+    a wrong table fails the oracle's check (the check is not vacuous)."""
+    from fastattn.bench import inputs, peers
+
+    case = bench.Case("paged", 1, 2, 1, 1, 64, 16, kind="decode", page=16)
+    inp = inputs.make_inputs(case, "float32")
+    ref = inputs.reference_output(inp)
+    seen = {}
+    real = fastattn.attention_with_kvcache
+
+    def spy(q, k, v, lens, **kw):
+        seen.update(kw, k=k)
+        bt = kw["block_table"]
+        if seen.get("swap"):
+            kw["block_table"] = np.zeros_like(
+                bt
+            )  # every page the first (a reorder would not show: keys are a set)
+        return real(q, k, v, lens, **kw)
+
+    monkeypatch.setattr(fastattn, "attention_with_kvcache", spy)
+    fn = peers.FastAttn().prepare(inp, 1)
+    assert inputs.check(fn, inp, ref) < 1e-5
+    assert seen["k"].shape == (4, 1, 16, 16) and seen["block_table"].shape == (1, 4)
+    seen["swap"] = True
+    assert inputs.check(fn, inp, ref) > 1e-2
+
+
+def test_chunked_prefill_case_is_timed_against_the_separate_calls(tmp_path):
+    out = tmp_path / "bench.json"
+    rc = bench.main(
+        ["--quick", "--cases", "chunked prefill", "--no-machine", "--impls", "fastattn", "numpy"]
+        + ["--repeat", "1", "--threads", "1", "--pause", "0", "--json", str(out)]
+    )
+    assert rc == 0
+    data = json.loads(out.read_text())
+    by = {r["impl"]: r for r in data["records"]}
+    assert by["fastattn"]["status"] == by["fastattn-separate"]["status"] == "ok"
+    assert by["fastattn"]["max_err"] <= 1e-3 and by["fastattn-separate"]["max_err"] <= 1e-3
+    assert by["numpy"]["status"] == "skipped"
+    (row,) = data["paged_summary"]
+    assert row["against"] == "fastattn-separate"
+    assert row["speed"] == pytest.approx(by["fastattn-separate"]["seconds"] / by["fastattn"]["seconds"])

@@ -314,3 +314,69 @@ def test_paged_head_dim_not_whole_vectors(rng, Hq):
     ro, rlse = reference(q, kp, vp, bt, lens, is_causal=True)
     assert_close(out, ro, tol=1e-4)
     assert_close(lse, rlse, tol=1e-4, what="lse")
+
+
+@pytest.mark.parametrize("bad", [0.0, np.nan, -1.0, np.inf])
+@pytest.mark.parametrize("page", [1, 16])
+def test_paged_kv8_scales_checked_where_read(rng, bad, page):
+    """Per-token paged scales are checked in the slots the call reads (the sequences'
+    tokens through the table), not in the rest of the pool: a fresh pool's unused pages
+    and the slots past a sequence's end may hold anything (zeros, NaN), as in a server's
+    pool, including page 0 and the slot right after the end.  A bad value in a read slot
+    is a ValueError naming the scale, with nothing written."""
+    B, Hq, Hk, D = 2, 4, 2, 32
+    lens = np.array([20, 7])
+    kf, vf, bt, spare = make_pool(rng, lens, page, Hk, D, D, F32)
+    kp, ks = fastattn.quantize_kv(kf, I8)
+    vp, vs = fastattn.quantize_kv(vf, I8)
+    ks, vs = ks.copy(), vs.copy()
+    for s in (ks, vs):  # unused pages and every slot past the ends: bad
+        s[spare] = bad
+        for b, n in enumerate(lens):
+            for j in range(n, -(-(n + 8) // page) * page):  # the sequence's own pages (make_pool's room)
+                s[bt[b, j // page], :, j % page] = bad
+    q = rng.standard_normal((B, Hq, 1, D)).astype(F32)
+    kd, vd = kp.astype(F64) * np.nan_to_num(ks), vp.astype(F64) * np.nan_to_num(vs)
+    out = fastattn.attention_with_kvcache(q, kp, vp, lens, block_table=bt, k_scale=ks, v_scale=vs)
+    ro, _ = reference(q, kd, vd, bt, lens, is_causal=True)
+    assert_close(out, ro, tol=1e-4)
+    # chunked prefill over the same pages (flash-attn's layout)
+    kf2, vf2 = kp.transpose(0, 2, 1, 3), vp.transpose(0, 2, 1, 3)
+    ks2, vs2 = ks.transpose(0, 2, 1, 3), vs.transpose(0, 2, 1, 3)
+    ck = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    cq = np.arange(B + 1, dtype=np.int32)
+    vo = fastattn.varlen_attention(
+        q[:, :, 0],
+        kf2,
+        vf2,
+        cq,
+        ck,
+        block_table=bt,
+        is_causal=True,
+        enable_gqa=True,
+        k_scale=ks2,
+        v_scale=vs2,
+    )
+    assert_close(vo, ro[:, :, 0], tol=1e-4)
+    # one bad scale in a slot that is read (sequence 1's last token): an error, nothing written
+    j = lens[1] - 1
+    vs[bt[1, j // page], 1, j % page] = bad
+    kn = rng.standard_normal((B, Hk, 1, D)).astype(F32)
+    before = [a.copy() for a in (kp, vp, ks, vs)]
+    with pytest.raises(ValueError, match="v_scale must be finite and positive"):
+        fastattn.attention_with_kvcache(q, kp, vp, lens, kn, kn, block_table=bt, k_scale=ks, v_scale=vs)
+    for a, b in zip(before, (kp, vp, ks, vs)):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    with pytest.raises(ValueError, match="v_scale must be finite and positive"):
+        fastattn.varlen_attention(
+            q[:, :, 0],
+            kf2,
+            vf2,
+            cq,
+            ck,
+            block_table=bt,
+            is_causal=True,
+            enable_gqa=True,
+            k_scale=ks2,
+            v_scale=vs2,
+        )
