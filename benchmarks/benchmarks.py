@@ -260,6 +260,97 @@ class KV8Decode:
     track_kv_mib.unit = "MiB"
 
 
+# The paged cases of ``fastattn bench`` at the size of its --quick run (quick_case): decode of
+# B4 H32/8 D128 sequences of 2048 tokens in 16-token pages, and the chunked-prefill call with a
+# quarter of its keys.
+PAGED_DECODE = cases.quick_case(cases.by_name("B4 H32/8 S8192 D128 decode page16"))
+CHUNKED = cases.quick_case(next(c for c in cases.CASES if c.page and c.kind == "varlen"))
+
+
+class PagedDecode:
+    """Decode through a shuffled block table of 16-token pages against the same call on the
+    contiguous cache (``fastattn bench``'s paged decode cases at S / 4), K/V in float32,
+    bfloat16 and int8 (per-token scales paged with the tokens), float32 queries."""
+
+    params = (["float32", "bfloat16", "int8"], ["paged", "contiguous"])
+    param_names = ["kv_dtype", "cache"]
+    timeout = 120
+
+    def setup(self, kv_dtype, cache):
+        c = dataclasses.replace(PAGED_DECODE, kv_dtype=kv_dtype)
+        if c.kv8:
+            q, k, v, ks, vs = cases.kv8_inputs(c)
+        else:
+            (q, k, v), ks, vs = _inputs(c), None, None
+        lens = np.full(c.B, c.S, np.int64)
+        kw = {}
+        if cache == "paged":
+            k, bt = cases.paged_pool(list(k), c.page)
+            v = cases.paged_pool(list(v), c.page)[0]
+            if c.kv8:
+                ks, vs = (cases.paged_pool(list(s), c.page)[0] for s in (ks, vs))
+            kw["block_table"] = bt
+        if c.kv8:
+            kw.update(k_scale=ks, v_scale=vs)
+        self.fn = lambda: fastattn.attention_with_kvcache(q, k, v, lens, num_threads=THREADS, **kw)
+        try:
+            self.fn()
+        except (TypeError, ValueError) as e:  # a commit without paged caches or 8-bit K/V: not timed
+            raise NotImplementedError(f"{cache} {kv_dtype}: {e}") from None
+
+    def time_decode(self, kv_dtype, cache):
+        self.fn()
+
+
+class ChunkedPrefill:
+    """One ``varlen_attention`` call over pages (decode rows of 6 sequences beside a prefill
+    chunk of a seventh, ``fastattn bench``'s chunked-prefill case with a quarter of its keys)
+    against the separate calls it replaces: the decode rows in one batched
+    ``attention_with_kvcache`` call, the chunk in another, over the same pages."""
+
+    params = (["one call", "separate calls"],)
+    param_names = ["impl"]
+    timeout = 120
+
+    def setup(self, impl):
+        c = CHUNKED
+        qs, ks, vs = _inputs(c)  # per sequence (1, H, n, D)
+        q = np.concatenate([x[0].transpose(1, 0, 2) for x in qs])  # (T, Hq, D)
+        kp, bt = cases.paged_pool([x[0] for x in ks], c.page)
+        vp = cases.paged_pool([x[0] for x in vs], c.page)[0]
+        kf, vf = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (kp, vp))  # flash-attn's pages
+        kb, vb = kf.transpose(0, 2, 1, 3), vf.transpose(0, 2, 1, 3)
+        cq, ck = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (c.query_lens, c.seqlens))
+        lens = np.asarray(c.seqlens, np.int64)
+        rows = [b for b, m in enumerate(c.query_lens) if m == 1]
+        chunks = [b for b, m in enumerate(c.query_lens) if m > 1]
+        if impl == "one call":
+            self.fn = lambda: fastattn.varlen_attention(
+                q, kf, vf, cq, ck, block_table=bt, is_causal=True, enable_gqa=True, num_threads=THREADS
+            )
+        else:
+            q_rows = q[cq[rows]][:, :, None]
+            q_chunks = [(b, q[cq[b] : cq[b + 1]].transpose(1, 0, 2)[None]) for b in chunks]
+
+            def separate():
+                fastattn.attention_with_kvcache(
+                    q_rows, kb, vb, lens[rows], block_table=bt[rows], num_threads=THREADS
+                )
+                for b, qc in q_chunks:
+                    fastattn.attention_with_kvcache(
+                        qc, kb, vb, lens[b : b + 1], block_table=bt[b : b + 1], num_threads=THREADS
+                    )
+
+            self.fn = separate
+        try:
+            self.fn()
+        except (TypeError, ValueError) as e:  # a commit without paged caches: not timed
+            raise NotImplementedError(f"{impl}: {e}") from None
+
+    def time_chunked_prefill(self, impl):
+        self.fn()
+
+
 class Varlen:
     """The varlen case of ``fastattn bench`` (8 packed causal sequences, H8 D64): one varlen
     call against a per-sequence loop."""
