@@ -36,9 +36,7 @@ def dropout_value(dropout_p: Any) -> None:
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a number, got {type(dropout_p).__name__}")
     if dropout_p != 0:
-        raise NotImplementedError(
-            f"dropout_p must be 0 (got {dropout_p}): fastattn is inference only and has no dropout"
-        )
+        raise NotImplementedError(f"dropout_p must be 0 (got {dropout_p}): fastattn has no dropout")
 
 
 def flag_value(x: Any, name: str) -> bool:

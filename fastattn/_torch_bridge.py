@@ -34,15 +34,17 @@ def to_numpy(t: Any, name: str, *, writable: bool = False) -> npt.NDArray[Any]:
     """A NumPy view of a CPU tensor's memory (no copy, strides kept).
 
     Refuses tensors on other devices and, while autograd is recording,
-    tensors that require grad: fastattn has no backward, so a result that
-    silently dropped the graph would give wrong gradients."""
+    tensors that require grad: a caller that has no backward for them would
+    silently drop the graph and give wrong gradients (the differentiable front
+    ends, torch_compat and flash_compat's attention functions, go through their
+    autograd Functions first and hand this function detached tensors)."""
     torch = torch_module()
     if t.device.type != "cpu":
         raise ValueError(f"{name} must be a CPU tensor, got device {t.device}")
     if t.requires_grad:
         if torch.is_grad_enabled():
             raise RuntimeError(
-                f"{name} requires grad: fastattn computes no gradients; run under torch.no_grad() "
+                f"{name} requires grad, and this function has no backward; run it under torch.no_grad() "
                 "or torch.inference_mode()"
             )
         t = t.detach()

@@ -23,8 +23,17 @@ Inputs are NumPy arrays (anything ``numpy.asarray`` takes, e.g. ml_dtypes
 bfloat16 arrays) or CPU torch tensors, read in place (bfloat16 tensors too);
 outputs are NumPy arrays, or torch tensors when ``q`` (``qkv``) is one.
 
+Differentiable as flash-attn's: where autograd records and a q, k or v tensor
+requires grad, ``flash_attn_func``, ``flash_attn_varlen_func`` and their packed
+forms return an output whose backward is fastattn's fused backward with the same
+options (every score option, GQA; the gradient reaches a packed tensor through
+torch's slicing; not differentiable again, as flash-attn's is not).
+``flash_attn_with_kvcache`` and a paged ``flash_attn_varlen_func`` have no backward
+(nor have flash-attn's): a tensor that requires grad is refused there while autograd
+records.
+
 Differences, all loud: ``dropout_p`` must be 0 (``NotImplementedError``
-otherwise: fastattn is inference only); rotary embeddings together with
+otherwise: fastattn has no dropout); rotary embeddings together with
 ``cache_leftpad``, and ``cache_leftpad`` with paged caches, raise ``NotImplementedError``;
 ``return_attn_probs`` returns an empty ``S_dmask`` as flash-attn does without
 dropout.  Where flash-attn leaves a case undefined, fastattn refuses it with a
@@ -46,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _torch_bridge
+from . import _flash_grad, _torch_bridge
 from ._args import sdpa_call, varlen_call
 from ._cache_args import index_value, indices_value
 from ._flash_args import Opts as _Opts
@@ -70,22 +79,42 @@ __all__ = [
 
 
 # ------------------------------------------------------------- dense batches
-def _dense(q: np.ndarray, k: np.ndarray, v: np.ndarray, torch_out: bool, o: _Opts) -> Any:
+def _unpack(x: Any, name: str, nd: int, axis: int, n: int, shape: str) -> list[Any]:
+    """The ``n`` parts of a packed q/k/v along ``axis``: views of the array, or for a
+    tensor torch's own slices (so that a gradient reaches the packed tensor)."""
+    a = x if _torch_bridge.is_tensor(x) else _array(x, name)
+    if a.ndim != nd or a.shape[axis] != n:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(a.shape)}")
+    return [a[(slice(None),) * axis + (i,)] for i in range(n)]
+
+
+def _dense(q: Any, k: Any, v: Any, o: _Opts) -> Any:
+    """flash_attn_func's call on q, k, v as given (arrays or tensors; differentiable
+    where a tensor requires grad, :mod:`fastattn._flash_grad`)."""
     opts = o.common()
     ret = _flag(o.return_attn_probs, "return_attn_probs")
-    for a, n in ((q, "q"), (k, "k"), (v, "v")):
-        _ndim(a, n, 4, "(batch, seqlen, nheads, headdim)")
-    res = sdpa_call(
-        q,
-        k,
-        v,
-        is_causal=_flag(o.causal, "causal"),
-        scale=o.softmax_scale,
-        enable_gqa=True,
-        layout="bshd",
-        return_lse=ret,
-        **opts,
-    ).run()
+    causal = _flag(o.causal, "causal")
+    grad = _flash_grad.wants_grad(q, k, v)
+
+    def forward(qa: np.ndarray, ka: np.ndarray, va: np.ndarray) -> Any:
+        for a, n in ((qa, "q"), (ka, "k"), (va, "v")):
+            _ndim(a, n, 4, "(batch, seqlen, nheads, headdim)")
+        return sdpa_call(
+            qa,
+            ka,
+            va,
+            is_causal=causal,
+            scale=o.softmax_scale,
+            enable_gqa=True,
+            layout="bshd",
+            return_lse=ret or grad,
+            **opts,
+        ).run()
+
+    if grad:
+        return _flash_grad.run(_flash_grad.dense_spec(forward, causal, o.softmax_scale, opts), q, k, v, ret)
+    res = forward(_array(q, "q"), _array(k, "k"), _array(v, "v"))
+    torch_out = _torch_bridge.is_tensor(q)
     if not ret:
         return _wrap(torch_out, res)
     out, lse = res
@@ -123,7 +152,7 @@ def flash_attn_func(
     v : array_like or torch.Tensor
         ``(batch, seqlen_k, nheads_k, headdim_v)``.
     dropout_p : float, default 0.0
-        Must be 0 (inference only; otherwise NotImplementedError).
+        Must be 0 (fastattn has no dropout; otherwise NotImplementedError).
     softmax_scale : float, optional
         Score scale; None means ``1/sqrt(headdim)``.
     causal : bool, default False
@@ -160,13 +189,10 @@ def flash_attn_func(
     >>> bool(np.allclose(out, ref))
     True
     """
-    torch_out = _torch_bridge.is_tensor(q)
-    qa, ka, va = _array(q, "q"), _array(k, "k"), _array(v, "v")
     return _dense(
-        qa,
-        ka,
-        va,
-        torch_out,
+        q,
+        k,
+        v,
         _Opts(
             dropout_p,
             softmax_scale,
@@ -199,7 +225,7 @@ def flash_attn_qkvpacked_func(
     qkv : array_like or torch.Tensor
         ``(batch, seqlen, 3, nheads, headdim)``.
     dropout_p : float, default 0.0
-        Must be 0 (inference only; otherwise NotImplementedError).
+        Must be 0 (fastattn has no dropout; otherwise NotImplementedError).
     softmax_scale : float, optional
         Score scale; None means ``1/sqrt(headdim)``.
     causal : bool, default False
@@ -234,15 +260,11 @@ def flash_attn_qkvpacked_func(
     >>> bool(np.array_equal(out, flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True)))
     True
     """
-    torch_out = _torch_bridge.is_tensor(qkv)
-    a = _array(qkv, "qkv")
-    if a.ndim != 5 or a.shape[2] != 3:
-        raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {a.shape}")
+    q, k, v = _unpack(qkv, "qkv", 5, 2, 3, "(batch, seqlen, 3, nheads, headdim)")
     return _dense(
-        a[:, :, 0],
-        a[:, :, 1],
-        a[:, :, 2],
-        torch_out,
+        q,
+        k,
+        v,
         _Opts(
             dropout_p,
             softmax_scale,
@@ -279,7 +301,7 @@ def flash_attn_kvpacked_func(
     kv : array_like or torch.Tensor
         ``(batch, seqlen_k, 2, nheads_k, headdim)``.
     dropout_p : float, default 0.0
-        Must be 0 (inference only; otherwise NotImplementedError).
+        Must be 0 (fastattn has no dropout; otherwise NotImplementedError).
     softmax_scale : float, optional
         Score scale; None means ``1/sqrt(headdim)``.
     causal : bool, default False
@@ -316,15 +338,11 @@ def flash_attn_kvpacked_func(
     >>> bool(np.array_equal(out, flash_attn_func(q, kv[:, :, 0], kv[:, :, 1])))
     True
     """
-    torch_out = _torch_bridge.is_tensor(q)
-    qa, kva = _array(q, "q"), _array(kv, "kv")
-    if kva.ndim != 5 or kva.shape[2] != 2:
-        raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got {kva.shape}")
+    k, v = _unpack(kv, "kv", 5, 2, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
     return _dense(
-        qa,
-        kva[:, :, 0],
-        kva[:, :, 1],
-        torch_out,
+        q,
+        k,
+        v,
         _Opts(
             dropout_p,
             softmax_scale,
@@ -350,17 +368,18 @@ def _max_seqlen(m: Any, name: str, cu: np.ndarray, cu_name: str) -> None:
 
 
 def _varlen(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
+    q: Any,
+    k: Any,
+    v: Any,
     cu_seqlens_q: Any,
     cu_seqlens_k: Any,
     max_seqlen_q: Any,
     max_seqlen_k: Any,
-    torch_out: bool,
     o: _Opts,
     block_table: Any,
 ) -> Any:
+    """flash_attn_varlen_func's call on q, k, v as given (arrays or tensors; differentiable
+    where a tensor requires grad and K/V are not pages, :mod:`fastattn._flash_grad`)."""
     opts = o.common()
     ret = _flag(o.return_attn_probs, "return_attn_probs")
     # Offsets as given (uint64, Python ints beyond int64) checked before any conversion.
@@ -370,14 +389,30 @@ def _varlen(
     )
     _max_seqlen(max_seqlen_q, "max_seqlen_q", cq, "cu_seqlens_q")
     _max_seqlen(max_seqlen_k, "max_seqlen_k", ck, "cu_seqlens_k")
+    causal = _flag(o.causal, "causal")
+    grad = _flash_grad.wants_grad(q, k, v)
+    if grad and block_table is not None:
+        raise NotImplementedError(
+            "flash_attn_varlen_func with block_table has no backward (nor has flash-attn's): "
+            "run it under torch.no_grad() or torch.inference_mode()"
+        )
     kw: dict[str, Any] = dict(
-        is_causal=_flag(o.causal, "causal"), scale=o.softmax_scale, enable_gqa=True, return_lse=ret, **opts
+        is_causal=causal, scale=o.softmax_scale, enable_gqa=True, return_lse=ret or grad, **opts
     )
+
+    def forward(qa: np.ndarray, ka: np.ndarray, va: np.ndarray) -> Any:
+        return varlen_call(qa, ka, va, cq, ck, **kw).run()
+
+    if grad:
+        spec = _flash_grad.varlen_spec(forward, cq, ck, causal, o.softmax_scale, opts)
+        return _flash_grad.run(spec, q, k, v, ret)
+    torch_out = _torch_bridge.is_tensor(q)
+    q, k, v = _array(q, "q"), _array(k, "k"), _array(v, "v")
     if block_table is not None:  # chunked prefill: k and v are page pools
         bt = _array(block_table, "block_table") if _torch_bridge.is_tensor(block_table) else block_table
         res = paged_varlen_call(q, k, v, cq, ck, bt, **kw).run()
     else:
-        res = varlen_call(q, k, v, cq, ck, **kw).run()
+        res = forward(q, k, v)
     if not ret:
         return _wrap(torch_out, res)
     out, lse = res
@@ -425,7 +460,7 @@ def flash_attn_varlen_func(
     max_seqlen_q, max_seqlen_k : int
         At least the longest query / key sequence.
     dropout_p : float, default 0.0
-        Must be 0 (inference only; otherwise NotImplementedError).
+        Must be 0 (fastattn has no dropout; otherwise NotImplementedError).
     softmax_scale : float, optional
         Score scale; None means ``1/sqrt(headdim)``.
     causal : bool, default False
@@ -470,17 +505,14 @@ def flash_attn_varlen_func(
     >>> bool(np.allclose(out[2:], second))
     True
     """
-    torch_out = _torch_bridge.is_tensor(q)
-    qa, ka, va = _array(q, "q"), _array(k, "k"), _array(v, "v")
     return _varlen(
-        qa,
-        ka,
-        va,
+        q,
+        k,
+        v,
         cu_seqlens_q,
         cu_seqlens_k,
         max_seqlen_q,
         max_seqlen_k,
-        torch_out,
         _Opts(
             dropout_p,
             softmax_scale,
@@ -519,7 +551,7 @@ def flash_attn_varlen_qkvpacked_func(
     max_seqlen : int
         At least the longest sequence.
     dropout_p : float, default 0.0
-        Must be 0 (inference only; otherwise NotImplementedError).
+        Must be 0 (fastattn has no dropout; otherwise NotImplementedError).
     softmax_scale : float, optional
         Score scale; None means ``1/sqrt(headdim)``.
     causal : bool, default False
@@ -556,19 +588,15 @@ def flash_attn_varlen_qkvpacked_func(
     >>> bool(np.array_equal(out, ref))
     True
     """
-    torch_out = _torch_bridge.is_tensor(qkv)
-    a = _array(qkv, "qkv")
-    if a.ndim != 4 or a.shape[1] != 3:
-        raise ValueError(f"qkv must have shape (total, 3, nheads, headdim), got {a.shape}")
+    q, k, v = _unpack(qkv, "qkv", 4, 1, 3, "(total, 3, nheads, headdim)")
     return _varlen(
-        a[:, 0],
-        a[:, 1],
-        a[:, 2],
+        q,
+        k,
+        v,
         cu_seqlens,
         cu_seqlens,
         max_seqlen,
         max_seqlen,
-        torch_out,
         _Opts(
             dropout_p,
             softmax_scale,
@@ -612,7 +640,7 @@ def flash_attn_varlen_kvpacked_func(
     max_seqlen_q, max_seqlen_k : int
         At least the longest query / key sequence.
     dropout_p : float, default 0.0
-        Must be 0 (inference only; otherwise NotImplementedError).
+        Must be 0 (fastattn has no dropout; otherwise NotImplementedError).
     softmax_scale : float, optional
         Score scale; None means ``1/sqrt(headdim)``.
     causal : bool, default False
@@ -651,19 +679,15 @@ def flash_attn_varlen_kvpacked_func(
     >>> bool(np.array_equal(out, ref))
     True
     """
-    torch_out = _torch_bridge.is_tensor(q)
-    qa, kva = _array(q, "q"), _array(kv, "kv")
-    if kva.ndim != 4 or kva.shape[1] != 2:
-        raise ValueError(f"kv must have shape (total_k, 2, nheads_k, headdim), got {kva.shape}")
+    k, v = _unpack(kv, "kv", 4, 1, 2, "(total_k, 2, nheads_k, headdim)")
     return _varlen(
-        qa,
-        kva[:, 0],
-        kva[:, 1],
+        q,
+        k,
+        v,
         cu_seqlens_q,
         cu_seqlens_k,
         max_seqlen_q,
         max_seqlen_k,
-        torch_out,
         _Opts(
             dropout_p,
             softmax_scale,

@@ -444,11 +444,14 @@ def test_torch_tensors_in_and_out(rng):
     )
     assert isinstance(out, torch.Tensor) and isinstance(lse, torch.Tensor)
     assert torch.equal(kc[1, 3], tk1[1, 0]) and torch.equal(vc[0, 0], tv1[0, 0])
+    # flash_attn_with_kvcache has no backward (nor has flash-attn's): a tensor that
+    # requires grad is refused while autograd records
     t = torch.ones((1, 4, 2, 8), requires_grad=True)
+    c = torch.zeros((1, 8, 2, 8))
     with pytest.raises(RuntimeError, match="no_grad"):
-        fc.flash_attn_func(t, t, t)
+        fc.flash_attn_with_kvcache(t, c, c)
     with torch.no_grad():
-        fc.flash_attn_func(t, t, t)
+        fc.flash_attn_with_kvcache(t, c, c)
 
 
 def test_with_kvcache_rotary_tables_as_bf16_tensors():
@@ -489,3 +492,187 @@ def test_window_size_as_array_or_tensor(rng):
     np.testing.assert_array_equal(got, want)
     with pytest.raises(TypeError, match="window_size"):
         fc.flash_attn_func(q, k, v, window_size=np.array([3.0, 0.0]))
+
+
+# --------------------------------------------------------------- gradients (torch autograd)
+def _torch_oracle(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alibi=None, scale=None):
+    """flash-attn 2's rules (as _oracle) written with torch ops in float64, so torch's
+    autograd differentiates them: an independent gradient.  q (B, Lq, H, D), k/v (B, S, Hk, D)."""
+    torch = optional("torch")
+    q, k, v = (t.double() for t in (q, k, v))
+    B, Lq, H, D = q.shape
+    S, Hk = k.shape[1], k.shape[2]
+    G = H // Hk
+    k, v = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)
+    scale = 1 / D**0.5 if scale is None else scale
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(Lq)[:, None] + S - Lq
+    j = torch.arange(S)[None, :]
+    if alibi is not None:
+        a = torch.as_tensor(np.asarray(alibi, np.float64))
+        a = a[None, :, None, None] if a.ndim == 1 else a[:, :, None, None]
+        s = s - a * (i - j).abs()
+    keep = torch.ones(Lq, S, dtype=torch.bool)
+    if causal:
+        keep &= j <= i
+    if window[0] >= 0:
+        keep &= j >= i - window[0]
+    if window[1] >= 0:
+        keep &= j <= i + window[1]
+    s = s.masked_fill(~keep, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no key: zeros, as flash-attn
+    return torch.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+GRAD_CASES = [
+    dict(),
+    dict(causal=True),
+    dict(causal=True, gqa=True, Lq=5),
+    dict(window=(3, 1)),
+    dict(softcap=2.0, causal=True),
+    dict(alibi=True),
+    dict(alibi=True, gqa=True, causal=True, Lq=4),
+]
+
+
+def _grad_inputs(torch, rng, case, dtype):
+    B, S, D = 2, 9, 16
+    Lq = case.get("Lq", S)
+    Hk, H = (2, 4) if case.get("gqa") else (2, 2)
+    q = torch.from_numpy(randn(rng, (B, Lq, H, D))).to(dtype).requires_grad_()
+    k = torch.from_numpy(randn(rng, (B, S, Hk, D))).to(dtype).requires_grad_()
+    v = torch.from_numpy(randn(rng, (B, S, Hk, D))).to(dtype).requires_grad_()
+    kw = {n: case[n] for n in ("causal", "window", "softcap") if n in case}
+    if case.get("alibi"):
+        kw["alibi"] = np.abs(randn(rng, (B, H))).astype(np.float32)
+    return q, k, v, kw
+
+
+@pytest.mark.parametrize("case", GRAD_CASES, ids=lambda c: "-".join(f"{k}" for k in c) or "plain")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_flash_attn_func_gradients_match_torch_autograd(rng, case, dtype):
+    """flash_attn_func is differentiable (flash-attn's is): dq, dk, dv against torch's
+    autograd through the float64 oracle, every score option, GQA (the group's dK / dV
+    summed), bottom-right causal with fewer queries than keys; bf16 tensors too."""
+    torch = optional("torch")
+    dt = getattr(torch, dtype)
+    q, k, v, kw = _grad_inputs(torch, rng, case, dt)
+    out = fc.flash_attn_func(q, k, v, **_flash_kw(kw))
+    assert out.requires_grad and out.dtype == dt
+    g = torch.from_numpy(randn(rng, tuple(out.shape))).to(dt)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), g)
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]  # the inputs' values, in float64
+    want = torch.autograd.grad(_torch_oracle(*exact, **kw), exact, g.double())
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    for got, ref, name in zip((dq, dk, dv), want, "qkv"):
+        assert got.dtype == dt and got.shape == ref.shape
+        assert_close(got.double().numpy(), ref.numpy(), tol=tol, what=f"d{name}")
+    # the forward is the no-grad call's, bit for bit
+    with torch.no_grad():
+        plain = fc.flash_attn_func(q, k, v, **_flash_kw(kw))
+    assert torch.equal(
+        out.detach().view(torch.int16) if dtype == "bfloat16" else out.detach(),
+        plain.view(torch.int16) if dtype == "bfloat16" else plain,
+    )
+
+
+def test_packed_functions_pass_gradients_to_the_packed_tensor(rng):
+    """qkvpacked / kvpacked (dense and varlen): the gradient reaches the packed tensor,
+    equal to the unpacked function's gradients."""
+    torch = optional("torch")
+    B, S, H, D = 2, 7, 2, 8
+    qkv = torch.from_numpy(randn(rng, (B, S, 3, H, D))).requires_grad_()
+    g = torch.from_numpy(randn(rng, (B, S, H, D)))
+    (got,) = torch.autograd.grad(fc.flash_attn_qkvpacked_func(qkv, causal=True), qkv, g)
+    parts = [qkv.detach()[:, :, i].clone().requires_grad_() for i in range(3)]
+    want = torch.autograd.grad(fc.flash_attn_func(*parts, causal=True), parts, g)
+    assert torch.equal(got, torch.stack(want, dim=2))
+    q = torch.from_numpy(randn(rng, (B, S, H, D))).requires_grad_()
+    kv = qkv.detach()[:, :, 1:].clone().requires_grad_()
+    dq, dkv = torch.autograd.grad(fc.flash_attn_kvpacked_func(q, kv, causal=True), (q, kv), g)
+    parts = [
+        q.detach().clone().requires_grad_(),
+        *(kv.detach()[:, :, i].clone().requires_grad_() for i in range(2)),
+    ]
+    want = torch.autograd.grad(fc.flash_attn_func(*parts, causal=True), parts, g)
+    assert torch.equal(dq, want[0]) and torch.equal(dkv, torch.stack(want[1:], dim=2))
+    # varlen: two sequences of 3 and 4 tokens
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    qkv = torch.from_numpy(randn(rng, (7, 3, H, D))).requires_grad_()
+    g = torch.from_numpy(randn(rng, (7, H, D)))
+    (got,) = torch.autograd.grad(fc.flash_attn_varlen_qkvpacked_func(qkv, cu, 4, causal=True), qkv, g)
+    parts = [qkv.detach()[:, i].clone().requires_grad_() for i in range(3)]
+    want = torch.autograd.grad(fc.flash_attn_varlen_func(*parts, cu, cu, 4, 4, causal=True), parts, g)
+    assert torch.equal(got, torch.stack(want, dim=1))
+    q = torch.from_numpy(randn(rng, (7, H, D))).requires_grad_()
+    kv = qkv.detach()[:, 1:].clone().requires_grad_()
+    dq, dkv = torch.autograd.grad(fc.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 4, 4), (q, kv), g)
+    parts = [
+        q.detach().clone().requires_grad_(),
+        *(kv.detach()[:, i].clone().requires_grad_() for i in range(2)),
+    ]
+    want = torch.autograd.grad(fc.flash_attn_varlen_func(*parts, cu, cu, 4, 4), parts, g)
+    assert torch.equal(dq, want[0]) and torch.equal(dkv, torch.stack(want[1:], dim=1))
+
+
+@pytest.mark.parametrize("case", [dict(causal=True), dict(window=(2, 0), softcap=3.0), dict(alibi=True)])
+def test_varlen_gradients_per_sequence(rng, case):
+    """flash_attn_varlen_func's gradients: each sequence's against torch's autograd through
+    the oracle on that sequence alone (fewer queries than keys, bottom-right; per-sequence
+    ALiBi slopes; GQA)."""
+    torch = optional("torch")
+    Hq, Hk, D = 4, 2, 16
+    nq, nk = [3, 1, 5], [6, 4, 5]
+    cq = np.concatenate([[0], np.cumsum(nq)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(nk)]).astype(np.int32)
+    q = torch.from_numpy(randn(rng, (int(cq[-1]), Hq, D))).requires_grad_()
+    k = torch.from_numpy(randn(rng, (int(ck[-1]), Hk, D))).requires_grad_()
+    v = torch.from_numpy(randn(rng, (int(ck[-1]), Hk, D))).requires_grad_()
+    kw = {n: case[n] for n in ("causal", "window", "softcap") if n in case}
+    if case.get("alibi"):
+        kw["alibi"] = np.abs(randn(rng, (3, Hq))).astype(np.float32)
+    out = fc.flash_attn_varlen_func(
+        q, k, v, torch.from_numpy(cq), torch.from_numpy(ck), 5, 6, **_flash_kw(kw)
+    )
+    g = torch.from_numpy(randn(rng, tuple(out.shape)))
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), g)
+    for b in range(3):
+        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        kb = dict(kw)
+        if "alibi" in kb:
+            kb["alibi"] = kb["alibi"][b : b + 1]
+        parts = [t.detach()[s][None].clone().requires_grad_() for t, s in ((q, qs), (k, ks), (v, ks))]
+        want = torch.autograd.grad(_torch_oracle(*parts, **kb), parts, g[qs][None].double())
+        for got, ref, name in zip((dq[qs], dk[ks], dv[ks]), want, "qkv"):
+            assert_close(got.numpy(), ref[0].numpy(), tol=1e-4, what=f"sequence {b} d{name}")
+
+
+def test_gradient_options_and_refusals(rng):
+    """return_attn_probs under autograd gives (out, lse, S_dmask) with the lse not
+    differentiable; only the inputs that require grad get one; double backward and a
+    paged varlen call that requires grad raise; under no_grad the plain call runs."""
+    torch = optional("torch")
+    q = torch.from_numpy(randn(rng, (1, 4, 2, 8))).requires_grad_()
+    k, v = (torch.from_numpy(randn(rng, (1, 6, 2, 8))) for _ in range(2))
+    out, lse, s = fc.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert out.requires_grad and not lse.requires_grad and s.numel() == 0
+    _, want_lse, _ = fc.flash_attn_func(q.detach(), k, v, causal=True, return_attn_probs=True)
+    assert torch.equal(lse, want_lse)
+    out.sum().backward()
+    assert q.grad is not None and k.grad is None
+    (dq,) = torch.autograd.grad(fc.flash_attn_func(q, k, v).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        dq.sum().backward()
+    bt = torch.zeros((1, 1), dtype=torch.int32)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    pool = torch.zeros((1, 16, 2, 8))
+    with pytest.raises(NotImplementedError, match="block_table"):
+        fc.flash_attn_varlen_func(
+            q[0], pool, pool, cu, torch.tensor([0, 6], dtype=torch.int32), 4, 6, block_table=bt
+        )
+    with torch.no_grad():
+        fc.flash_attn_varlen_func(
+            q[0], pool, pool, cu, torch.tensor([0, 6], dtype=torch.int32), 4, 6, block_table=bt
+        )

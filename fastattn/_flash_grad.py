@@ -1,0 +1,168 @@
+"""Gradients for flash_compat's differentiable functions (flash-attn's ``flash_attn_func``,
+its packed forms and ``flash_attn_varlen_func``) on torch tensors that require grad.
+
+Where autograd records (``torch.is_grad_enabled()``) and a query, key or value tensor
+requires grad, the call runs through a ``torch.autograd.Function``: its forward is the
+same fastattn call on the tensors' memory with the log-sum-exp kept, its backward
+fastattn's fused backward (:func:`fastattn.scaled_dot_product_attention_backward`) with
+the forward's options, on the bshd layout flash-attn uses; a varlen call's backward runs
+sequence by sequence on views of the packed arrays.  The packed functions slice the
+packed tensor with torch, so the gradient reaches it through torch's own indexing.
+Like flash-attn's, the gradient is not differentiable again (double backward raises).
+
+torch is imported here only when such a call is made (this module is imported by
+flash_compat, which works without torch).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from . import _torch_bridge
+from .backward import scaled_dot_product_attention_backward
+
+Array = npt.NDArray[Any]
+# (q, k, v) as NumPy views -> (out, lse) of the forward
+Forward = Callable[[Array, Array, Array], tuple[Array, Array]]
+
+__all__ = ["wants_grad", "Spec", "dense_spec", "varlen_spec", "run"]
+
+
+def wants_grad(*xs: Any) -> bool:
+    """True when autograd records and one of ``xs`` is a tensor that requires grad."""
+    torch = _torch_bridge.torch_module()
+    return (
+        torch is not None
+        and torch.is_grad_enabled()
+        and any(_torch_bridge.is_tensor(x) and x.requires_grad for x in xs)
+    )
+
+
+class Spec:
+    """One differentiable call: ``forward(q, k, v) -> (out, lse)`` and
+    ``backward(grad_out, q, k, v, out, lse) -> (dq, dk, dv)`` on NumPy arrays."""
+
+    def __init__(self, forward: Forward, backward: Callable[..., tuple[Array, ...]]) -> None:
+        self.forward = forward
+        self.backward = backward
+
+
+def dense_spec(forward: Forward, causal: bool, scale: float | None, options: dict[str, Any]) -> Spec:
+    """flash_attn_func's call: bshd, grouped-query heads, ``options`` (window, softcap,
+    alibi_slopes) as the forward checked them."""
+
+    def backward(go: Array, q: Array, k: Array, v: Array, out: Array, lse: Array) -> tuple[Array, ...]:
+        return scaled_dot_product_attention_backward(
+            go, q, k, v, out, lse, is_causal=causal, scale=scale, enable_gqa=True, layout="bshd", **options
+        )
+
+    return Spec(forward, backward)
+
+
+def varlen_spec(
+    forward: Forward, cu_q: Array, cu_k: Array, causal: bool, scale: float | None, options: dict[str, Any]
+) -> Spec:
+    """flash_attn_varlen_func's call: sequence ``b`` owns rows ``cu_q[b]:cu_q[b+1]`` of q
+    and ``cu_k[b]:cu_k[b+1]`` of k and v; each sequence's backward runs on views
+    ``(1, n, H, D)`` (bshd) with its own ALiBi slopes when they are per sequence."""
+    alibi = options.get("alibi_slopes")
+    rest = {n: x for n, x in options.items() if n != "alibi_slopes"}
+
+    def backward(go: Array, q: Array, k: Array, v: Array, out: Array, lse: Array) -> tuple[Array, ...]:
+        dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+        for b in range(len(cu_q) - 1):
+            qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+            if qs.start == qs.stop:
+                continue
+            slopes = None if alibi is None else (alibi if np.ndim(alibi) == 1 else alibi[b])
+            g = scaled_dot_product_attention_backward(
+                go[None, qs],
+                q[None, qs],
+                k[None, ks],
+                v[None, ks],
+                out[None, qs],
+                lse[None, :, qs],
+                is_causal=causal,
+                scale=scale,
+                enable_gqa=True,
+                layout="bshd",
+                alibi_slopes=slopes,
+                **rest,
+            )
+            dq[qs], dk[ks], dv[ks] = g[0][0], g[1][0], g[2][0]
+        return dq, dk, dv
+
+    return Spec(forward, backward)
+
+
+def run(spec: Spec, q: Any, k: Any, v: Any, return_attn_probs: bool) -> Any:
+    """The call on tensors: ``out`` (differentiable with respect to q, k and v), or
+    ``(out, softmax_lse, S_dmask)`` with ``return_attn_probs`` (the lse is not
+    differentiable; ``S_dmask`` is empty, as flash-attn returns it without dropout)."""
+    torch = _torch_bridge.torch_module()
+    out, lse = _functions().Forward.apply(q, k, v, spec)
+    if not return_attn_probs:
+        return out
+    return out, lse, torch.empty((0,), dtype=out.dtype)
+
+
+def _np(t: Any, name: str) -> Array:
+    return _torch_bridge.to_numpy(t.detach(), name)
+
+
+def _tensors(arrays: Sequence[Array]) -> tuple[Any, ...]:
+    return tuple(_torch_bridge.from_numpy(a) for a in arrays)
+
+
+@functools.cache
+def _functions() -> Any:
+    """The autograd Functions (made on first use: torch is optional)."""
+    import torch
+
+    class FlashForward(torch.autograd.Function):
+        @staticmethod
+        def forward(q: Any, k: Any, v: Any, spec: Spec) -> tuple[Any, Any]:
+            return _tensors(spec.forward(_np(q, "q"), _np(k, "k"), _np(v, "v")))
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, Any]) -> None:
+            q, k, v, spec = inputs
+            out, lse = output
+            # torch's version counters then refuse a backward after an in-place change
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.mark_non_differentiable(lse)
+            ctx.spec = spec
+
+        @staticmethod
+        def backward(ctx: Any, grad_out: Any, _grad_lse: Any) -> tuple[Any, Any, Any, None]:
+            q, k, v, out, lse = ctx.saved_tensors
+            dq, dk, dv = FlashBackward.apply(grad_out, q, k, v, out, lse, ctx.spec)  # type: ignore[no-untyped-call]
+            return dq, dk, dv, None
+
+    class FlashBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, spec: Spec) -> tuple[Any, ...]:
+            go = _np(grad_out.to(out.dtype), "grad_out")
+            arrays = (_np(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse")))
+            return _tensors(spec.backward(go, *arrays))
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            pass
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:
+            raise RuntimeError(
+                "fastattn.flash_compat's gradients cannot be differentiated again (double backward, "
+                "e.g. a gradient penalty), as flash-attn's cannot"
+            )
+
+    class Functions:
+        Forward = FlashForward
+
+    return Functions
