@@ -215,8 +215,9 @@ def flash_attn_with_kvcache(
 
     Every check runs before anything is written; the attention reads exactly what
     the caches hold after the write, strided or misaligned caches included (K kept
-    transposed).  Rotary together with a nonzero ``cache_leftpad`` raises
-    ``NotImplementedError``;
+    transposed).  Rotary positions are cache slots, as in flash-attn (with
+    ``cache_leftpad`` too: new key ``t`` at ``cache_seqlens + t``, query ``i`` at
+    ``cache_seqlens + i`` when causal or local, else ``cache_seqlens``);
     ``num_splits`` only tunes flash-attn's GPU kernel and changes nothing here.
 
     Parameters
@@ -419,8 +420,6 @@ def flash_attn_with_kvcache(
         rot = _CacheRotary(rotary_cos, rotary_sin, rotary_interleaved, D, cdt)
         if not appending:
             raise ValueError("rotary_cos/rotary_sin need k and v (flash-attn rotates the new keys and q)")
-        if left is not None and np.any(left):
-            raise NotImplementedError("rotary_cos/rotary_sin together with a nonzero cache_leftpad")
         kpos = rot.positions(seq, T)
         local = window is not None and tuple(window) != (-1, -1)
         qpos = rot.positions(seq, Lq) if (is_causal or local) else np.broadcast_to(seq[:, None], (B, Lq))

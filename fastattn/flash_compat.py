@@ -33,9 +33,8 @@ torch's slicing; not differentiable again, as flash-attn's is not).
 records.
 
 Differences, all loud: ``dropout_p`` must be 0 (``NotImplementedError``
-otherwise: fastattn has no dropout); rotary embeddings together with
-``cache_leftpad``, and ``cache_leftpad`` with paged caches, raise ``NotImplementedError``;
-``return_attn_probs`` returns an empty ``S_dmask`` as flash-attn does without
+otherwise: fastattn has no dropout); ``cache_leftpad`` with paged caches raises
+``NotImplementedError``; ``return_attn_probs`` returns an empty ``S_dmask`` as flash-attn does without
 dropout.  Where flash-attn leaves a case undefined, fastattn refuses it with a
 ``ValueError`` (repeated ``cache_batch_idx`` with new keys, ``max_seqlen`` smaller
 than a sequence, a new key that overflows a 16-bit cache).  ``deterministic``

@@ -376,11 +376,6 @@ def test_with_kvcache_bad_arguments_write_nothing(rng):
     bad = [
         (ValueError, "rotary_cos and rotary_sin", dict(rotary_cos=cos)),
         (ValueError, "positions", dict(rotary_cos=cos[:3], rotary_sin=cos[:3])),
-        (
-            NotImplementedError,
-            "cache_leftpad",
-            dict(rotary_cos=cos, rotary_sin=cos, cache_leftpad=np.array([1, 0])),
-        ),
         (ValueError, r"block_table\[0, 0\] = 5", dict(block_table=np.full((2, 1), 5, np.int32))),
         (TypeError, "block_table", dict(block_table=np.zeros((2, 1), np.float32))),
         (
@@ -676,3 +671,51 @@ def test_gradient_options_and_refusals(rng):
         fc.flash_attn_varlen_func(
             q[0], pool, pool, cu, torch.tensor([0, 6], dtype=torch.int32), 4, 6, block_table=bt
         )
+
+
+def _rotate(x, cos, sin, pos, interleaved):
+    """flash-attn's rotary embedding of x (..., n, D) at positions pos (n,): the first
+    2 * cos.shape[1] dims rotated, in halves or in interleaved pairs (float64)."""
+    x = np.array(x, np.float64)
+    r = cos.shape[1]
+    c, s = cos[pos].astype(np.float64), sin[pos].astype(np.float64)
+    if interleaved:
+        a, b = x[..., 0 : 2 * r : 2].copy(), x[..., 1 : 2 * r : 2].copy()
+        x[..., 0 : 2 * r : 2], x[..., 1 : 2 * r : 2] = a * c - b * s, a * s + b * c
+    else:
+        a, b = x[..., :r].copy(), x[..., r : 2 * r].copy()
+        x[..., :r], x[..., r : 2 * r] = a * c - b * s, a * s + b * c
+    return x
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("rot_frac", [1.0, 0.5])
+def test_with_kvcache_rotary_with_cache_leftpad(rng, interleaved, causal, rot_frac):
+    """Rotary with cache_leftpad, as flash-attn's test_flash_attn_kvcache checks it: the
+    positions are cache slots (new key t at cache_seqlens + t; query i at cache_seqlens + i
+    when causal, else cache_seqlens), the keys left of cache_leftpad are not attended, and
+    causal is aligned to the bottom right of the slots."""
+    B, S, Hq, Hk, D, Lq = 3, 24, 4, 2, 16, 3
+    r = int(D * rot_frac) // 2
+    ang = rng.uniform(0, 2 * np.pi, (S, r))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    kc, vc = randn(rng, (B, S, Hk, D)), randn(rng, (B, S, Hk, D))
+    q, k, v = randn(rng, (B, Lq, Hq, D)), randn(rng, (B, Lq, Hk, D)), randn(rng, (B, Lq, Hk, D))
+    seq = np.array([5, 0, 12])
+    left = np.array([2, 0, 7])
+    want_k, want_v = kc.astype(np.float64), vc.astype(np.float64)
+    qr = np.empty((B, Lq, Hq, D))
+    for b in range(B):
+        t = seq[b] + np.arange(Lq)
+        want_k[b, t] = _rotate(k[b].swapaxes(0, 1), cos, sin, t, interleaved).swapaxes(0, 1)
+        want_v[b, t] = v[b]
+        qpos = t if causal else np.full(Lq, seq[b])
+        qr[b] = _rotate(q[b].swapaxes(0, 1), cos, sin, qpos, interleaved).swapaxes(0, 1)
+    kw = dict(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved, causal=causal)
+    out = fc.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seq, cache_leftpad=left, **kw)
+    assert_close(kc, want_k, tol=1e-5, what="k_cache")
+    np.testing.assert_array_equal(vc, want_v.astype(np.float32))
+    valid = (np.arange(S)[None] >= left[:, None]) & (np.arange(S)[None] < (seq + Lq)[:, None])
+    ro, _ = _oracle(qr, want_k, want_v, causal=causal, valid=valid)
+    assert_close(out, ro, tol=1e-4)
