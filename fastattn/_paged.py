@@ -132,10 +132,14 @@ def _check_token_scales(paged: Array | None, bt: Array, lens: Array, name: str) 
     table ``bt``.  Slots past a sequence's end and pages in no row are never read and may
     hold anything (a pool's unused pages: zeros, garbage), so they are not checked.  Reads
     the sequences' scales once (a gather of the full pages, then the last pages' used
-    slots): work in proportion to the tokens, not the pool."""
+    slots): work in proportion to the tokens, not the pool.  Where the pool is not much
+    larger than the tokens read, the whole pool is checked first (two reductions, no
+    gather); only when that fails are the slots read told from the others."""
     if paged is None or not lens.size:
         return
     P = paged.shape[2]
+    if paged.size <= 2 * paged.shape[1] * int(lens.sum()) and _positive_normal(paged):
+        return
     full = lens // P  # pages each sequence fills
     pages = bt[np.arange(bt.shape[1])[None, :] < full[:, None]]
     ok = not pages.size or _positive_normal(paged[pages])

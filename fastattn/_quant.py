@@ -79,7 +79,10 @@ def _positive_normal(s: Array) -> bool:
     """Every value of float32 ``s`` finite and at least float32's least normal: two
     reductions and no temporary (a NaN fails the min's comparison).  Per call this
     reads the scales once, as the kernel does (a per-token scale is 4 / D bytes per
-    8-bit cache byte)."""
+    8-bit cache byte).  A broadcast view (zero strides) is reduced over its distinct
+    values only: a scale broadcast over the tokens costs nothing to check."""
+    if 0 in s.strides:
+        s = s[tuple(slice(0, 1) if st == 0 else slice(None) for st in s.strides)]
     return bool(s.min() >= _F32_TINY and s.max() <= _F32_MAX)
 
 
