@@ -36,9 +36,16 @@ What :func:`attention_forward` covers, with sdpa's semantics:
 
 ``dropout`` must be 0 (a model in ``eval()`` mode passes 0; training dropout
 raises ``NotImplementedError``).  While autograd records and an input requires
-grad, the call goes through :func:`fastattn.torch_compat.scaled_dot_product_attention`
-(fused backward) when no softcap, sinks or position bias are involved, and
-raises otherwise.  ``output_attentions=True`` (the model's kwarg) returns the
+grad, the call is differentiable: through
+:func:`fastattn.torch_compat.scaled_dot_product_attention` (fused backward) when no
+softcap, sinks or position bias are involved; with softcap or sinks (a constant
+position bias joining the mask) through fastattn's fused forward and backward
+(:func:`fastattn.scaled_dot_product_attention_backward`, whose ``dsinks`` is the
+gradient of ``s_aux``); with a position bias that requires grad (T5's learned
+relative bias) by torch operations as the "eager" backend computes it (the
+``(L, S)`` scores are formed: fastattn's backward gives no bias gradient).  The
+gradient is not differentiable again (double backward raises).
+``output_attentions=True`` (the model's kwarg) returns the
 attention weights ``(batch, heads, q_len, kv_len)`` in the query's dtype, as
 the "eager" backend does (sdpa only warns and returns none): computed by
 :func:`fastattn.attention_weights` from the kernel's own normalisers (the
@@ -52,12 +59,14 @@ torch; :func:`register` imports transformers.
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Any
 
 import numpy as np
 
 from . import _torch_bridge
+from .backward import scaled_dot_product_attention_backward
 from .functional import scaled_dot_product_attention
 from .weights import attention_weights
 
@@ -220,12 +229,25 @@ def attention_forward(
     # sdpa's rule: is_causal only without a mask and with more than one query.
     causal = causal and mask is None and L > 1
 
-    if _grad_needed(query, key, value, s_aux, position_bias):
-        if softcap is not None or s_aux is not None or position_bias is not None:
-            raise NotImplementedError(
-                "gradients through fastattn with softcap, attention sinks or a position bias are not "
-                "supported; run under torch.no_grad() or torch.inference_mode()"
-            )
+    cap = None if softcap is None or softcap == 0 else softcap
+    grad = _grad_needed(query, key, value, s_aux, position_bias)
+    if grad and _torch_bridge.is_tensor(position_bias) and position_bias.requires_grad:
+        # A learned bias: torch operations, as eager (fastattn's backward has no bias gradient).
+        w = _torch_weights(query, key, mask, causal, scaling, cap, s_aux, position_bias)
+        o = torch_matmul_gqa(w, value)
+        return o.transpose(1, 2).contiguous(), (w if want_weights else None)
+    if grad and (cap is not None or s_aux is not None or position_bias is not None):
+        sinks_t = s_aux if _torch_bridge.is_tensor(s_aux) or s_aux is None else None
+        q, k, v, m, opts, sinks = _arrays(query, key, value, mask, causal, position_bias, s_aux)
+        spec = _FusedSpec(q, k, v, m, opts, sinks, scaling, cap, key.shape[2])
+        out = _fused_function().apply(query, key, value, sinks_t, spec)
+        weights = (
+            _torch_weights(query, key, mask, causal, scaling, cap, s_aux, position_bias)
+            if want_weights
+            else None
+        )
+        return out.transpose(1, 2).contiguous(), weights
+    if grad:
         from .torch_compat import scaled_dot_product_attention as torch_sdpa
 
         out = torch_sdpa(
@@ -234,39 +256,7 @@ def attention_forward(
         weights = _torch_weights(query, key, mask, causal, scaling) if want_weights else None
         return out.transpose(1, 2).contiguous(), weights
 
-    q = _torch_bridge.to_numpy(query, "query")
-    k = _torch_bridge.to_numpy(key, "key")
-    v = _torch_bridge.to_numpy(value, "value")
-    m = None if mask is None else _torch_bridge.to_numpy(mask, "attention_mask")
-    opts: dict[str, Any] = {}
-    if causal:
-        # torch's causal is top-left: query i sees keys j <= i.  fastattn's is
-        # bottom-right; they agree when L == S.  L < S (a static cache's empty
-        # slots): the keys past L are never visible, so they are cropped, as sdpa
-        # does.  L > S: the window (unbounded, L - S) at bottom-right positions.
-        if S > L:
-            k, v, S = k[:, :, :L], v[:, :, :L], L
-        if L == S:
-            opts["is_causal"] = True
-        else:
-            opts["window"] = (-1, L - S)
-    if position_bias is not None:
-        pb = _torch_bridge.to_numpy(position_bias, "position_bias")[..., :S].astype(np.float32)
-        if opts:  # fold the causal restriction into the additive bias
-            tri = np.tri(L, S, dtype=bool)  # top-left: j <= i
-            pb = np.where(tri, pb, np.float32(-np.inf))
-            opts = {}
-        if m is None:
-            m = pb
-        elif m.dtype == np.bool_:
-            m = np.where(m, pb, np.float32(-np.inf))
-        else:
-            m = pb + m.astype(np.float32)
-    sinks = None
-    if s_aux is not None:
-        sinks = _torch_bridge.to_numpy(s_aux, "s_aux") if _torch_bridge.is_tensor(s_aux) else s_aux
-        sinks = np.asarray(sinks, dtype=np.float32)
-    cap = None if softcap is None or softcap == 0 else softcap
+    q, k, v, m, opts, sinks = _arrays(query, key, value, mask, causal, position_bias, s_aux)
     weights = None
     if want_weights:
         w = attention_weights(
@@ -291,15 +281,153 @@ def attention_forward(
     return _torch_bridge.from_numpy(buf), weights
 
 
-def _torch_weights(query: Any, key: Any, mask: Any, causal: bool, scaling: float | None) -> Any:
-    """The attention weights as differentiable torch operations (the grad path:
-    no softcap, sinks or position bias there), softmax in float32 as eager; a
-    row that sees no key is zeros, as fastattn's kernel and output give."""
+def _arrays(
+    query: Any, key: Any, value: Any, mask: Any, causal: bool, position_bias: Any, s_aux: Any
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, dict[str, Any], np.ndarray | None]:
+    """NumPy views of the call's tensors and fastattn's options for them: ``(q, k, v,
+    mask, opts, sinks)``, torch's top-left causal as fastattn's options (keys that are
+    never visible cropped), a position bias folded into the mask."""
+    q = _torch_bridge.to_numpy(query.detach(), "query")
+    k = _torch_bridge.to_numpy(key.detach(), "key")
+    v = _torch_bridge.to_numpy(value.detach(), "value")
+    L, S = q.shape[2], k.shape[2]
+    m = None if mask is None else _torch_bridge.to_numpy(mask.detach(), "attention_mask")
+    opts: dict[str, Any] = {}
+    if causal:
+        # torch's causal is top-left: query i sees keys j <= i.  fastattn's is
+        # bottom-right; they agree when L == S.  L < S (a static cache's empty
+        # slots): the keys past L are never visible, so they are cropped, as sdpa
+        # does.  L > S: the window (unbounded, L - S) at bottom-right positions.
+        if S > L:
+            k, v, S = k[:, :, :L], v[:, :, :L], L
+        if L == S:
+            opts["is_causal"] = True
+        else:
+            opts["window"] = (-1, L - S)
+    if position_bias is not None:
+        pb = position_bias.detach() if _torch_bridge.is_tensor(position_bias) else position_bias
+        pb = _torch_bridge.to_numpy(pb, "position_bias")[..., :S].astype(np.float32)
+        if opts:  # fold the causal restriction into the additive bias
+            tri = np.tri(L, S, dtype=bool)  # top-left: j <= i
+            pb = np.where(tri, pb, np.float32(-np.inf))
+            opts = {}
+        if m is None:
+            m = pb
+        elif m.dtype == np.bool_:
+            m = np.where(m, pb, np.float32(-np.inf))
+        else:
+            m = pb + m.astype(np.float32)
+    sinks = None
+    if s_aux is not None:
+        sinks = _torch_bridge.to_numpy(s_aux.detach(), "s_aux") if _torch_bridge.is_tensor(s_aux) else s_aux
+        sinks = np.asarray(sinks, dtype=np.float32)
+    return q, k, v, m, opts, sinks
+
+
+class _FusedSpec:
+    """What the fused Function's forward and backward share: the NumPy views and
+    options of :func:`_arrays` (K/V possibly cropped to the keys ever visible), the
+    scale, the softcap and the full key length S (the cropped keys get zero gradients)."""
+
+    def __init__(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        m: np.ndarray | None,
+        opts: dict[str, Any],
+        sinks: np.ndarray | None,
+        scale: float | None,
+        cap: float | None,
+        S: int,
+    ) -> None:
+        self.q, self.k, self.v, self.m, self.opts, self.sinks = q, k, v, m, opts, sinks
+        self.kw: dict[str, Any] = dict(
+            attn_mask=m, scale=scale, enable_gqa=k.shape[1] != q.shape[1], softcap=cap, sinks=sinks, **opts
+        )
+        self.S = S
+        self.lse: np.ndarray | None = None  # the forward's, for the backward
+
+
+@functools.cache
+def _fused_function() -> Any:
+    """The autograd Function of the softcap / sinks path (made on first use: torch is optional)."""
+    import torch
+
+    class FusedHF(torch.autograd.Function):
+        @staticmethod
+        def forward(query: Any, key: Any, value: Any, sinks_t: Any, spec: _FusedSpec) -> Any:
+            out, lse = scaled_dot_product_attention(spec.q, spec.k, spec.v, return_lse=True, **spec.kw)
+            spec.lse = lse
+            return _torch_bridge.from_numpy(out)
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            query, key, value, sinks_t, spec = inputs
+            # the version counters refuse a backward after an in-place change
+            ctx.save_for_backward(query, key, value, output, *(() if sinks_t is None else (sinks_t,)))
+            ctx.spec = spec
+
+        @staticmethod
+        def backward(ctx: Any, grad_out: Any) -> tuple[Any, ...]:
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    "fastattn.hf's gradient with softcap or sinks cannot be differentiated again "
+                    "(double backward)"
+                )
+            saved = ctx.saved_tensors  # (reading them checks that none was modified in place)
+            out = saved[3]
+            spec = ctx.spec
+            go = _torch_bridge.to_numpy(grad_out.to(out.dtype), "grad_out")
+            res = scaled_dot_product_attention_backward(
+                go, spec.q, spec.k, spec.v, _torch_bridge.to_numpy(out, "out"), spec.lse, **spec.kw
+            )
+            pad = spec.S - spec.k.shape[2]  # keys cropped as never visible: zero gradients
+
+            def full(d: np.ndarray) -> Any:
+                if pad:
+                    d = np.concatenate([d, np.zeros(d.shape[:2] + (pad,) + d.shape[3:], d.dtype)], axis=2)
+                return _torch_bridge.from_numpy(d)
+
+            dsinks = None
+            if len(saved) == 5:
+                dsinks = torch.from_numpy(np.asarray(res[3])).to(saved[4].dtype).reshape(saved[4].shape)
+            return _torch_bridge.from_numpy(res[0]), full(res[1]), full(res[2]), dsinks, None
+
+    return FusedHF
+
+
+def torch_matmul_gqa(w: Any, value: Any) -> Any:
+    """``w @ value`` with value's heads repeated for grouped-query attention (torch ops)."""
+    rep = w.shape[1] // value.shape[1]
+    v = value.repeat_interleave(rep, dim=1) if rep > 1 else value
+    return w.to(v.dtype) @ v
+
+
+def _torch_weights(
+    query: Any,
+    key: Any,
+    mask: Any,
+    causal: bool,
+    scaling: float | None,
+    softcap: float | None = None,
+    sinks: Any = None,
+    bias: Any = None,
+) -> Any:
+    """The attention weights as differentiable torch operations (the grad path), in
+    eager's order (scale, softcap, bias and mask, sinks as one more logit per row
+    that is dropped after the softmax), softmax in float32 as eager; a row that sees
+    no key (and has no sink) is zeros, as fastattn's kernel and output give."""
     torch = _torch_bridge.torch_module()
-    L, D, S = query.shape[2], query.shape[3], key.shape[2]
+    B, Hq, L, D = query.shape
+    S = key.shape[2]
     k = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
     scale = D**-0.5 if scaling is None else scaling
     scores = torch.matmul(query.float(), k.float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if bias is not None:
+        scores = scores + torch.as_tensor(bias)[..., :S].float()
     if mask is not None:
         if mask.dtype == torch.bool:
             scores = scores.masked_fill(~mask, float("-inf"))
@@ -308,6 +436,9 @@ def _torch_weights(query: Any, key: Any, mask: Any, causal: bool, scaling: float
     if causal:  # top-left, as torch: query i sees keys j <= i
         tri = torch.ones(L, S, dtype=torch.bool, device=query.device).tril()
         scores = scores.masked_fill(~tri, float("-inf"))
+    if sinks is not None:  # one more logit per row and head, dropped after the softmax
+        sink = torch.as_tensor(sinks).float().reshape(1, -1, 1, 1).expand(B, Hq, L, 1)
+        return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(query.dtype)
     # Rows without a visible key: softmax of zeros times 0 (no NaN, in the values or their gradients).
     seen = torch.isfinite(scores).any(dim=-1, keepdim=True)
     scores = torch.where(seen, scores, torch.zeros((), dtype=scores.dtype))

@@ -277,9 +277,7 @@ def test_attention_forward_refusals_and_gradients():
     ).sum().backward()
     for a, b in ((qg, qr), (kg, kr), (vg, vr)):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
-    # ...and refused where the backward does not cover the options.
-    with pytest.raises(NotImplementedError, match="no_grad"):
-        fwd(_Module(), qg, kg, vg, None, softcap=5.0)
+    # (softcap, sinks, position bias: test_softcap_gradients_equal_gemma2_eager and below)
 
 
 def test_register_is_idempotent_and_checks_name():
@@ -288,3 +286,110 @@ def test_register_is_idempotent_and_checks_name():
     with pytest.raises(TypeError, match="name"):
         fastattn.hf.register("")
     assert fastattn.hf.NAME == "fastattn"
+
+
+class _EagerModule(torch.nn.Module):
+    """What transformers' eager attention functions read from the attention module."""
+
+    is_causal = True
+
+    def __init__(self, head_dim, groups, sinks=None):
+        super().__init__()
+        self.head_dim, self.num_key_value_groups = head_dim, groups
+        if sinks is not None:
+            self.sinks = sinks
+        self.train(False)
+
+
+def _leaves(g, *shapes, dtype=torch.float32):
+    return [torch.randn(*s, generator=g, dtype=dtype).requires_grad_() for s in shapes]
+
+
+def _grads(out, inputs, seed=1):
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    return torch.autograd.grad(out, inputs, g)
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_softcap_gradients_equal_gemma2_eager(masked):
+    """softcap (Gemma 2) while autograd records: fastattn's fused forward and backward,
+    the gradients of q, k, v against transformers' Gemma 2 eager attention; with a float
+    mask (left padding and causal), and without one (top-left causal from the module,
+    fewer queries than keys: the keys never visible get zero gradients)."""
+    gemma2 = optional("transformers.models.gemma2.modeling_gemma2")
+    g = torch.Generator().manual_seed(0)
+    B, Hq, Hk, L, S, D = 2, 4, 2, (6 if masked else 4), 6, 8
+    q, k, v = _leaves(g, (B, Hq, L, D), (B, Hk, S, D), (B, Hk, S, D))
+    mask = None
+    if masked:
+        mask = torch.zeros(B, 1, L, S)
+        mask.masked_fill_(~torch.ones(L, S, dtype=torch.bool).tril(), torch.finfo(torch.float32).min)
+        mask[1, ..., :2] = torch.finfo(torch.float32).min
+        mask[1, :, :2, :2] = 0  # padded rows see their own slot (as HF's mask keeps rows finite)
+    mod = _EagerModule(D, Hq // Hk)
+    out, w = fastattn.hf.attention_forward(
+        mod, q, k, v, mask, scaling=0.4, softcap=3.0, output_attentions=True
+    )
+    eager_mask = mask
+    if not masked:  # eager takes causality from the mask only: top-left, as torch's is_causal
+        eager_mask = torch.zeros(L, S).masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(), float("-inf"))
+    want, want_w = gemma2.eager_attention_forward(mod, q, k, v, eager_mask, scaling=0.4, softcap=3.0)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w, want_w, atol=1e-5, rtol=1e-5)
+    for a, b in zip(_grads(out, (q, k, v)), _grads(want, (q, k, v))):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_sinks_gradients_equal_gpt_oss_eager():
+    """s_aux (gpt-oss' sinks) while autograd records: gradients of q, k, v and of the
+    sinks themselves (fastattn's dsinks) against transformers' gpt-oss eager attention."""
+    oss = optional("transformers.models.gpt_oss.modeling_gpt_oss")
+    g = torch.Generator().manual_seed(0)
+    B, Hq, Hk, L, D = 2, 4, 2, 5, 8
+    q, k, v = _leaves(g, (B, Hq, L, D), (B, Hk, L, D), (B, Hk, L, D))
+    sinks = torch.nn.Parameter(torch.randn(Hq, generator=g))
+    mod = _EagerModule(D, Hq // Hk, sinks)
+    mask = torch.zeros(B, 1, L, L).masked_fill(~torch.ones(L, L, dtype=torch.bool).tril(), float("-inf"))
+    out, _ = fastattn.hf.attention_forward(mod, q, k, v, mask, scaling=0.35, s_aux=sinks)
+    want, _ = oss.eager_attention_forward(mod, q, k, v, mask, scaling=0.35)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    got, ref = _grads(out, (q, k, v, sinks)), _grads(want, (q, k, v, sinks))
+    assert got[3].shape == sinks.shape and got[3].abs().max() > 0
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _eager_bias(q, k, v, bias, softcap=None):
+    """T5-style attention by hand in torch: softmax(cap(q k^T * D**-0.5) + bias) v (top-left causal)."""
+    L, S = q.shape[2], k.shape[2]
+    s = q @ k.repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-1, -2) * q.shape[-1] ** -0.5
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = (s + bias).masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(), float("-inf"))
+    return (torch.softmax(s, -1) @ v.repeat_interleave(q.shape[1] // k.shape[1], 1)).transpose(1, 2)
+
+
+@pytest.mark.parametrize("learned", [True, False])
+def test_position_bias_gradients(learned):
+    """A position bias while autograd records: a learned one (requires grad) gets its
+    gradient through torch operations; a constant one joins the mask of the fused path
+    (here with softcap); q, k, v gradients against the same attention written by hand."""
+    g = torch.Generator().manual_seed(0)
+    B, Hq, Hk, L, D = 2, 4, 2, 5, 8
+    q, k, v = _leaves(g, (B, Hq, L, D), (B, Hk, L, D), (B, Hk, L, D))
+    bias = torch.randn(1, Hq, L, L, generator=g).requires_grad_(learned)
+    cap = None if learned else 4.0
+    out, _ = fastattn.hf.attention_forward(_Module(), q, k, v, None, position_bias=bias, softcap=cap)
+    want = _eager_bias(q, k, v, bias, cap)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    inputs = (q, k, v, bias) if learned else (q, k, v)
+    for a, b in zip(_grads(out, inputs), _grads(want, inputs)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_softcap_gradient_is_not_differentiated_again():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = _leaves(g, (1, 2, 3, 8), (1, 2, 3, 8), (1, 2, 3, 8))
+    out, _ = fastattn.hf.attention_forward(_Module(), q, k, v, None, softcap=5.0)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
