@@ -39,6 +39,12 @@ def to_numpy(t: Any, name: str, *, writable: bool = False) -> npt.NDArray[Any]:
     ends, torch_compat and flash_compat's attention functions, go through their
     autograd Functions first and hand this function detached tensors)."""
     torch = torch_module()
+    if t.is_nested:
+        raise TypeError(
+            f"{name} is a nested (jagged) tensor, which fastattn does not take: pass the sequences "
+            "packed with their offsets to the varlen functions (fastattn.varlen_attention, "
+            "flash_compat.flash_attn_varlen_func), or padded with a mask"
+        )
     if t.device.type != "cpu":
         raise ValueError(f"{name} must be a CPU tensor, got device {t.device}")
     if t.requires_grad:

@@ -41,7 +41,9 @@ than a sequence, a new key that overflows a 16-bit cache).  ``deterministic``
 and ``num_splits`` are accepted and change nothing: every result is already
 deterministic and bit-identical for every thread count.  fastattn extends
 flash-attn where it costs nothing: float32/float64 inputs, a float32 ``q`` with
-16-bit caches, value head dims different from the key head dim.  From
+16-bit caches (``flash_attn_with_kvcache``; elsewhere q, k and v must share a dtype,
+as in flash-attn), head dims above flash-attn's 256 and of any size, value head dims
+different from the key head dim.  From
 flash-attn 3, ``flash_attn_with_kvcache`` takes 8-bit caches (int8, fp8
 e4m3fn / e5m2) with their per-head descales ``k_descale``/``v_descale``
 ``(batch, nheads_k)``: new float keys/values are quantised with them (one
@@ -78,6 +80,15 @@ __all__ = [
 
 
 # ------------------------------------------------------------- dense batches
+def _same_dtype(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+    """flash-attn's rule: q, k and v of one dtype (fastattn would take a float32 q with
+    16-bit K/V, but code written for flash-attn never means that)."""
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"q, k and v must have the same dtype (as flash-attn), got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+
+
 def _unpack(x: Any, name: str, nd: int, axis: int, n: int, shape: str) -> list[Any]:
     """The ``n`` parts of a packed q/k/v along ``axis``: views of the array, or for a
     tensor torch's own slices (so that a gradient reaches the packed tensor)."""
@@ -98,6 +109,7 @@ def _dense(q: Any, k: Any, v: Any, o: _Opts) -> Any:
     def forward(qa: np.ndarray, ka: np.ndarray, va: np.ndarray) -> Any:
         for a, n in ((qa, "q"), (ka, "k"), (va, "v")):
             _ndim(a, n, 4, "(batch, seqlen, nheads, headdim)")
+        _same_dtype(qa, ka, va)
         return sdpa_call(
             qa,
             ka,
@@ -357,7 +369,13 @@ def flash_attn_kvpacked_func(
 
 # ------------------------------------------------------------ packed batches
 def _max_seqlen(m: Any, name: str, cu: np.ndarray, cu_name: str) -> None:
-    """flash-attn sizes its grid by max_seqlen: a smaller value would skip rows there."""
+    """flash-attn sizes its grid by max_seqlen: a smaller value would skip rows there.
+    An int, or a 0-d integer tensor / array (as flash-attn's callers often pass
+    ``cu_seqlens.diff().max()``)."""
+    if (_torch_bridge.is_tensor(m) or isinstance(m, np.ndarray)) and np.ndim(_array(m, name)) == 0:
+        a = _array(m, name)
+        if a.dtype.kind in "iu":
+            m = a[()]
     m = index_value(m, name, 0)
     if cu.dtype.kind not in "iu" or cu.ndim != 1:
         return  # varlen_attention reports the malformed cu_seqlens
@@ -400,6 +418,7 @@ def _varlen(
     )
 
     def forward(qa: np.ndarray, ka: np.ndarray, va: np.ndarray) -> Any:
+        _same_dtype(qa, ka, va)
         return varlen_call(qa, ka, va, cq, ck, **kw).run()
 
     if grad:

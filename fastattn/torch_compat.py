@@ -44,6 +44,11 @@ def _torch(a: npt.NDArray[Any]) -> torch.Tensor:
 def _check_tensor(t: Any, name: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_nested:
+        raise TypeError(
+            f"{name} is a nested (jagged) tensor, which fastattn does not take: pad the sequences and "
+            "pass a mask, or use fastattn.varlen_attention on the packed sequences"
+        )
     if t.device.type != "cpu":
         raise ValueError(f"{name} must be a CPU tensor (fastattn runs on the CPU), got device {t.device}")
 

@@ -719,3 +719,31 @@ def test_with_kvcache_rotary_with_cache_leftpad(rng, interleaved, causal, rot_fr
     valid = (np.arange(S)[None] >= left[:, None]) & (np.arange(S)[None] < (seq + Lq)[:, None])
     ro, _ = _oracle(qr, want_k, want_v, causal=causal, valid=valid)
     assert_close(out, ro, tol=1e-4)
+
+
+def test_forms_flash_attn_accepts_and_refuses(rng):
+    """As flash-attn: max_seqlen given as a 0-d integer tensor or array is taken; q, k
+    and v of different dtypes are refused (TypeError naming them); nested (jagged)
+    tensors get a TypeError that says so (not NumPy's message about subclasses)."""
+    torch = optional("torch")
+    q = torch.from_numpy(randn(rng, (5, 2, 8)))
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    want = fc.flash_attn_varlen_func(q, q, q, cu, cu, 3, 3, causal=True)
+    for m in (torch.tensor(3), np.array(3), (cu[1:] - cu[:-1]).max()):
+        assert torch.equal(fc.flash_attn_varlen_func(q, q, q, cu, cu, m, m, causal=True), want)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        fc.flash_attn_varlen_func(q, q, q, cu, cu, torch.tensor(2), 3)
+    with pytest.raises(TypeError, match="max_seqlen_q"):
+        fc.flash_attn_varlen_func(q, q, q, cu, cu, torch.tensor(3.0), 3)
+    h, b = (torch.from_numpy(randn(rng, (1, 4, 2, 8))).to(d) for d in (torch.float16, torch.bfloat16))
+    with pytest.raises(TypeError, match="same dtype"):
+        fc.flash_attn_func(h, b, b)
+    with pytest.raises(TypeError, match="same dtype"):
+        fc.flash_attn_varlen_func(q, q.half(), q.half(), cu, cu, 3, 3)
+    nt = torch.nested.nested_tensor([torch.randn(3, 2, 8), torch.randn(5, 2, 8)], layout=torch.jagged)
+    with pytest.raises(TypeError, match="nested"):
+        fc.flash_attn_func(nt, nt, nt)
+    from fastattn import torch_compat
+
+    with pytest.raises(TypeError, match="nested"):
+        torch_compat.scaled_dot_product_attention(nt, nt, nt)
