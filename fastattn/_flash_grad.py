@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _torch_bridge
+from ._checks import as_array
 from .backward import scaled_dot_product_attention_backward
 
 Array = npt.NDArray[Any]
@@ -105,10 +106,19 @@ def run(spec: Spec, q: Any, k: Any, v: Any, return_attn_probs: bool) -> Any:
     ``(out, softmax_lse, S_dmask)`` with ``return_attn_probs`` (the lse is not
     differentiable; ``S_dmask`` is empty, as flash-attn returns it without dropout)."""
     torch = _torch_bridge.torch_module()
+    # (an array beside tensors that require grad: a tensor of its memory, a constant)
+    q, k, v = (_tensor_of(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     out, lse = _functions().Forward.apply(q, k, v, spec)
     if not return_attn_probs:
         return out
     return out, lse, torch.empty((0,), dtype=out.dtype)
+
+
+def _tensor_of(x: Any, name: str) -> Any:
+    if _torch_bridge.is_tensor(x):
+        return x
+    a = as_array(x, name)
+    return _torch_bridge.from_numpy(a if a.flags.writeable else a.copy())
 
 
 def _np(t: Any, name: str) -> Array:

@@ -653,6 +653,8 @@ def test_gradient_options_and_refusals(rng):
     k, v = (torch.from_numpy(randn(rng, (1, 6, 2, 8))) for _ in range(2))
     out, lse, s = fc.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     assert out.requires_grad and not lse.requires_grad and s.numel() == 0
+    mixed = fc.flash_attn_func(q, k.numpy(), v.numpy(), causal=True)  # arrays beside: constants
+    assert torch.equal(mixed, out) and mixed.requires_grad
     _, want_lse, _ = fc.flash_attn_func(q.detach(), k, v, causal=True, return_attn_probs=True)
     assert torch.equal(lse, want_lse)
     out.sum().backward()
