@@ -35,14 +35,13 @@ from ._flash_args import softcap_value as _softcap
 from ._flash_args import window_size_value as _window_size
 from ._flash_args import wrap as _wrap
 from ._paged import paged_attention
-from ._quant import I8, is_kv8
+from ._quant import F32_TINY, I8, is_kv8
 
 # The rotary helper of fastattn.positions (Any: that module is typed by its owner).
 _CacheRotary: Any = positions.CacheRotary
 
 
 _ONE = np.ones((1, 1, 1, 1), dtype=F32)  # an fp8 cache's scale without a descale
-_F32_TINY = float(np.finfo(np.float32).tiny)
 _FP8_TORCH = ("float8_e4m3fn", "float8_e5m2")
 
 
@@ -81,8 +80,8 @@ def _descale(x: Any, name: str, cdt: np.dtype[Any], cache_name: str, B: int, Hk:
         d = np.broadcast_to(np.asarray(a, dtype=F32), (B, Hk))
     except ValueError:
         raise ValueError(f"{name} must have shape (batch, nheads_k) = ({B}, {Hk}), got {a.shape}") from None
-    if d.size and not (np.all(np.isfinite(d)) and np.min(d) >= _F32_TINY):
-        raise ValueError(f"{name} must be finite and positive (at least {_F32_TINY:g}, a float32 normal)")
+    if d.size and not (np.all(np.isfinite(d)) and np.min(d) >= F32_TINY):
+        raise ValueError(f"{name} must be finite and positive (at least {F32_TINY:g}, a float32 normal)")
     return np.ascontiguousarray(d)
 
 

@@ -35,7 +35,7 @@ from ._cache_args import (
 )
 from ._checks import F32, as_array, flag_value, kernel_ready
 from ._plan import Call, replace
-from ._quant import _F32_TINY, _positive_normal, is_kv8, scale_value
+from ._quant import F32_TINY, is_kv8, positive_normal, scale_value
 
 Array = npt.NDArray[Any]
 
@@ -138,19 +138,19 @@ def _check_token_scales(paged: Array | None, bt: Array, lens: Array, name: str) 
     if paged is None or not lens.size:
         return
     P = paged.shape[2]
-    if paged.size <= 2 * paged.shape[1] * int(lens.sum()) and _positive_normal(paged):
+    if paged.size <= 2 * paged.shape[1] * int(lens.sum()) and positive_normal(paged):
         return
     full = lens // P  # pages each sequence fills
     pages = bt[np.arange(bt.shape[1])[None, :] < full[:, None]]
-    ok = not pages.size or _positive_normal(paged[pages])
+    ok = not pages.size or positive_normal(paged[pages])
     tail = np.nonzero(lens % P)[0]  # sequences whose last page is partly filled
     if ok and tail.size:
         last = paged[bt[tail, full[tail]]]  # (n, Hk, P, 1)
         used = np.arange(P)[None, None, :, None] < (lens[tail] % P)[:, None, None, None]
-        ok = _positive_normal(last[np.broadcast_to(used, last.shape)])
+        ok = positive_normal(last[np.broadcast_to(used, last.shape)])
     if not ok:
         raise ValueError(
-            f"{name} must be finite and positive (at least {_F32_TINY:g}, a float32 normal) in every "
+            f"{name} must be finite and positive (at least {F32_TINY:g}, a float32 normal) in every "
             "slot the call reads (the sequences' tokens through block_table)"
         )
 

@@ -26,10 +26,12 @@ from ._checks import F32, as_array
 Array: TypeAlias = npt.NDArray[Any]
 
 __all__ = [
+    "F32_TINY",
     "KV8_NAMES",
     "QMAX",
     "is_kv8",
     "kv8_dtype",
+    "positive_normal",
     "quantize",
     "quantize_kv",
     "scale_value",
@@ -43,7 +45,7 @@ KV8_NAMES = ("int8", "float8_e4m3fn", "float8_e5m2")
 # OpenVINO's symmetric mode).
 QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 
-_F32_TINY = float(np.finfo(np.float32).tiny)
+F32_TINY = float(np.finfo(np.float32).tiny)
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -75,7 +77,7 @@ def kv8_dtype(dtype: Any, name: str = "dtype") -> np.dtype[Any]:
     return dt
 
 
-def _positive_normal(s: Array) -> bool:
+def positive_normal(s: Array) -> bool:
     """Every value of float32 ``s`` finite and at least float32's least normal: two
     reductions and no temporary (a NaN fails the min's comparison).  Per call this
     reads the scales once, as the kernel does (a per-token scale is 4 / D bytes per
@@ -83,7 +85,7 @@ def _positive_normal(s: Array) -> bool:
     values only: a scale broadcast over the tokens costs nothing to check."""
     if 0 in s.strides:
         s = s[tuple(slice(0, 1) if st == 0 else slice(None) for st in s.strides)]
-    return bool(s.min() >= _F32_TINY and s.max() <= _F32_MAX)
+    return bool(s.min() >= F32_TINY and s.max() <= _F32_MAX)
 
 
 def scale_value(
@@ -124,8 +126,8 @@ def scale_value(
             "or per head / tensor"
         )
     s32 = s if s.dtype == F32 else np.asarray(s, dtype=F32)
-    if values and s32.size and not _positive_normal(s32):
-        raise ValueError(f"{name} must be finite and positive (at least {_F32_TINY:g}, a float32 normal)")
+    if values and s32.size and not positive_normal(s32):
+        raise ValueError(f"{name} must be finite and positive (at least {F32_TINY:g}, a float32 normal)")
     try:
         return np.broadcast_to(s32, arr.shape)
     except ValueError:
@@ -153,7 +155,7 @@ def quantize(x: Any, dtype: np.dtype[Any], scale: Array | None, name: str) -> tu
         )
         s = np.where(amax > 0, amax / np.float32(qmax), np.float32(1.0)).astype(F32)
         # a row of tiny values whose scale would be a float32 denormal: the least normal
-        s = np.maximum(s, np.float32(_F32_TINY))
+        s = np.maximum(s, np.float32(F32_TINY))
     else:
         s = np.asarray(scale, dtype=F32)
     y = xf / s
@@ -237,8 +239,8 @@ def quantize_kv(
         if sa.dtype.kind not in "fiu" or sa.dtype == np.bool_:
             raise TypeError(f"scale must be a real array or number, got dtype {sa.dtype}")
         s = np.asarray(sa, dtype=F32)
-        if s.size and not _positive_normal(s):
-            raise ValueError(f"scale must be finite and positive (at least {_F32_TINY:g}, a float32 normal)")
+        if s.size and not positive_normal(s):
+            raise ValueError(f"scale must be finite and positive (at least {F32_TINY:g}, a float32 normal)")
         try:
             np.broadcast_shapes(s.shape, xa.shape)
         except ValueError:
