@@ -108,7 +108,7 @@ def run(spec: Spec, q: Any, k: Any, v: Any, return_attn_probs: bool) -> Any:
     torch = _torch_bridge.torch_module()
     # (an array beside tensors that require grad: a tensor of its memory, a constant)
     q, k, v = (_tensor_of(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    out, lse = _functions().Forward.apply(q, k, v, spec)
+    out, lse = _forward_function().apply(q, k, v, spec)
     if not return_attn_probs:
         return out
     return out, lse, torch.empty((0,), dtype=out.dtype)
@@ -130,8 +130,9 @@ def _tensors(arrays: Sequence[Array]) -> tuple[Any, ...]:
 
 
 @functools.cache
-def _functions() -> Any:
-    """The autograd Functions (made on first use: torch is optional)."""
+def _forward_function() -> Any:
+    """The autograd Function, with its backward's own Function (made on first use: torch is
+    optional)."""
     import torch
 
     class FlashForward(torch.autograd.Function):
@@ -172,7 +173,4 @@ def _functions() -> Any:
                 "e.g. a gradient penalty), as flash-attn's cannot"
             )
 
-    class Functions:
-        Forward = FlashForward
-
-    return Functions
+    return FlashForward

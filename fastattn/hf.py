@@ -234,10 +234,10 @@ def attention_forward(
     if grad and _torch_bridge.is_tensor(position_bias) and position_bias.requires_grad:
         # A learned bias: torch operations, as eager (fastattn's backward has no bias gradient).
         w = _torch_weights(query, key, mask, causal, scaling, cap, s_aux, position_bias)
-        o = torch_matmul_gqa(w, value)
+        o = _matmul_gqa(w, value)
         return o.transpose(1, 2).contiguous(), (w if want_weights else None)
     if grad and (cap is not None or s_aux is not None or position_bias is not None):
-        sinks_t = s_aux if _torch_bridge.is_tensor(s_aux) or s_aux is None else None
+        sinks_t = s_aux if _torch_bridge.is_tensor(s_aux) else None
         q, k, v, m, opts, sinks = _arrays(query, key, value, mask, causal, position_bias, s_aux)
         spec = _FusedSpec(q, k, v, m, opts, sinks, scaling, cap, key.shape[2])
         out = _fused_function().apply(query, key, value, sinks_t, spec)
@@ -341,7 +341,7 @@ class _FusedSpec:
         cap: float | None,
         S: int,
     ) -> None:
-        self.q, self.k, self.v, self.m, self.opts, self.sinks = q, k, v, m, opts, sinks
+        self.q, self.k, self.v = q, k, v
         self.kw: dict[str, Any] = dict(
             attn_mask=m, scale=scale, enable_gqa=k.shape[1] != q.shape[1], softcap=cap, sinks=sinks, **opts
         )
@@ -397,7 +397,7 @@ def _fused_function() -> Any:
     return FusedHF
 
 
-def torch_matmul_gqa(w: Any, value: Any) -> Any:
+def _matmul_gqa(w: Any, value: Any) -> Any:
     """``w @ value`` with value's heads repeated for grouped-query attention (torch ops)."""
     rep = w.shape[1] // value.shape[1]
     v = value.repeat_interleave(rep, dim=1) if rep > 1 else value

@@ -23,6 +23,7 @@ from fastattn.bench.cases import (
     MASK_LIMIT,
     SCORES_LIMIT,
     Array,
+    Case,
     additive_mask,
     bool_mask,
     mask_additive,
@@ -108,24 +109,7 @@ class FastAttn(Impl):
                 np.concatenate([s[i][0].transpose(1, 0, 2) for s in seqs]) for i in range(3)
             )  # (T,H,D)
             cu = np.concatenate([[0], np.cumsum(case.seqlens)]).astype(np.int32)
-
-            def run() -> Array:
-                o = fastattn.varlen_attention(
-                    q,
-                    k,
-                    v,
-                    cu,
-                    cu,
-                    is_causal=case.causal,
-                    enable_gqa=case.gqa,
-                    window=case.window,
-                    num_threads=threads,
-                    precision=prec,
-                )
-                out: Array = o.transpose(1, 0, 2)
-                return out
-
-            return run
+            return _varlen_runner(case, q, k, v, cu, cu, threads, prec)
         q, k, v = inp.dense()
         mask = inp.mask  # bool: True = may attend; float: added to the scores
         ks, vs = inp.k_scale, inp.v_scale  # 8-bit K/V: per-token scales (B, Hk, S, 1)
@@ -152,7 +136,7 @@ class FastAttn(Impl):
         """A paged case's one call: ``attention_with_kvcache`` over a bhsd pool (decode), or
         ``varlen_attention`` over a pool in flash-attn's page layout ``(pages, page, Hk, D)``
         (chunked prefill); pages from :func:`~fastattn.bench.cases.paged_pool`."""
-        case, prec = inp.case, self.precision
+        case = inp.case
         if case.kind == "decode":
             q, k, v = inp.dense()
             kp, bt = paged_pool(list(k), case.page)
@@ -160,44 +144,77 @@ class FastAttn(Impl):
             ks, vs = (
                 None if s is None else paged_pool(list(s), case.page)[0] for s in (inp.k_scale, inp.v_scale)
             )
-            lens = np.full(q.shape[0], k.shape[2], np.int64)
-
-            def run_decode() -> Array:
-                out: Array = fastattn.attention_with_kvcache(
-                    q,
-                    kp,
-                    vp,
-                    lens,
-                    block_table=bt,
-                    is_causal=case.causal,
-                    k_scale=ks,
-                    v_scale=vs,
-                    num_threads=threads,
-                    precision=prec,
-                )
-                return out
-
-            return run_decode
+            return _kvcache_runner(case, q, kp, vp, k.shape[2], ks, vs, threads, self.precision, bt)
         q, kp, vp, bt, cu_q, cu_k = chunked_inputs(inp)
+        return _varlen_runner(case, q, kp, vp, cu_q, cu_k, threads, self.precision, bt)
 
-        def run_chunked() -> Array:
-            o = fastattn.varlen_attention(
-                q,
-                kp,
-                vp,
-                cu_q,
-                cu_k,
-                block_table=bt,
-                is_causal=case.causal,
-                enable_gqa=case.gqa,
-                window=case.window,
-                num_threads=threads,
-                precision=prec,
-            )
-            out: Array = o.transpose(1, 0, 2)
-            return out
 
-        return run_chunked
+def _varlen_runner(
+    case: Case,
+    q: Array,
+    k: Array,
+    v: Array,
+    cu_q: Array,
+    cu_k: Array,
+    threads: int,
+    prec: Precision | None,
+    block_table: Array | None = None,
+) -> Runner:
+    """One ``varlen_attention`` call (packed K/V, or page pools with ``block_table``); the
+    output as ``(Hq, T, D)``."""
+
+    def run() -> Array:
+        o = fastattn.varlen_attention(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            block_table=block_table,
+            is_causal=case.causal,
+            enable_gqa=case.gqa,
+            window=case.window,
+            num_threads=threads,
+            precision=prec,
+        )
+        out: Array = o.transpose(1, 0, 2)
+        return out
+
+    return run
+
+
+def _kvcache_runner(
+    case: Case,
+    q: Array,
+    k: Array,
+    v: Array,
+    S: int,
+    ks: Array | None,
+    vs: Array | None,
+    threads: int,
+    prec: Precision | None,
+    block_table: Array | None = None,
+) -> Runner:
+    """One ``attention_with_kvcache`` decode call over ``S`` cached tokens per sequence (a
+    contiguous cache, or page pools with ``block_table``), with the 8-bit cache's scales."""
+    lens = np.full(q.shape[0], S, np.int64)
+
+    def run() -> Array:
+        out: Array = fastattn.attention_with_kvcache(
+            q,
+            k,
+            v,
+            lens,
+            block_table=block_table,
+            is_causal=case.causal,
+            k_scale=ks,
+            v_scale=vs,
+            num_threads=threads,
+            precision=prec,
+        )
+        return out
+
+    return run
 
 
 def chunked_inputs(inp: Inputs) -> tuple[Array, Array, Array, Array, Array, Array]:
@@ -223,26 +240,10 @@ class FastAttnContiguous(FastAttn):
     name = "fastattn-contig"
 
     def prepare(self, inp: Inputs, threads: int) -> Runner:
-        case, prec = inp.case, self.precision
         q, k, v = inp.dense()
-        ks, vs = inp.k_scale, inp.v_scale
-        lens = np.full(q.shape[0], k.shape[2], np.int64)
-
-        def run() -> Array:
-            out: Array = fastattn.attention_with_kvcache(
-                q,
-                k,
-                v,
-                lens,
-                is_causal=case.causal,
-                k_scale=ks,
-                v_scale=vs,
-                num_threads=threads,
-                precision=prec,
-            )
-            return out
-
-        return run
+        return _kvcache_runner(
+            inp.case, q, k, v, k.shape[2], inp.k_scale, inp.v_scale, threads, self.precision
+        )
 
 
 class FastAttnSeparate(FastAttn):

@@ -345,30 +345,9 @@ def test_paged_kv8_scales_checked_where_read(rng, bad, page):
     ks2, vs2 = ks.transpose(0, 2, 1, 3), vs.transpose(0, 2, 1, 3)
     ck = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     cq = np.arange(B + 1, dtype=np.int32)
-    vo = fastattn.varlen_attention(
-        q[:, :, 0],
-        kf2,
-        vf2,
-        cq,
-        ck,
-        block_table=bt,
-        is_causal=True,
-        enable_gqa=True,
-        k_scale=ks2,
-        v_scale=vs2,
-    )
-    assert_close(vo, ro[:, :, 0], tol=1e-4)
-    # one bad scale in a slot that is read (sequence 1's last token): an error, nothing written
-    j = lens[1] - 1
-    vs[bt[1, j // page], 1, j % page] = bad
-    kn = rng.standard_normal((B, Hk, 1, D)).astype(F32)
-    before = [a.copy() for a in (kp, vp, ks, vs)]
-    with pytest.raises(ValueError, match="v_scale must be finite and positive"):
-        fastattn.attention_with_kvcache(q, kp, vp, lens, kn, kn, block_table=bt, k_scale=ks, v_scale=vs)
-    for a, b in zip(before, (kp, vp, ks, vs)):
-        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
-    with pytest.raises(ValueError, match="v_scale must be finite and positive"):
-        fastattn.varlen_attention(
+
+    def chunked():
+        return fastattn.varlen_attention(
             q[:, :, 0],
             kf2,
             vf2,
@@ -380,3 +359,16 @@ def test_paged_kv8_scales_checked_where_read(rng, bad, page):
             k_scale=ks2,
             v_scale=vs2,
         )
+
+    assert_close(chunked(), ro[:, :, 0], tol=1e-4)
+    # one bad scale in a slot that is read (sequence 1's last token): an error, nothing written
+    j = lens[1] - 1
+    vs[bt[1, j // page], 1, j % page] = bad
+    kn = rng.standard_normal((B, Hk, 1, D)).astype(F32)
+    before = [a.copy() for a in (kp, vp, ks, vs)]
+    with pytest.raises(ValueError, match="v_scale must be finite and positive"):
+        fastattn.attention_with_kvcache(q, kp, vp, lens, kn, kn, block_table=bt, k_scale=ks, v_scale=vs)
+    for a, b in zip(before, (kp, vp, ks, vs)):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    with pytest.raises(ValueError, match="v_scale must be finite and positive"):
+        chunked()
