@@ -56,6 +56,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 NATIVE = os.environ.get("FASTATTN_NATIVE", "0") == "1"
 CUDA = os.environ.get("FASTATTN_CUDA", "0") not in ("", "0")
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+# Arm64 (Linux "aarch64", macOS "arm64"): the NEON units need no flag (Advanced SIMD is part of
+# every AArch64 CPU); never -march=native, so a wheel runs on any Arm64 CPU.
+IS_ARM64 = platform.machine().lower() in ("aarch64", "arm64")
 _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 # FASTATTN_BUILD_TIMES=1: a table of every compile's CPU time at the end of the build.
 BUILD_TIMES = os.environ.get("FASTATTN_BUILD_TIMES", "0") == "1"
@@ -106,6 +109,9 @@ if IS_X86:
         ),
     ]
 
+if IS_ARM64:
+    ISA_UNITS += [("csrc/kernel_f32_neon.c", [])]
+
 # The attention family beyond dot-product (fastattn._family): the same
 # one-ISA-per-unit rule, linked into its own extension.
 FAMILY_UNITS = [
@@ -127,6 +133,8 @@ if IS_X86:
             ["-mavx2", "-mfma", "-mf16c"] if EMULATE_AVX512 else ["-mavx512f", "-mavx2", "-mfma", "-mf16c"],
         ),
     ]
+if IS_ARM64:
+    FAMILY_UNITS += [("csrc/additive_f32_neon.c", []), ("csrc/lsh_f32_neon.c", [])]
 EXT_UNITS = {"fastattn._kernels": ISA_UNITS, "fastattn._family": FAMILY_UNITS}
 
 

@@ -36,9 +36,20 @@
 #define ad_signbits(x) _mm256_and_ps((x), _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u)))
 #define ad_or(a, b) _mm256_or_ps((a), (b))
 #define ad_rcp(x) _mm256_rcp_ps(x) /* 12 bits; one Newton step below gives ~23 bits */
+#elif defined(FA_TARGET_NEON)
+#define ad_abs(x) vabsq_f32(x)
+#define ad_signbits(x) vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(x), vdupq_n_u32(0x80000000u)))
+#define ad_or(a, b) vreinterpretq_f32_u32(vorrq_u32(vreinterpretq_u32_f32(a), vreinterpretq_u32_f32(b)))
+/* FRECPE gives 8 bits, where the x86 estimates give 12 or 14: one Newton step
+ * (FRECPS) here and the one below give ~float precision. */
+FA_INLINE vf ad_rcp(vf x)
+{
+    const vf r = vrecpeq_f32(x);
+    return vmulq_f32(r, vrecpsq_f32(x, r));
+}
 #endif
 
-#if defined(FA_TARGET_AVX512) || defined(FA_TARGET_AVX2)
+#if defined(FA_TARGET_AVX512) || defined(FA_TARGET_AVX2) || defined(FA_TARGET_NEON)
 /* tanh(x) = sign(x) (1 - t) / (1 + t) with t = exp(-2|x|) in (0, 1]: t never
  * overflows, large |x| gives t = 0 and exactly +-1, NaN propagates.  The
  * absolute error is a few float ulps of 1 (the cancellation in 1 - t near 0

@@ -11,11 +11,9 @@
 #include "mask.h"
 #include "convert.h"
 #include "tiles.h"
+#include "fpenv.h"
 #ifdef _OPENMP
 #include <omp.h>
-#endif
-#if defined(FA_HAVE_X86)
-#include <xmmintrin.h>
 #endif
 #if !defined(_WIN32)
 #include <pthread.h>
@@ -97,27 +95,9 @@ static void fa_ws_put(void *ws, size_t bytes)
  * thread never sees the caller's fesetround() mode, so the caller's thread
  * switches to the workers' mode for the call, and the results do not depend
  * on the thread count or on the caller's rounding mode. */
-void fa_fpenv_enter(fa_fpenv *e)
-{
-#if defined(FA_HAVE_X86)
-    e->csr = _mm_getcsr();
-    _mm_setcsr((e->csr & ~0x6000u) | 0x8040u); /* RC = nearest, FTZ, DAZ */
-    e->round = 0;
-#else
-    e->csr = 0;
-    e->round = fegetround();
-    if (e->round != FE_TONEAREST) fesetround(FE_TONEAREST);
-#endif
-}
+void fa_fpenv_enter(fa_fpenv *e) { fa_fpmode_enter(&e->csr, &e->round); }
 
-void fa_fpenv_exit(const fa_fpenv *e)
-{
-#if defined(FA_HAVE_X86)
-    _mm_setcsr(e->csr);
-#else
-    if (e->round != FE_TONEAREST) fesetround(e->round);
-#endif
-}
+void fa_fpenv_exit(const fa_fpenv *e) { fa_fpmode_exit(e->csr, e->round); }
 
 #if !defined(_WIN32)
 /* Fork safety.  libgomp's thread pool does not survive fork(): a child that

@@ -37,6 +37,9 @@ static const fa_bwd_kernel *fa_select_bwd_kernel(const fa_params *p)
     default: break;
     }
 #endif
+#if defined(FA_HAVE_ARM64)
+    if (fa_isa_get() == FA_ISA_NEON) return &fa_bwd_kernel_f32_neon;
+#endif
     return &fa_bwd_kernel_f32_scalar;
 }
 

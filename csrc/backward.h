@@ -49,5 +49,8 @@ extern const fa_bwd_kernel fa_bwd_kernel_f32_scalar, fa_bwd_kernel_f64_scalar;
 #if defined(FA_HAVE_X86)
 extern const fa_bwd_kernel fa_bwd_kernel_f32_avx2, fa_bwd_kernel_f32_avx512;
 #endif
+#if defined(FA_HAVE_ARM64)
+extern const fa_bwd_kernel fa_bwd_kernel_f32_neon;
+#endif
 
 #endif

@@ -1,5 +1,6 @@
-/* dispatch.c: detect the CPU once (cpuid + xgetbv, so the OS must also save
- * the registers) and pick the kernel of the chosen ISA. */
+/* dispatch.c: detect the CPU once (x86: cpuid + xgetbv, so the OS must also
+ * save the registers; Arm64: the auxiliary vector's HWCAP) and pick the
+ * kernel of the chosen ISA. */
 #if defined(__linux__) && !defined(_GNU_SOURCE)
 #define _GNU_SOURCE 1 /* syscall() under -std=c11 */
 #endif
@@ -111,9 +112,27 @@ static unsigned fa_cpu(void)
 }
 #endif
 
+#if defined(FA_HAVE_ARM64)
+/* Advanced SIMD (ASIMD, "NEON"): HWCAP_ASIMD in the auxiliary vector on
+ * Linux; part of every AArch64 CPU elsewhere (macOS, where every Arm CPU
+ * has it, and Windows).  Read once: the word does not change. */
+#if defined(__linux__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMD
+#define HWCAP_ASIMD (1 << 1)
+#endif
+static int fa_arm_asimd(void) { return (getauxval(AT_HWCAP) & HWCAP_ASIMD) != 0; }
+#else
+static int fa_arm_asimd(void) { return 1; }
+#endif
+#endif
+
 int fa_cpu_has(int isa)
 {
     if (isa == FA_ISA_SCALAR) return 1;
+#if defined(FA_HAVE_ARM64)
+    if (isa == FA_ISA_NEON) return fa_arm_asimd();
+#endif
 #if defined(FA_HAVE_X86)
     const unsigned c = fa_cpu();
     const int avx2 = (c & FA_CPU_AVX2) != 0;
@@ -200,6 +219,7 @@ int fa_isa_best(void)
     if (fa_cpu_has(FA_ISA_AVX512BF16)) return FA_ISA_AVX512BF16;
     if (fa_cpu_has(FA_ISA_AVX512)) return FA_ISA_AVX512;
     if (fa_cpu_has(FA_ISA_AVX2)) return FA_ISA_AVX2;
+    if (fa_cpu_has(FA_ISA_NEON)) return FA_ISA_NEON;
     return FA_ISA_SCALAR;
 }
 
@@ -224,7 +244,7 @@ int fa_isa_get(void)
 
 int fa_isa_set(int isa)
 {
-    if (isa < FA_ISA_SCALAR || isa > FA_ISA_AVX512BF16 || !fa_cpu_has(isa)) return -1;
+    if (isa < FA_ISA_SCALAR || isa > FA_ISA_NEON || !fa_cpu_has(isa)) return -1;
     atomic_store_explicit(&fa_isa_current, isa, memory_order_relaxed);
     return 0;
 }
@@ -268,6 +288,9 @@ const fa_kernel *fa_select_kernel(const fa_params *p)
     default: break;
     }
 #endif
+#if defined(FA_HAVE_ARM64)
+    if (fa_isa_get() == FA_ISA_NEON) return &fa_kernel_f32_neon;
+#endif
     return &fa_kernel_f32_scalar;
 }
 
@@ -277,6 +300,9 @@ int fa_exp2_isa(int isa, const float *x, float *y, int64_t n)
 #if defined(FA_HAVE_X86)
     if (isa == FA_ISA_AVX512 || isa == FA_ISA_AMX || isa == FA_ISA_AVX512BF16) { fa_exp2_avx512(x, y, n); return 0; }
     if (isa == FA_ISA_AVX2) { fa_exp2_avx2(x, y, n); return 0; }
+#endif
+#if defined(FA_HAVE_ARM64)
+    if (isa == FA_ISA_NEON) { fa_exp2_neon(x, y, n); return 0; }
 #endif
     fa_exp2_scalar(x, y, n);
     return 0;

@@ -24,9 +24,12 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#include "fpenv.h"
 #if defined(__x86_64__) || defined(_M_X64)
 #define FA_FAMILY_X86 1
-#include <xmmintrin.h>
+#endif
+#if defined(__aarch64__)
+#define FA_FAMILY_ARM64 1
 #endif
 
 /* ------------------------------------------------------- threads, fp env */
@@ -41,26 +44,8 @@ typedef void (*fam_exit_fn)(const fam_fpenv *);
 /* Until bound (or where binding failed): the bound alone, and the same
  * floating-point mode set locally. */
 static int fam_team_local(int nt) { return nt < 1 ? 1 : nt > FAM_MAX_THREADS ? FAM_MAX_THREADS : nt; }
-static void fam_enter_local(fam_fpenv *e)
-{
-#if defined(FA_FAMILY_X86)
-    e->csr = _mm_getcsr();
-    _mm_setcsr((e->csr & ~0x6000u) | 0x8040u); /* RC = nearest, FTZ, DAZ */
-    e->round = 0;
-#else
-    e->csr = 0;
-    e->round = fegetround();
-    if (e->round != FE_TONEAREST) fesetround(FE_TONEAREST);
-#endif
-}
-static void fam_exit_local(const fam_fpenv *e)
-{
-#if defined(FA_FAMILY_X86)
-    _mm_setcsr(e->csr);
-#else
-    if (e->round != FE_TONEAREST) fesetround(e->round);
-#endif
-}
+static void fam_enter_local(fam_fpenv *e) { fa_fpmode_enter(&e->csr, &e->round); }
+static void fam_exit_local(const fam_fpenv *e) { fa_fpmode_exit(e->csr, e->round); }
 
 static fam_team_fn fam_team = fam_team_local;
 static fam_enter_fn fam_enter = fam_enter_local;
@@ -100,6 +85,10 @@ size_t fa_additive_scratch_avx2(const fa_additive_params *p);
 void fa_additive_task_avx2(const fa_additive_params *p, int64_t b, int64_t i0, int64_t ni, void *ws);
 size_t fa_additive_scratch_avx512(const fa_additive_params *p);
 void fa_additive_task_avx512(const fa_additive_params *p, int64_t b, int64_t i0, int64_t ni, void *ws);
+#endif
+#if defined(FA_FAMILY_ARM64)
+size_t fa_additive_scratch_neon(const fa_additive_params *p);
+void fa_additive_task_neon(const fa_additive_params *p, int64_t b, int64_t i0, int64_t ni, void *ws);
 #endif
 
 /* One thread's share of the additive tasks (all of them outside a team). */
@@ -143,6 +132,11 @@ int fa_additive(const fa_additive_params *p, int isa)
     } else if (isa == FA_ISA_AVX2) {
         scratch = fa_additive_scratch_avx2;
         task = fa_additive_task_avx2;
+    }
+#elif defined(FA_FAMILY_ARM64)
+    else if (isa == FA_ISA_NEON) {
+        scratch = fa_additive_scratch_neon;
+        task = fa_additive_task_neon;
     }
 #else
     (void)isa;
@@ -263,6 +257,8 @@ int fa_lsh(const fa_lsh_params *p, int isa)
 #if defined(FA_FAMILY_X86)
     else if (isa == FA_ISA_AVX512 || isa == FA_ISA_AMX || isa == FA_ISA_AVX512BF16) c.k = &fa_lsh_kernel_avx512;
     else if (isa == FA_ISA_AVX2) c.k = &fa_lsh_kernel_avx2;
+#elif defined(FA_FAMILY_ARM64)
+    else if (isa == FA_ISA_NEON) c.k = &fa_lsh_kernel_neon;
 #else
     (void)isa;
 #endif

@@ -26,7 +26,11 @@ enum fa_mask_kind { FA_MASK_NONE = 0, FA_MASK_BOOL = 1, FA_MASK_F32 = 2, FA_MASK
 /* FA_ISA_AMX: AVX-512 for every call, plus the AMX tile kernel for bfloat16 prefill.
  * FA_ISA_AVX512BF16: AVX-512 for every call, plus the same kernel on VDPBF16PS
  * products (CPUs with AVX512-BF16 and no AMX). */
-enum fa_isa { FA_ISA_SCALAR = 0, FA_ISA_AVX2 = 1, FA_ISA_AVX512 = 2, FA_ISA_AMX = 3, FA_ISA_AVX512BF16 = 4 };
+/* FA_ISA_NEON: AArch64 Advanced SIMD (kernel_f32_neon.c); the x86 ISAs are
+ * never available on Arm64 and NEON never on x86. */
+enum fa_isa {
+    FA_ISA_SCALAR = 0, FA_ISA_AVX2 = 1, FA_ISA_AVX512 = 2, FA_ISA_AMX = 3, FA_ISA_AVX512BF16 = 4, FA_ISA_NEON = 5
+};
 /* torch's float32 matmul precision levels (fa_params.precision). */
 enum fa_precision { FA_PRECISION_HIGHEST = 0, FA_PRECISION_HIGH = 1, FA_PRECISION_MEDIUM = 2 };
 /* FA_ETHREADS: the OS refused to start the threads of a team (num_threads). */

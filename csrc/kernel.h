@@ -74,6 +74,11 @@ extern const fa_kernel fa_kernel_f16_amx;
 extern const fa_kernel fa_kernel_bf16_avx512bf16;
 #endif
 #endif
+#if defined(__aarch64__)
+#define FA_HAVE_ARM64 1
+extern const fa_kernel fa_kernel_f32_neon;
+void fa_exp2_neon(const float *x, float *y, int64_t n);
+#endif
 void fa_exp2_scalar(const float *x, float *y, int64_t n);
 
 const fa_kernel *fa_select_kernel(const fa_params *p); /* dispatch.c */

@@ -45,5 +45,8 @@ extern const fa_lsh_kernel fa_lsh_kernel_f32_scalar, fa_lsh_kernel_f64;
 #if defined(__x86_64__) || defined(_M_X64)
 extern const fa_lsh_kernel fa_lsh_kernel_avx2, fa_lsh_kernel_avx512;
 #endif
+#if defined(__aarch64__)
+extern const fa_lsh_kernel fa_lsh_kernel_neon;
+#endif
 
 #endif

@@ -1,5 +1,5 @@
 /* simd.h: the small vector vocabulary each kernel is written in.  Exactly one
- * of FA_TARGET_AVX512, FA_TARGET_AVX2 or neither (portable, REAL = float or double)
+ * of FA_TARGET_AVX512, FA_TARGET_AVX2, FA_TARGET_NEON or none (portable, REAL = float or double)
  * is defined by the including compile unit, which is built with matching
  * compiler flags.  Every ISA-specific instruction of fastattn lives here. */
 #ifndef FA_SIMD_H
@@ -233,6 +233,83 @@ FA_INLINE void fa_cvt_row(float *dst, const void *src, int dt, int64_t n)
     }
 }
 
+#elif defined(FA_TARGET_NEON)
+/* ------------------------------------------------- AArch64 Advanced SIMD */
+/* Every AArch64 CPU has these 128-bit float32 vectors, with FMA and the
+ * float16 conversions (FCVTL): the unit needs no compiler flag.  32 vector
+ * registers, 4 floats each.  x86's max/min semantics are kept exactly (the
+ * kernels rely on them around NaN: the SECOND operand when either is NaN),
+ * so FMAX/FMIN (NaN from either) are not used for vf_max/vf_min. */
+#include <arm_neon.h>
+#include <string.h>
+typedef float REAL;
+typedef float32x4_t vf;
+#define VW 4
+#define vf_load(p) vld1q_f32(p)
+#define vf_load_f16(p) vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)(p))))
+#define vf_load_bf16(p) vreinterpretq_f32_u32(vshll_n_u16(vld1_u16((const uint16_t *)(p)), 16))
+/* Four bytes at p as the low lanes of a 64-bit vector (any alignment). */
+FA_INLINE uint8x8_t fa_neon_load4(const void *p)
+{
+    uint32_t u;
+    memcpy(&u, p, 4);
+    return vreinterpret_u8_u32(vdup_n_u32(u));
+}
+/* 8-bit values widened to float (the rules of the AVX-512 section: e5m2 a
+ * float16's upper byte; e4m3fn through float16 times 2^8, NaN kept). */
+#define vf_load_i8(p) vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u8(fa_neon_load4(p))))))
+#define vf_load_e5m2(p) vcvt_f32_f16(vreinterpret_f16_u16(vget_low_u16(vshll_n_u8(fa_neon_load4(p), 8))))
+FA_INLINE float32x4_t vf_load_e4m3(const uint8_t *p)
+{
+    const int16x4_t w = vget_low_s16(vmovl_s8(vreinterpret_s8_u8(fa_neon_load4(p))));
+    const uint16x4_t h = vand_u16(vreinterpret_u16_s16(vshl_n_s16(w, 7)), vdup_n_u16(0xbf80));
+    const uint16x4_t nan = vceq_u16(vand_u16(h, vdup_n_u16(0x3f80)), vdup_n_u16(0x3f80));
+    return vmulq_n_f32(vcvt_f32_f16(vreinterpret_f16_u16(vorr_u16(h, nan))), 256.0f);
+}
+#define vf_store(p, x) vst1q_f32((p), (x))
+#define vf_set1(x) vdupq_n_f32(x)
+#define vf_zero() vdupq_n_f32(0.0f)
+#define vf_fma(a, b, c) vfmaq_f32((c), (a), (b))
+#define vf_mul(a, b) vmulq_f32((a), (b))
+#define vf_add(a, b) vaddq_f32((a), (b))
+#define vf_sub(a, b) vsubq_f32((a), (b))
+FA_INLINE vf fa_neon_max(vf a, vf b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
+FA_INLINE vf fa_neon_min(vf a, vf b) { return vbslq_f32(vcltq_f32(a, b), a, b); }
+#define vf_max(a, b) fa_neon_max((a), (b))
+#define vf_min(a, b) fa_neon_min((a), (b))
+FA_INLINE float vf_hsum(vf x) { return vaddvq_f32(x); }
+FA_INLINE float vf_hmax(vf x) { return vmaxvq_f32(x); }
+#define vf_round(x) vrndnq_f32(x)
+/* p * 2^n for integral n in [-150, 128] (see the AVX-512 section). */
+FA_INLINE vf vf_ldexp2(vf p, vf n)
+{
+    const int32x4_t ni = vcvtnq_s32_f32(n), n1 = vshrq_n_s32(ni, 1), n2 = vsubq_s32(ni, n1);
+    const vf s1 = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(n1, vdupq_n_s32(127)), 23));
+    const vf s2 = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(n2, vdupq_n_s32(127)), 23));
+    return vmulq_f32(vmulq_f32(p, s1), s2);
+}
+#define vf_shl23(t) vreinterpretq_f32_u32(vshlq_n_u32(vreinterpretq_u32_f32(t), 23))
+/* Lane masks (see the AVX-512 section): all ones where x >= lim or unordered. */
+typedef uint32x4_t vm;
+#define vm_none() vdupq_n_u32(0)
+#define vm_or_ge(m, x, lim) vorrq_u32((m), vmvnq_u32(vcltq_f32((x), (lim))))
+#define vm_any(m) (vmaxvq_u32(m) != 0)
+
+FA_INLINE void fa_cvt_row(float *dst, const void *src, int dt, int64_t n)
+{
+    int64_t j = 0;
+    if (dt == FA_F32) { memcpy(dst, src, (size_t)n * 4); return; }
+    if (fa_dtype_8(dt)) { fa_cvt_row8(dst, (const uint8_t *)src, dt, n); return; }
+    const uint16_t *s = (const uint16_t *)src;
+    if (dt == FA_F16) {
+        for (; j + 4 <= n; j += 4) vst1q_f32(dst + j, vf_load_f16(s + j));
+        for (; j < n; j++) dst[j] = fa_f16_to_f32(s[j]);
+    } else {
+        for (; j + 4 <= n; j += 4) vst1q_f32(dst + j, vf_load_bf16(s + j));
+        for (; j < n; j++) dst[j] = fa_bf16_to_f32(s[j]);
+    }
+}
+
 #else
 /* ---------------------------------------------------- portable C, width 1 */
 #ifndef REAL
@@ -269,7 +346,7 @@ FA_INLINE void fa_cvt_row(REAL *dst, const void *src, int dt, int64_t n)
 }
 #endif
 
-#if defined(FA_TARGET_AVX512) || defined(FA_TARGET_AVX2)
+#if defined(FA_TARGET_AVX512) || defined(FA_TARGET_AVX2) || defined(FA_TARGET_NEON)
 /* dst[0:n] = the 8-bit row src[0:n] (dtype dt: FA_I8, FA_E4M3, FA_E5M2) as float. */
 FA_INLINE void fa_cvt_row8(float *dst, const uint8_t *src, int dt, int64_t n)
 {
@@ -336,6 +413,9 @@ FA_INLINE vf vf_exp2_neg(vf x)
 #endif
 }
 
+#endif
+
+#if defined(FA_TARGET_AVX512) || defined(FA_TARGET_AVX2)
 /* dst[t * ldd + r] = src[r * lds + t] for r, t < 8: one 8 x 8 float transpose
  * in 256-bit registers (both vector units have AVX2), used to pack K panels
  * (rows of keys -> columns of a panel) without a scalar loop. */

@@ -30,6 +30,7 @@ cdef extern from "fastattn.h":
         FA_ISA_AVX512
         FA_ISA_AMX
         FA_ISA_AVX512BF16
+        FA_ISA_NEON
 
     cpdef enum fa_precision:
         FA_PRECISION_HIGHEST

@@ -22,7 +22,8 @@ for _enum in (fa_dtype, fa_mask_kind, fa_isa, fa_precision, fa_status):
 del _enum
 
 # Indexed by enum fa_isa; "amx" is AVX-512 plus AMX tiles for bfloat16 prefill,
-# "avx512bf16" AVX-512 plus the same kernel on VDPBF16PS (AVX512-BF16 CPUs without AMX).
+# "avx512bf16" AVX-512 plus the same kernel on VDPBF16PS (AVX512-BF16 CPUs without AMX),
+# "neon" AArch64 Advanced SIMD.
 ISA_NAMES = tuple(m.name[len("FA_ISA_"):].lower() for m in sorted(fa_isa, key=int))
 
 
@@ -245,7 +246,8 @@ def isa_set(str isa):
 def cpu_features():
     return {"avx2": bool(fa_cpu_has(FA_ISA_AVX2)), "avx512f": bool(fa_cpu_has(FA_ISA_AVX512)),
             "f16c": bool(fa_cpu_has_f16c()), "avx512bf16": bool(fa_cpu_has_avx512bf16()),
-            "amx_bf16": bool(fa_cpu_has_amx()), "amx_fp16": bool(fa_cpu_has_amx_fp16())}
+            "amx_bf16": bool(fa_cpu_has_amx()), "amx_fp16": bool(fa_cpu_has_amx_fp16()),
+            "neon": bool(fa_cpu_has(FA_ISA_NEON))}
 
 
 def amx_fp16_usable():

@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# Build fastattn for Arm64 (aarch64) on this x86-64 Debian machine and run its
+# kernel tests under qemu user-mode emulation, once per emulated CPU.
+#
+#   tools/emulate_aarch64.sh                       # default CPUs and test files
+#   tools/emulate_aarch64.sh tests/kernel/test_isa.py -q -x   # other pytest arguments
+#   FASTATTN_ARM64_CPUS="max neoverse-n1" tools/emulate_aarch64.sh
+#
+# How (needs root: apt-get, binfmt_misc, mmdebstrap; Debian's archive and PyPI):
+#   * the arm64 userland (python3.11, its headers, libgomp) is EXTRACTED from
+#     Debian's arm64 packages into a root filesystem (mmdebstrap
+#     --variant=extract: no package scripts run, nothing is emulated);
+#   * Python itself (pip, Cython, pytest, numpy's aarch64 wheels) runs under
+#     qemu-aarch64-static through binfmt_misc, with QEMU_LD_PREFIX pointing the
+#     loader at that root filesystem;
+#   * C is compiled by Debian's native x86-64 cross gcc aimed at the root
+#     filesystem (--sysroot) and handed to setup.py as $CC: setup.py sees the
+#     emulated interpreter's platform.machine() == "aarch64" and builds the
+#     portable and NEON units with the same flags as an aarch64 wheel.
+# The root filesystem and venv are kept in $FASTATTN_ARM64_DIR (default
+# ~/.cache/fastattn-arm64) and reused when present; the build is fresh each run.
+#
+# Emulated CPUs (QEMU_CPU; qemu gives no speeds, only results):
+#   max            every feature qemu has (NEON, SVE at 512 bits, bf16, i8mm)
+#   neoverse-n1    NEON only, as on Graviton 2 (getauxval has no HWCAP_SVE)
+# On each, the ISA-parametrised test files run every path the emulated CPU
+# has (scalar and neon); FASTATTN_ISA picks the default path of the others.
+# numpy's OpenBLAS is pinned to its NEON kernels (OPENBLAS_CORETYPE): its
+# SVE/SME kernels on "-cpu max" are ~16x slower emulated, which makes the
+# float64 reference's matmuls look like hangs.  fastattn sees the whole CPU.
+set -euo pipefail
+src=$(cd "$(dirname "$0")/.." && pwd)
+W="${FASTATTN_ARM64_DIR:-$HOME/.cache/fastattn-arm64}"
+ROOT="$W/rootfs"
+VENV="$W/venv"
+CPUS="${FASTATTN_ARM64_CPUS:-max neoverse-n1}"
+t0=$SECONDS
+say() { printf '== [%4ds] %s\n' "$((SECONDS - t0))" "$*"; }
+
+if [ "$(id -u)" != 0 ]; then
+    echo "tools/emulate_aarch64.sh needs root (apt-get, binfmt_misc, mmdebstrap)" >&2
+    exit 1
+fi
+
+say "qemu-user-static, binfmt-support, aarch64 cross gcc, mmdebstrap"
+export DEBIAN_FRONTEND=noninteractive
+if ! command -v qemu-aarch64-static >/dev/null || ! command -v aarch64-linux-gnu-gcc >/dev/null ||
+    ! command -v mmdebstrap >/dev/null; then
+    apt-get update -q >/dev/null
+    # binfmt_misc is mounted before qemu-user-static's postinst registers its handlers
+    mountpoint -q /proc/sys/fs/binfmt_misc || mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc
+    apt-get install -y -q --no-install-recommends qemu-user-static binfmt-support gcc-aarch64-linux-gnu \
+        libc6-dev-arm64-cross mmdebstrap >/dev/null
+fi
+mountpoint -q /proc/sys/fs/binfmt_misc || mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc
+[ -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ] || update-binfmts --enable qemu-aarch64
+grep -qx enabled /proc/sys/fs/binfmt_misc/qemu-aarch64
+
+if [ ! -e "$ROOT/.complete" ]; then
+    say "arm64 root filesystem (Debian's arm64 python3.11, extracted)"
+    . /etc/os-release
+    # the Debian archive this machine's apt already uses
+    mirror="$(apt-get indextargets --format '$(RELEASE) $(SITE)' | awk -v c="$VERSION_CODENAME" '$1 == c {print $2; exit}')"
+    if mount | grep -q " $ROOT"; then
+        echo "something is mounted under $ROOT: not deleting it" >&2
+        exit 1
+    fi
+    rm -rf "$ROOT" "$VENV"
+    mkdir -p "$W"
+    mmdebstrap --quiet --variant=extract --mode=root --architectures=arm64 \
+        --include=python3.11-venv,libpython3.11-dev,libc6-dev,libgomp1,libstdc++6 \
+        "$VERSION_CODENAME" "$ROOT" "$mirror"
+    touch "$ROOT/.complete"
+fi
+mkdir -p "$W/bin" "$W/home"
+cp /etc/ssl/certs/ca-certificates.crt "$W/ca.crt" 2>/dev/null || true
+cat >"$W/bin/aarch64-cc" <<EOF
+#!/bin/sh
+exec /usr/bin/aarch64-linux-gnu-gcc --sysroot=$ROOT -I$ROOT/usr/include/python3.11 "\$@"
+EOF
+chmod +x "$W/bin/aarch64-cc"
+
+# A command in the emulated arm64 world, in a clean environment (the host's pip
+# configuration and x86 wheel caches stay out).
+a64() {
+    env -i PATH="$VENV/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
+        HOME="$W/home" LANG=C.UTF-8 TMPDIR="${TMPDIR:-/tmp}" \
+        QEMU_LD_PREFIX="$ROOT" QEMU_CPU="${QEMU_CPU:-max}" OPENBLAS_CORETYPE=NEOVERSEN1 \
+        PIP_CONFIG_FILE=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_DEFAULT_TIMEOUT=180 \
+        ${PIP_CERT:+PIP_CERT="$PIP_CERT"} CC="$W/bin/aarch64-cc" FASTATTN_BUILD_JOBS=2 \
+        ${FASTATTN_ISA:+FASTATTN_ISA="$FASTATTN_ISA"} "$@"
+}
+[ -s "$W/ca.crt" ] && export PIP_CERT="$W/ca.crt"
+
+if [ ! -e "$VENV/.complete" ]; then
+    say "venv (emulated python3.11) with aarch64 wheels from PyPI"
+    rm -rf "$VENV"
+    a64 "$ROOT/usr/bin/python3.11" -m venv "$VENV"
+    # the build's and the tests' requirements (pyproject.toml's [build-system] and [test] core)
+    a64 pip install -q "setuptools>=77" "Cython>=3.0" "numpy>=1.25" wheel pytest hypothesis threadpoolctl ml_dtypes
+    touch "$VENV/.complete"
+fi
+a64 python -c 'import platform; assert platform.machine() == "aarch64", platform.machine()'
+
+say "build (emulated Cython, native cross gcc) in a scratch copy"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+tar -C "$src" --exclude=./build --exclude="*.so" --exclude=./.git --exclude=./.venv --exclude=./.asv \
+    --exclude=__pycache__ -cf - . | tar -C "$work" -xf -
+(cd "$work" && a64 python setup.py -q build_ext --inplace >build.log 2>&1) || { cat "$work/build.log"; exit 1; }
+grep -q "kernel_f32_neon" "$work/build.log" || { echo "the NEON unit was not built" >&2; exit 1; }
+
+if [ $# -gt 0 ]; then
+    args=("$@")
+else
+    args=(tests/kernel/test_isa.py tests/kernel/test_sdpa.py tests/kernel/test_variants.py
+        tests/kernel/test_backward.py tests/kernel/test_family.py tests/kernel/test_threads.py
+        tests/kernel/test_masks.py tests/kernel/test_kv8.py tests/kernel/test_dtypes.py
+        -q -x -p no:cacheprovider -o faulthandler_timeout=900)
+fi
+for cpu in $CPUS; do
+    say "QEMU_CPU=$cpu: the path is neon, then pytest ${args[*]}"
+    (cd "$work" && QEMU_CPU=$cpu a64 env PYTHONPATH="$work" python -c '
+import fastattn, fastattn._kernels as k
+assert k.cpu_has("neon") and fastattn.get_isa() == "neon", (fastattn.get_isa(), k.cpu_features())
+print("isa", fastattn.get_isa(), "of", [i for i in k.ISA_NAMES if k.cpu_has(i)])')
+    (cd "$work" && QEMU_CPU=$cpu a64 env FASTATTN_TEST_INSTALLED=0 PYTHONPATH="$work" \
+        python -m pytest "${args[@]}")
+done
+say "aarch64 emulation: all passed"
