@@ -234,6 +234,32 @@ if AVX512BF16:
     )
 
 
+# Arm64 SVE: one unit per vector length (fixed-length SVE types, so that the register blocks are
+# arrays as on x86), each run only where the CPU's length is its own (csrc/dispatch.c); built
+# where the compiler has -msve-vector-bits (GCC >= 10, Clang >= 12).
+SVE = IS_ARM64 and _compiler_builds(
+    ["-march=armv8.2-a+sve", "-msve-vector-bits=256"],
+    "#include <arm_sve.h>\ntypedef svfloat32_t v __attribute__((arm_sve_vector_bits(256)));\n"
+    "void f(float *p) { v a[2] = {svdup_n_f32(1), svdup_n_f32(2)}; svst1_f32(svptrue_b32(), p, a[1]); }\n",
+)
+if SVE:
+    BASE_FLAGS.append("-DFA_HAVE_SVE")
+    ISA_UNITS += [
+        (f"csrc/kernel_f32_sve{n}.c", ["-march=armv8.2-a+sve", f"-msve-vector-bits={n}"]) for n in (256, 512)
+    ]
+
+
+# Test-only (tools/sanitize.sh): the units named here (file names without .c) are compiled
+# without the sanitizers that $CFLAGS asks for.  It names the units of ISAs this CPU lacks, which
+# no test can reach: under ASan + UBSan each kernel unit took ~1000 s of compile CPU (Zen 3).
+UNINSTRUMENTED = set(os.environ.get("FASTATTN_UNINSTRUMENTED_UNITS", "").split())
+for _units in (ISA_UNITS, FAMILY_UNITS):
+    _units[:] = [
+        (src, flags + ["-fno-sanitize=all"] if os.path.basename(src)[:-2] in UNINSTRUMENTED else flags)
+        for src, flags in _units
+    ]
+
+
 def _build_config_text():
     """The text of fastattn/_build_config.py: the options this build used."""
     cc = os.environ.get("CC", "cc")
@@ -247,6 +273,7 @@ def _build_config_text():
         f"EMULATE_AVX512 = {EMULATE_AVX512!r}\nEMULATE_AMX = {EMULATE_AMX!r}\nAMX_BUILT = {AMX!r}\n"
         f"AMX_FP16_BUILT = {AMX_FP16!r}\n"
         f"EMULATE_AVX512BF16 = {EMULATE_AVX512BF16!r}\nAVX512BF16_BUILT = {AVX512BF16!r}\n"
+        f"SVE_BUILT = {SVE!r}\n"
         f"CFLAGS = {' '.join(BASE_FLAGS)!r}\n"
     )
 

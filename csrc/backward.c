@@ -38,6 +38,9 @@ static const fa_bwd_kernel *fa_select_bwd_kernel(const fa_params *p)
     }
 #endif
 #if defined(FA_HAVE_ARM64)
+#if defined(FA_HAVE_SVE)
+    if (fa_isa_get() == FA_ISA_SVE) return fa_sve_bits() == 256 ? &fa_bwd_kernel_f32_sve256 : &fa_bwd_kernel_f32_sve512;
+#endif
     if (fa_isa_get() == FA_ISA_NEON) return &fa_bwd_kernel_f32_neon;
 #endif
     return &fa_bwd_kernel_f32_scalar;

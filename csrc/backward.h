@@ -51,6 +51,9 @@ extern const fa_bwd_kernel fa_bwd_kernel_f32_avx2, fa_bwd_kernel_f32_avx512;
 #endif
 #if defined(FA_HAVE_ARM64)
 extern const fa_bwd_kernel fa_bwd_kernel_f32_neon;
+#if defined(FA_HAVE_SVE)
+extern const fa_bwd_kernel fa_bwd_kernel_f32_sve256, fa_bwd_kernel_f32_sve512;
+#endif
 #endif
 
 #endif

@@ -115,23 +115,60 @@ static unsigned fa_cpu(void)
 #if defined(FA_HAVE_ARM64)
 /* Advanced SIMD (ASIMD, "NEON"): HWCAP_ASIMD in the auxiliary vector on
  * Linux; part of every AArch64 CPU elsewhere (macOS, where every Arm CPU
- * has it, and Windows).  Read once: the word does not change. */
+ * has it, and Windows).  SVE: HWCAP_SVE, and the vector length the kernel
+ * gives this thread (prctl PR_SVE_GET_VL, bytes in its low 16 bits), read
+ * once per process: a process that changes its length with PR_SVE_SET_VL
+ * after its first call must not use the sve path (its kernel would read
+ * vectors of the wrong length). */
 #if defined(__linux__)
 #include <sys/auxv.h>
+#include <sys/prctl.h>
 #ifndef HWCAP_ASIMD
 #define HWCAP_ASIMD (1 << 1)
 #endif
+#ifndef HWCAP_SVE
+#define HWCAP_SVE (1 << 22)
+#endif
+#ifndef PR_SVE_GET_VL
+#define PR_SVE_GET_VL 51
+#endif
 static int fa_arm_asimd(void) { return (getauxval(AT_HWCAP) & HWCAP_ASIMD) != 0; }
+static int fa_arm_sve_bits(void)
+{
+    if (!(getauxval(AT_HWCAP) & HWCAP_SVE)) return 0;
+    const int vl = prctl(PR_SVE_GET_VL, 0, 0, 0, 0);
+    return vl < 0 ? 0 : (vl & 0xffff) * 8;
+}
 #else
 static int fa_arm_asimd(void) { return 1; }
+static int fa_arm_sve_bits(void) { return 0; }
 #endif
+static atomic_int fa_sve_len = -1;
 #endif
+
+int fa_sve_bits(void)
+{
+#if defined(FA_HAVE_ARM64)
+    int v = atomic_load_explicit(&fa_sve_len, memory_order_relaxed);
+    if (v < 0) {
+        v = fa_arm_sve_bits();
+        atomic_store_explicit(&fa_sve_len, v, memory_order_relaxed);
+    }
+    return v;
+#else
+    return 0;
+#endif
+}
 
 int fa_cpu_has(int isa)
 {
     if (isa == FA_ISA_SCALAR) return 1;
 #if defined(FA_HAVE_ARM64)
     if (isa == FA_ISA_NEON) return fa_arm_asimd();
+#if defined(FA_HAVE_SVE)
+    /* the lengths with a unit; at 128 bits SVE adds nothing NEON lacks here */
+    if (isa == FA_ISA_SVE) return fa_sve_bits() == 256 || fa_sve_bits() == 512;
+#endif
 #endif
 #if defined(FA_HAVE_X86)
     const unsigned c = fa_cpu();
@@ -219,6 +256,7 @@ int fa_isa_best(void)
     if (fa_cpu_has(FA_ISA_AVX512BF16)) return FA_ISA_AVX512BF16;
     if (fa_cpu_has(FA_ISA_AVX512)) return FA_ISA_AVX512;
     if (fa_cpu_has(FA_ISA_AVX2)) return FA_ISA_AVX2;
+    if (fa_cpu_has(FA_ISA_SVE)) return FA_ISA_SVE;
     if (fa_cpu_has(FA_ISA_NEON)) return FA_ISA_NEON;
     return FA_ISA_SCALAR;
 }
@@ -244,7 +282,7 @@ int fa_isa_get(void)
 
 int fa_isa_set(int isa)
 {
-    if (isa < FA_ISA_SCALAR || isa > FA_ISA_NEON || !fa_cpu_has(isa)) return -1;
+    if (isa < FA_ISA_SCALAR || isa > FA_ISA_SVE || !fa_cpu_has(isa)) return -1;
     atomic_store_explicit(&fa_isa_current, isa, memory_order_relaxed);
     return 0;
 }
@@ -289,6 +327,9 @@ const fa_kernel *fa_select_kernel(const fa_params *p)
     }
 #endif
 #if defined(FA_HAVE_ARM64)
+#if defined(FA_HAVE_SVE)
+    if (fa_isa_get() == FA_ISA_SVE) return fa_sve_bits() == 256 ? &fa_kernel_f32_sve256 : &fa_kernel_f32_sve512;
+#endif
     if (fa_isa_get() == FA_ISA_NEON) return &fa_kernel_f32_neon;
 #endif
     return &fa_kernel_f32_scalar;
@@ -302,6 +343,13 @@ int fa_exp2_isa(int isa, const float *x, float *y, int64_t n)
     if (isa == FA_ISA_AVX2) { fa_exp2_avx2(x, y, n); return 0; }
 #endif
 #if defined(FA_HAVE_ARM64)
+#if defined(FA_HAVE_SVE)
+    if (isa == FA_ISA_SVE) {
+        if (fa_sve_bits() == 256) fa_exp2_sve256(x, y, n);
+        else fa_exp2_sve512(x, y, n);
+        return 0;
+    }
+#endif
     if (isa == FA_ISA_NEON) { fa_exp2_neon(x, y, n); return 0; }
 #endif
     fa_exp2_scalar(x, y, n);

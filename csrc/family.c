@@ -134,7 +134,7 @@ int fa_additive(const fa_additive_params *p, int isa)
         task = fa_additive_task_avx2;
     }
 #elif defined(FA_FAMILY_ARM64)
-    else if (isa == FA_ISA_NEON) {
+    else if (isa == FA_ISA_NEON || isa == FA_ISA_SVE) { /* sve: the NEON family kernels */
         scratch = fa_additive_scratch_neon;
         task = fa_additive_task_neon;
     }
@@ -258,7 +258,7 @@ int fa_lsh(const fa_lsh_params *p, int isa)
     else if (isa == FA_ISA_AVX512 || isa == FA_ISA_AMX || isa == FA_ISA_AVX512BF16) c.k = &fa_lsh_kernel_avx512;
     else if (isa == FA_ISA_AVX2) c.k = &fa_lsh_kernel_avx2;
 #elif defined(FA_FAMILY_ARM64)
-    else if (isa == FA_ISA_NEON) c.k = &fa_lsh_kernel_neon;
+    else if (isa == FA_ISA_NEON || isa == FA_ISA_SVE) c.k = &fa_lsh_kernel_neon;
 #else
     (void)isa;
 #endif

@@ -26,10 +26,13 @@ enum fa_mask_kind { FA_MASK_NONE = 0, FA_MASK_BOOL = 1, FA_MASK_F32 = 2, FA_MASK
 /* FA_ISA_AMX: AVX-512 for every call, plus the AMX tile kernel for bfloat16 prefill.
  * FA_ISA_AVX512BF16: AVX-512 for every call, plus the same kernel on VDPBF16PS
  * products (CPUs with AVX512-BF16 and no AMX). */
-/* FA_ISA_NEON: AArch64 Advanced SIMD (kernel_f32_neon.c); the x86 ISAs are
- * never available on Arm64 and NEON never on x86. */
+/* FA_ISA_NEON: AArch64 Advanced SIMD (kernel_f32_neon.c).  FA_ISA_SVE: the
+ * same kernels in SVE vectors of the CPU's length where it is 256 or 512
+ * bits (kernel_f32_sve256.c, kernel_f32_sve512.c), NEON for the rest.  The x86
+ * ISAs are never available on Arm64 and the Arm ones never on x86. */
 enum fa_isa {
-    FA_ISA_SCALAR = 0, FA_ISA_AVX2 = 1, FA_ISA_AVX512 = 2, FA_ISA_AMX = 3, FA_ISA_AVX512BF16 = 4, FA_ISA_NEON = 5
+    FA_ISA_SCALAR = 0, FA_ISA_AVX2 = 1, FA_ISA_AVX512 = 2, FA_ISA_AMX = 3, FA_ISA_AVX512BF16 = 4, FA_ISA_NEON = 5,
+    FA_ISA_SVE = 6
 };
 /* torch's float32 matmul precision levels (fa_params.precision). */
 enum fa_precision { FA_PRECISION_HIGHEST = 0, FA_PRECISION_HIGH = 1, FA_PRECISION_MEDIUM = 2 };
@@ -110,6 +113,7 @@ int fa_cpu_has_avx512bf16(void);
 int fa_cpu_has_amx(void);            /* AMX-BF16 usable: CPU, OS state and tile permission */
 int fa_cpu_has_amx_fp16(void);       /* the CPU has AMX-FP16 (with AMX-BF16 usable) */
 int fa_amx_fp16_usable(void);        /* float16 inputs take the tiles where the ISA is amx */
+int fa_sve_bits(void);               /* the CPU's SVE vector length in bits; 0 without SVE */
 
 /* Caches and the forward kernels' row block (tiles.c).  fa_cache_sizes: bytes
  * of the L1 data, L2 and L3 caches of one core (0 where unknown).

@@ -78,6 +78,13 @@ extern const fa_kernel fa_kernel_bf16_avx512bf16;
 #define FA_HAVE_ARM64 1
 extern const fa_kernel fa_kernel_f32_neon;
 void fa_exp2_neon(const float *x, float *y, int64_t n);
+#if defined(FA_HAVE_SVE)
+/* Fixed-length SVE units (setup.py builds them where the compiler has
+ * -msve-vector-bits), each run only at its own vector length. */
+extern const fa_kernel fa_kernel_f32_sve256, fa_kernel_f32_sve512;
+void fa_exp2_sve256(const float *x, float *y, int64_t n);
+void fa_exp2_sve512(const float *x, float *y, int64_t n);
+#endif
 #endif
 void fa_exp2_scalar(const float *x, float *y, int64_t n);
 

@@ -1,5 +1,6 @@
 /* simd.h: the small vector vocabulary each kernel is written in.  Exactly one
- * of FA_TARGET_AVX512, FA_TARGET_AVX2, FA_TARGET_NEON or none (portable, REAL = float or double)
+ * of FA_TARGET_AVX512, FA_TARGET_AVX2, FA_TARGET_NEON, FA_TARGET_SVE or none
+ * (portable, REAL = float or double)
  * is defined by the including compile unit, which is built with matching
  * compiler flags.  Every ISA-specific instruction of fastattn lives here. */
 #ifndef FA_SIMD_H
@@ -310,6 +311,87 @@ FA_INLINE void fa_cvt_row(float *dst, const void *src, int dt, int64_t n)
     }
 }
 
+#elif defined(FA_TARGET_SVE)
+/* ------------------------------------------- AArch64 SVE, fixed length */
+/* Built with -msve-vector-bits=N (N = 256 or 512: setup.py's sve256 and
+ * sve512 units), so that a vector is a sized type the kernels' register
+ * blocks can hold in arrays, as they hold the x86 vectors; dispatch.c runs
+ * a unit only on a CPU whose vector length is its N (prctl's SVE length).
+ * All lanes are active (svptrue): tails are the kernels' own, as on x86.
+ * 16- and 8-bit values are loaded widened into 32-bit containers
+ * (LD1H/LD1B), whose low halves FCVT reads as float16 (the same bit
+ * rules as the NEON and AVX-512 sections). */
+#include <arm_sve.h>
+#include <string.h>
+#if !defined(__ARM_FEATURE_SVE_BITS) || __ARM_FEATURE_SVE_BITS == 0
+#error "an SVE unit is built with -msve-vector-bits=N"
+#endif
+typedef float REAL;
+typedef svfloat32_t vf __attribute__((arm_sve_vector_bits(__ARM_FEATURE_SVE_BITS)));
+typedef svbool_t vm __attribute__((arm_sve_vector_bits(__ARM_FEATURE_SVE_BITS)));
+#define VW (__ARM_FEATURE_SVE_BITS / 32)
+#define FA_SVE_ALL svptrue_b32()
+#define vf_load(p) svld1_f32(FA_SVE_ALL, (p))
+#define fa_sve_f16(u) svcvt_f32_f16_x(FA_SVE_ALL, svreinterpret_f16_u32(u))
+#define vf_load_f16(p) fa_sve_f16(svld1uh_u32(FA_SVE_ALL, (const uint16_t *)(p)))
+#define vf_load_bf16(p) svreinterpret_f32_u32(svlsl_n_u32_x(FA_SVE_ALL, svld1uh_u32(FA_SVE_ALL, (const uint16_t *)(p)), 16))
+#define vf_load_i8(p) svcvt_f32_s32_x(FA_SVE_ALL, svld1sb_s32(FA_SVE_ALL, (const int8_t *)(p)))
+#define vf_load_e5m2(p) fa_sve_f16(svlsl_n_u32_x(FA_SVE_ALL, svld1ub_u32(FA_SVE_ALL, (const uint8_t *)(p)), 8))
+FA_INLINE vf vf_load_e4m3(const uint8_t *p)
+{
+    const svuint32_t w = svreinterpret_u32_s32(svld1sb_s32(FA_SVE_ALL, (const int8_t *)p));
+    const svuint32_t h = svand_n_u32_x(FA_SVE_ALL, svlsl_n_u32_x(FA_SVE_ALL, w, 7), 0xbf80u);
+    const svbool_t nan = svcmpeq_n_u32(FA_SVE_ALL, svand_n_u32_x(FA_SVE_ALL, h, 0x3f80u), 0x3f80u);
+    return svmul_n_f32_x(FA_SVE_ALL, fa_sve_f16(svorr_n_u32_m(nan, h, 0xffffu)), 256.0f);
+}
+#define vf_store(p, x) svst1_f32(FA_SVE_ALL, (p), (x))
+#define vf_set1(x) svdup_n_f32(x)
+#define vf_zero() svdup_n_f32(0.0f)
+/* Functions, not macros, where a result meets another vf in a conditional
+ * expression: the intrinsics return the sizeless type, which ?: does not mix
+ * with the fixed-length vf. */
+FA_INLINE vf vf_fma(vf a, vf b, vf c) { return svmla_f32_x(FA_SVE_ALL, c, a, b); }
+FA_INLINE vf vf_mul(vf a, vf b) { return svmul_f32_x(FA_SVE_ALL, a, b); }
+FA_INLINE vf vf_add(vf a, vf b) { return svadd_f32_x(FA_SVE_ALL, a, b); }
+FA_INLINE vf vf_sub(vf a, vf b) { return svsub_f32_x(FA_SVE_ALL, a, b); }
+/* x86's max/min (the SECOND operand when either is NaN; see the NEON section) */
+#define vf_max(a, b) fa_sve_max((a), (b))
+#define vf_min(a, b) fa_sve_min((a), (b))
+FA_INLINE vf fa_sve_max(vf a, vf b) { return svsel_f32(svcmpgt_f32(FA_SVE_ALL, a, b), a, b); }
+FA_INLINE vf fa_sve_min(vf a, vf b) { return svsel_f32(svcmplt_f32(FA_SVE_ALL, a, b), a, b); }
+FA_INLINE float vf_hsum(vf x) { return svaddv_f32(FA_SVE_ALL, x); }
+FA_INLINE float vf_hmax(vf x) { return svmaxv_f32(FA_SVE_ALL, x); }
+#define vf_round(x) svrintn_f32_x(FA_SVE_ALL, (x))
+/* p * 2^n for integral n in [-150, 128] (see the AVX-512 section). */
+FA_INLINE vf vf_ldexp2(vf p, vf n)
+{
+    const svint32_t ni = svcvt_s32_f32_x(FA_SVE_ALL, n), n1 = svasr_n_s32_x(FA_SVE_ALL, ni, 1);
+    const svint32_t n2 = svsub_s32_x(FA_SVE_ALL, ni, n1);
+    const vf s1 = svreinterpret_f32_s32(svlsl_n_s32_x(FA_SVE_ALL, svadd_n_s32_x(FA_SVE_ALL, n1, 127), 23));
+    const vf s2 = svreinterpret_f32_s32(svlsl_n_s32_x(FA_SVE_ALL, svadd_n_s32_x(FA_SVE_ALL, n2, 127), 23));
+    return svmul_f32_x(FA_SVE_ALL, svmul_f32_x(FA_SVE_ALL, p, s1), s2);
+}
+#define vf_shl23(t) svreinterpret_f32_u32(svlsl_n_u32_x(FA_SVE_ALL, svreinterpret_u32_f32(t), 23))
+/* Lane masks (see the AVX-512 section): lanes where x >= lim or unordered. */
+#define vm_none() svpfalse_b()
+#define vm_or_ge(m, x, lim) svorr_b_z(FA_SVE_ALL, (m), svnot_b_z(FA_SVE_ALL, svcmplt_f32(FA_SVE_ALL, (x), (lim))))
+#define vm_any(m) svptest_any(FA_SVE_ALL, (m))
+
+FA_INLINE void fa_cvt_row(float *dst, const void *src, int dt, int64_t n)
+{
+    int64_t j = 0;
+    if (dt == FA_F32) { memcpy(dst, src, (size_t)n * 4); return; }
+    if (fa_dtype_8(dt)) { fa_cvt_row8(dst, (const uint8_t *)src, dt, n); return; }
+    const uint16_t *s = (const uint16_t *)src;
+    if (dt == FA_F16) {
+        for (; j + VW <= n; j += VW) vf_store(dst + j, vf_load_f16(s + j));
+        for (; j < n; j++) dst[j] = fa_f16_to_f32(s[j]);
+    } else {
+        for (; j + VW <= n; j += VW) vf_store(dst + j, vf_load_bf16(s + j));
+        for (; j < n; j++) dst[j] = fa_bf16_to_f32(s[j]);
+    }
+}
+
 #else
 /* ---------------------------------------------------- portable C, width 1 */
 #ifndef REAL
@@ -346,7 +428,7 @@ FA_INLINE void fa_cvt_row(REAL *dst, const void *src, int dt, int64_t n)
 }
 #endif
 
-#if defined(FA_TARGET_AVX512) || defined(FA_TARGET_AVX2) || defined(FA_TARGET_NEON)
+#if defined(FA_TARGET_AVX512) || defined(FA_TARGET_AVX2) || defined(FA_TARGET_NEON) || defined(FA_TARGET_SVE)
 /* dst[0:n] = the 8-bit row src[0:n] (dtype dt: FA_I8, FA_E4M3, FA_E5M2) as float. */
 FA_INLINE void fa_cvt_row8(float *dst, const uint8_t *src, int dt, int64_t n)
 {

@@ -244,14 +244,16 @@ def get_float32_matmul_precision() -> str:
 
 
 def get_isa() -> str:
-    """The instruction-set path kernels run on: 'amx', 'avx512bf16', 'avx512', 'avx2' or 'scalar'.
+    """The kernels' instruction-set path: 'amx', 'avx512bf16', 'avx512', 'avx2', 'sve', 'neon' or 'scalar'.
 
     'amx' is the AVX-512 path plus the AMX tile kernel for bfloat16 query, key
     and value with at least 32 stacked rows (query positions x GQA group) per
     key/value head; it is the default where the CPU and OS allow AMX.
     'avx512bf16' is the AVX-512 path plus the same kernel with VDPBF16PS
     products (bfloat16 inputs, and float32 ones at precision "medium"), for
-    CPUs with AVX512-BF16 and no AMX.
+    CPUs with AVX512-BF16 and no AMX.  'neon' is the Arm64 path (Advanced
+    SIMD, which every AArch64 CPU has), 'sve' the same kernels in SVE vectors
+    where the CPU's length is 256 or 512 bits; 'scalar' the portable C one.
 
     Returns
     -------
@@ -262,14 +264,14 @@ def get_isa() -> str:
     Examples
     --------
     >>> import fastattn
-    >>> fastattn.get_isa() in ("amx", "avx512bf16", "avx512", "avx2", "scalar")
+    >>> fastattn.get_isa() in ("amx", "avx512bf16", "avx512", "avx2", "sve", "neon", "scalar")
     True
     """
     return _kernels.isa_get()
 
 
 def set_isa(isa: str) -> None:
-    """Force an ISA path ('amx', 'avx512bf16', 'avx512', 'avx2', 'scalar'); ValueError if the CPU lacks it.
+    """Force an ISA path (a name :func:`get_isa` lists); ValueError if the CPU lacks it.
 
     For testing and measurement: every path gives results within the same
     accuracy contract.
@@ -433,6 +435,7 @@ def config() -> dict[str, Any]:
         "avx512bf16_emulated (FASTATTN_EMULATE_AVX512BF16, tests only)": getattr(
             _build_config, "EMULATE_AVX512BF16", False
         ),
+        "sve_built (Arm64, compiler has fixed-length SVE)": getattr(_build_config, "SVE_BUILT", False),
         "openmp": _kernels.openmp_enabled(),
         "cpu_features": _kernels.cpu_features(),
         "isa": get_isa(),

@@ -31,6 +31,7 @@ cdef extern from "fastattn.h":
         FA_ISA_AMX
         FA_ISA_AVX512BF16
         FA_ISA_NEON
+        FA_ISA_SVE
 
     cpdef enum fa_precision:
         FA_PRECISION_HIGHEST
@@ -90,6 +91,7 @@ cdef extern from "fastattn.h":
     int fa_cpu_has_avx512bf16()
     int fa_cpu_has_amx()
     int fa_cpu_has_amx_fp16()
+    int fa_sve_bits()
     int fa_amx_fp16_usable()
     int fa_openmp_enabled()
     int fa_omp_max_threads()

@@ -23,7 +23,7 @@ del _enum
 
 # Indexed by enum fa_isa; "amx" is AVX-512 plus AMX tiles for bfloat16 prefill,
 # "avx512bf16" AVX-512 plus the same kernel on VDPBF16PS (AVX512-BF16 CPUs without AMX),
-# "neon" AArch64 Advanced SIMD.
+# "neon" AArch64 Advanced SIMD, "sve" the same kernels in SVE vectors of 256 or 512 bits.
 ISA_NAMES = tuple(m.name[len("FA_ISA_"):].lower() for m in sorted(fa_isa, key=int))
 
 
@@ -247,7 +247,7 @@ def cpu_features():
     return {"avx2": bool(fa_cpu_has(FA_ISA_AVX2)), "avx512f": bool(fa_cpu_has(FA_ISA_AVX512)),
             "f16c": bool(fa_cpu_has_f16c()), "avx512bf16": bool(fa_cpu_has_avx512bf16()),
             "amx_bf16": bool(fa_cpu_has_amx()), "amx_fp16": bool(fa_cpu_has_amx_fp16()),
-            "neon": bool(fa_cpu_has(FA_ISA_NEON))}
+            "neon": bool(fa_cpu_has(FA_ISA_NEON)), "sve_bits": int(fa_sve_bits())}
 
 
 def amx_fp16_usable():

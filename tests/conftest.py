@@ -22,6 +22,12 @@ from fastattn import _kernels
 from fastattn import reference as ref
 
 ISAS = [isa for isa in _kernels.ISA_NAMES if _kernels.cpu_has(isa)]
+# FASTATTN_TEST_ISAS="neon sve": the ISA-parametrised tests run only these of the CPU's paths
+# (tools/emulate_aarch64.sh: the scalar path's code is the same C as on x86, where it runs
+# anyway, and under qemu every path costs minutes).  A name the CPU lacks is a usage error.
+_TEST_ISAS = os.environ.get("FASTATTN_TEST_ISAS", "").split()
+if _TEST_ISAS:
+    ISAS = [isa for isa in ISAS if isa in _TEST_ISAS]
 
 # Relative tolerances (relative to the output scale): float32 kernels
 # accumulate in float32 and use a polynomial exp2; float64 kernels are exact
@@ -38,6 +44,8 @@ def pytest_configure(config):
     # (FASTATTN_ISA=avx512 on a CPU without it) would test another path and pass: refuse.
     if fastattn._config.env_problems():
         raise pytest.UsageError("; ".join(fastattn._config.env_problems().values()))
+    if not set(_TEST_ISAS) <= set(ISAS):
+        raise pytest.UsageError(f"FASTATTN_TEST_ISAS={' '.join(_TEST_ISAS)}: this CPU's paths are {ISAS}")
     if os.environ.get("FASTATTN_TEST_INSTALLED") == "1":
         path = os.path.realpath(fastattn.__file__)
         if "site-packages" not in path and "dist-packages" not in path:

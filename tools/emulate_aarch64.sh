@@ -4,7 +4,7 @@
 #
 #   tools/emulate_aarch64.sh                       # default CPUs and test files
 #   tools/emulate_aarch64.sh tests/kernel/test_isa.py -q -x   # other pytest arguments
-#   FASTATTN_ARM64_CPUS="max neoverse-n1" tools/emulate_aarch64.sh
+#   FASTATTN_ARM64_CPUS="neoverse-n1 max" tools/emulate_aarch64.sh
 #
 # How (needs root: apt-get, binfmt_misc, mmdebstrap; Debian's archive and PyPI):
 #   * the arm64 userland (python3.11, its headers, libgomp) is EXTRACTED from
@@ -20,11 +20,14 @@
 # The root filesystem and venv are kept in $FASTATTN_ARM64_DIR (default
 # ~/.cache/fastattn-arm64) and reused when present; the build is fresh each run.
 #
-# Emulated CPUs (QEMU_CPU; qemu gives no speeds, only results):
-#   max            every feature qemu has (NEON, SVE at 512 bits, bf16, i8mm)
-#   neoverse-n1    NEON only, as on Graviton 2 (getauxval has no HWCAP_SVE)
-# On each, the ISA-parametrised test files run every path the emulated CPU
-# has (scalar and neon); FASTATTN_ISA picks the default path of the others.
+# Emulated CPUs (QEMU_CPU; qemu gives no speeds, only results), each with the
+# path fastattn must choose there (tests/kernel/test_isa.py checks it):
+#   neoverse-n1                         NEON only, as Graviton 2      -> neon
+#   max,sve-default-vector-length=16    SVE at 128 bits (Graviton 4)  -> neon
+#   max,sve-default-vector-length=32    SVE at 256 bits (Graviton 3)  -> sve (sve256 unit)
+#   max                                 SVE at 512 bits (A64FX)       -> sve (sve512 unit)
+# On each, the ISA-parametrised files (test_isa.py) run every path the CPU has
+# (scalar, neon, sve); the other files run its default path.
 # numpy's OpenBLAS is pinned to its NEON kernels (OPENBLAS_CORETYPE): its
 # SVE/SME kernels on "-cpu max" are ~16x slower emulated, which makes the
 # float64 reference's matmuls look like hangs.  fastattn sees the whole CPU.
@@ -33,7 +36,7 @@ src=$(cd "$(dirname "$0")/.." && pwd)
 W="${FASTATTN_ARM64_DIR:-$HOME/.cache/fastattn-arm64}"
 ROOT="$W/rootfs"
 VENV="$W/venv"
-CPUS="${FASTATTN_ARM64_CPUS:-max neoverse-n1}"
+CPUS="${FASTATTN_ARM64_CPUS:-neoverse-n1 max,sve-default-vector-length=16 max,sve-default-vector-length=32 max}"
 t0=$SECONDS
 say() { printf '== [%4ds] %s\n' "$((SECONDS - t0))" "$*"; }
 
@@ -108,7 +111,9 @@ trap 'rm -rf "$work"' EXIT
 tar -C "$src" --exclude=./build --exclude="*.so" --exclude=./.git --exclude=./.venv --exclude=./.asv \
     --exclude=__pycache__ -cf - . | tar -C "$work" -xf -
 (cd "$work" && a64 python setup.py -q build_ext --inplace >build.log 2>&1) || { cat "$work/build.log"; exit 1; }
-grep -q "kernel_f32_neon" "$work/build.log" || { echo "the NEON unit was not built" >&2; exit 1; }
+for unit in kernel_f32_neon kernel_f32_sve256 kernel_f32_sve512; do
+    grep -q "$unit" "$work/build.log" || { echo "the $unit unit was not built" >&2; exit 1; }
+done
 
 if [ $# -gt 0 ]; then
     args=("$@")
@@ -119,11 +124,11 @@ else
         -q -x -p no:cacheprovider -o faulthandler_timeout=900)
 fi
 for cpu in $CPUS; do
-    say "QEMU_CPU=$cpu: the path is neon, then pytest ${args[*]}"
+    say "QEMU_CPU=$cpu: pytest ${args[*]}"
     (cd "$work" && QEMU_CPU=$cpu a64 env PYTHONPATH="$work" python -c '
 import fastattn, fastattn._kernels as k
-assert k.cpu_has("neon") and fastattn.get_isa() == "neon", (fastattn.get_isa(), k.cpu_features())
-print("isa", fastattn.get_isa(), "of", [i for i in k.ISA_NAMES if k.cpu_has(i)])')
+f = k.cpu_features()
+print("isa", fastattn.get_isa(), "of", [i for i in k.ISA_NAMES if k.cpu_has(i)], "sve_bits", f["sve_bits"])')
     (cd "$work" && QEMU_CPU=$cpu a64 env FASTATTN_TEST_INSTALLED=0 PYTHONPATH="$work" \
         python -m pytest "${args[@]}")
 done

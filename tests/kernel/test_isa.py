@@ -3,6 +3,8 @@ tile boundaries, and the vectorised exp2 over its whole input range."""
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 from conftest import ISAS, assert_close, check_sdpa, optional, randn
@@ -187,6 +189,24 @@ def test_unavailable_isa_rejected():
     assert fastattn.get_isa() == before
     with pytest.raises(ValueError):
         _kernels.exp2(np.zeros(4, np.float32), missing[0])
+
+
+def test_paths_of_the_architecture():
+    """x86 paths only on x86-64; on Arm64 the NEON path always, the SVE path
+    exactly where the vector length has a unit (256 or 512 bits), each the
+    default where present."""
+    arm64 = platform.machine().lower() in ("aarch64", "arm64")
+    x86 = [i for i in ("avx2", "avx512", "amx", "avx512bf16") if _kernels.cpu_has(i)]
+    feats = _kernels.cpu_features()
+    assert _kernels.cpu_has("neon") == feats["neon"] == arm64
+    if not arm64:
+        assert not _kernels.cpu_has("sve") and feats["sve_bits"] == 0
+        return
+    assert x86 == []
+    built = fastattn._config.config()["sve_built (Arm64, compiler has fixed-length SVE)"]
+    sve = feats["sve_bits"] in (256, 512) and built
+    assert _kernels.cpu_has("sve") == sve
+    assert _kernels.isa_best() == ("sve" if sve else "neon")
 
 
 def test_scalar_always_available():

@@ -48,7 +48,7 @@ def test_enums_come_from_the_header():
     assert (_kernels.FA_F32, _kernels.FA_F64, _kernels.FA_F16, _kernels.FA_BF16) == (0, 1, 2, 3)
     assert (_kernels.FA_I8, _kernels.FA_E4M3, _kernels.FA_E5M2) == (4, 5, 6)
     assert _kernels.MASK_BOOL == _kernels.FA_MASK_BOOL == int(_kernels.fa_mask_kind.FA_MASK_BOOL)
-    assert _kernels.ISA_NAMES == ("scalar", "avx2", "avx512", "amx", "avx512bf16")
+    assert _kernels.ISA_NAMES == ("scalar", "avx2", "avx512", "amx", "avx512bf16", "neon", "sve")
     assert _plan.MASK_KINDS[np.dtype(np.float64)] == _kernels.FA_MASK_F64
 
 

@@ -1,0 +1,17 @@
+/* kernel_f32_sve512.c: float32 kernel for AArch64 SVE at 512-bit vectors (built
+ * with -march=armv8.2-a+sve -msve-vector-bits=512; run only where the CPU's
+ * SVE length is 512 bits: csrc/dispatch.c). */
+#define FA_TARGET_SVE 1
+#define FA_SUFFIX _f32_sve512
+#define FA_ISA_SUFFIX _sve512
+/* Rows per register block: 12 x 2 z-register accumulators (32 keys per panel), the AVX-512 unit's shape at the same width.
+ * Not tuned on hardware: no SVE CPU was at hand (docs/performance.md). */
+#define FA_BLK_MR 12
+#define FA_BLK_NV 2
+#define FA_BLK_NVO 2
+#define FA_BLK_BN 128
+#define FA_BLK_BMR 96
+#define FA_BLK_BMR_SHORT 96
+#define FA_BLK_RD 8   /* at most this many rows take the decode path (GQA groups up to 8) */
+#include "kernel_impl.h"
+#include "backward_impl.h"
