@@ -2,14 +2,15 @@
 #define FA_TARGET_NEON 1
 #define FA_SUFFIX _f32_neon
 #define FA_ISA_SUFFIX _neon
-/* Rows per register block: 6 x 4 q-register accumulators, with the 4 K
- * vectors and the broadcast query value 29 of the 32 vector registers (the
- * 8 x 12 and 6 x 16 shapes of Arm GEMM kernels; 16 keys per panel keeps the
- * x86 tile of 64 keys a whole number of panels).  Not tuned on hardware:
- * no Arm CPU was at hand (docs/performance.md's estimates). */
-#define FA_BLK_MR 6
-#define FA_BLK_NV 4
-#define FA_BLK_NVO 4
+/* Rows per register block: 8 x 2 q-register accumulators.  With the 2 K
+ * vectors and the 8 query values GCC keeps in registers, 26 of the 32: no
+ * spill.  llvm-mca (tools/mca_neon.sh, docs/performance.md): Q.K^T and P.V
+ * at 92-94% of the FMA pipes on the Neoverse N1, N2, V1 and V2 models; the
+ * first block, 6 x 4, needed 34 registers, spilled two accumulators every
+ * step and modelled at <= 60% on V1 / V2.  Not timed: no Arm CPU was at hand. */
+#define FA_BLK_MR 8
+#define FA_BLK_NV 2
+#define FA_BLK_NVO 2
 #define FA_BLK_BN 64
 #define FA_BLK_BMR 192
 #define FA_BLK_BMR_SHORT 96

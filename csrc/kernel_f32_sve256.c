@@ -4,11 +4,13 @@
 #define FA_TARGET_SVE 1
 #define FA_SUFFIX _f32_sve256
 #define FA_ISA_SUFFIX _sve256
-/* Rows per register block: 6 x 4 z-register accumulators (32 keys per panel), as the NEON unit's 6 x 4.
- * Not tuned on hardware: no SVE CPU was at hand (docs/performance.md). */
-#define FA_BLK_MR 6
-#define FA_BLK_NV 4
-#define FA_BLK_NVO 4
+/* Rows per register block: 8 x 2 z-register accumulators (16 keys per
+ * panel), the NEON unit's block (26 of the 32 registers with the K vectors
+ * and the query values: no spill; tools/mca_neon.sh for the NEON copy).
+ * Not timed: no SVE CPU was at hand. */
+#define FA_BLK_MR 8
+#define FA_BLK_NV 2
+#define FA_BLK_NVO 2
 #define FA_BLK_BN 64
 #define FA_BLK_BMR 96
 #define FA_BLK_BMR_SHORT 96

@@ -4,9 +4,11 @@
 #define FA_TARGET_SVE 1
 #define FA_SUFFIX _f32_sve512
 #define FA_ISA_SUFFIX _sve512
-/* Rows per register block: 12 x 2 z-register accumulators (32 keys per panel), the AVX-512 unit's shape at the same width.
- * Not tuned on hardware: no SVE CPU was at hand (docs/performance.md). */
-#define FA_BLK_MR 12
+/* Rows per register block: 8 x 2 z-register accumulators (32 keys per
+ * panel), the NEON unit's block (26 of the 32 registers with the K vectors
+ * and the query values: no spill; tools/mca_neon.sh for the NEON copy).
+ * Not timed: no SVE CPU was at hand. */
+#define FA_BLK_MR 8
 #define FA_BLK_NV 2
 #define FA_BLK_NVO 2
 #define FA_BLK_BN 128

@@ -41,6 +41,8 @@ class fa_isa(enum.IntEnum):
     FA_ISA_AVX512 = 2
     FA_ISA_AMX = 3
     FA_ISA_AVX512BF16 = 4
+    FA_ISA_NEON = 5
+    FA_ISA_SVE = 6
 
 class fa_precision(enum.IntEnum):
     FA_PRECISION_HIGHEST = 0
@@ -69,6 +71,8 @@ FA_ISA_AVX2: int
 FA_ISA_AVX512: int
 FA_ISA_AMX: int
 FA_ISA_AVX512BF16: int
+FA_ISA_NEON: int
+FA_ISA_SVE: int
 FA_PRECISION_HIGHEST: int
 FA_PRECISION_HIGH: int
 FA_PRECISION_MEDIUM: int
@@ -92,7 +96,7 @@ def isa_get() -> str: ...
 def isa_set(isa: str) -> bool:
     """Select an ISA path; returns False when the CPU lacks it."""
 
-def cpu_features() -> dict[str, bool]: ...
+def cpu_features() -> dict[str, bool | int]: ...
 def amx_fp16_usable() -> bool: ...
 def cache_sizes() -> dict[str, int]: ...
 def tiles_set_rows(rows: int) -> bool: ...

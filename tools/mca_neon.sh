@@ -22,14 +22,17 @@
 #     with the source lines of its .loc directives; a loop is assigned to a
 #     kernel loop by a source line that only that loop has (found by text, so
 #     edits above it do not break this) and by its fmla count (the register
-#     block: 6 x 4 = 24 for the prefill micro-kernels).
+#     block FA_BLK_MR x FA_BLK_NV, read from the unit, for the prefill micro-kernels).
 #  3. The micro-kernels are inlined many times (one copy per call site and
-#     constant); copies of one loop are grouped by (instructions, stack
-#     accesses) and the largest group is simulated, the others are listed.
+#     constant); copies of one loop are grouped by (instructions, q-register
+#     stack accesses) and the largest group is simulated, the others are
+#     listed.  One extra row for comparison: a hand-written spill-free 6 x 4
+#     Q.K^T step (a reference, not compiled code).
 #  4. llvm-mca -iterations=$ITER on the loop body (branch included) per CPU:
 #     cycles/iteration = Total Cycles / iterations.  FMA bound = (fmla + fmul)
 #     / FMA-capable 128-bit pipes of the real core (N1 2, N2 2, V1 4, V2 4,
 #     Apple M1 4), efficiency = bound / cycles.
+#  Stores with base writeback are simulated as store + add (see unwb below).
 #  llvm-mca assumes that loads never wait for earlier stores (-noalias): an
 #  accumulator spilled to the stack in the loop (ldr / fmla / str on [sp]) is a
 #  loop-carried chain it does not see.  For such loops the script also prints
@@ -83,22 +86,43 @@ def src_line(path, anchor, text):
 
 U, I = 'csrc/kernel_ukernels.h', 'csrc/kernel_impl.h'
 # name, description, (file, anchor, text) of a source line only that loop has, wanted fmla count, extra test
+# the unit's register block (csrc/kernel_f32_neon.c): the prefill micro-kernels' fmla count
+_unit = open('csrc/kernel_f32_neon.c').read()
+MR = int(re.search(r'#define FA_BLK_MR (\d+)', _unit).group(1))
+NV = int(re.search(r'#define FA_BLK_NV (\d+)', _unit).group(1))
 KINDS = [
-    ('qk_6x4', 'Q.K^T micro-kernel 6x4 (qk_ukernel)',
-     (U, 'FA_NAME(qk_ukernel)(', 'vf_set1(Qp[d * mr + i])'), 24, None),
-    ('pv_6x4', 'P.V micro-kernel 6x4 (pv_ukernel)',
-     (U, 'FA_NAME(pv_ukernel)(', 'vf_set1(P[i * ldp + j])'), 24, None),
+    ('qk_%dx%d' % (MR, NV), 'Q.K^T micro-kernel %dx%d (qk_ukernel)' % (MR, NV),
+     (U, 'FA_NAME(qk_ukernel)(', 'vf_set1(Qp[d * mr + i])'), MR * NV, None),
+    ('pv_%dx%d' % (MR, NV), 'P.V micro-kernel %dx%d (pv_ukernel)' % (MR, NV),
+     (U, 'FA_NAME(pv_ukernel)(', 'vf_set1(P[i * ldp + j])'), MR * NV, None),
     ('exp_row', 'softmax exp2 (exp_row, vf_exp2_neg), 4 scores',
      (I, 'FA_NAME(exp_row)(', 'for (int64_t j = j0; j < j1; j += VW)'), 5, None),
-    ('qk_rows1', 'decode Q.K^T, 1 row, f32 K (qk_rows, 8 d)',
+    ('qk_rows1', 'decode Q.K^T, 1 row, f32 K, D=128 (qk_rows; 8 d per iter)',
      (U, '#pragma GCC unroll 1', 'for (int64_t d = 0; d < Dp2; d += 2 * VW)'), 2,
      lambda ins: any(re.match(r'cmp\s+x\d+, 512$', x) for x in ins)),          # Dp = 128 copy
-    ('pv_rows1x8', 'decode P.V, 1 row x 8 vectors (pv_rows_blk, D=128)',
+    ('pv_rows1x8', 'decode P.V, 1 row x 8 vectors, D=128 (pv_rows_blk)',
      (U, 'FA_NAME(pv_rows_blk)(', 'for (int64_t j = 0; j < nj; j++)'), 8,
      lambda ins: sum(x.startswith(('ld1r', 'ldr\ts')) for x in ins) == 1),      # one P value
-    ('pv_row1x16', 'decode P.V, 1 row x 16 vectors (pv_row1, D=64)',
+    ('pv_row1x16', 'decode P.V, 1 row x 16 vectors, D=64 (pv_row1)',
      (U, 'FA_NAME(pv_row1)(', 'vf pj = vf_set1(P[j])'), 16, None),
 ]
+# a vector register stored to / loaded from the stack: a spilled accumulator
+SPILL = re.compile(r'^(ldr|str|ldp|stp)\s+q\d+,.*\[sp\b')
+
+def unwb(x):
+    """A store with base writeback as the store plus an add (what the core's address
+    micro-op does): llvm-mca makes the new base wait for the stored DATA, which
+    serialised the exp loop (its next load's address waited for the whole exp2)."""
+    m = re.match(r'^(st\w*)\s+(.*), \[(\w+)\], #?(-?\d+)$', x)        # post-index
+    if m:
+        return ['%s\t%s, [%s]' % (m.group(1), m.group(2), m.group(3)),
+                'add\t%s, %s, %s' % (m.group(3), m.group(3), m.group(4))]
+    m = re.match(r'^(st\w*)\s+(.*), \[(\w+), #?(-?\d+)\]!$', x)    # pre-index
+    if m:
+        return ['add\t%s, %s, %s' % (m.group(3), m.group(3), m.group(4)),
+                '%s\t%s, [%s]' % (m.group(1), m.group(2), m.group(3))]
+    return [x]
+
 CVT = ('fcvtl', 'shll', 'sxtl', 'scvtf', 'ushll', 'sshll')   # 16/8-bit K or V copies: not float32
 
 text = open(asm).read().split('\n')
@@ -139,22 +163,33 @@ for name, desc, (path, anchor, txt), nfma, extra in KINDS:
             best[t] = ins
     groups = collections.defaultdict(list)
     for t, ins in best.items():
-        groups[(len(ins), sum('[sp' in x for x in ins))].append((t, ins))
+        groups[(len(ins), sum(bool(SPILL.match(x)) for x in ins))].append((t, ins))
     (n, nsp), members = max(groups.items(), key=lambda kv: (len(kv[1]), -kv[0][0]))
-    body = members[0][1]
+    body = [x2 for x in members[0][1] for x2 in unwb(x)]
     open('%s/%s.s' % (work, name), 'w').write('\n'.join(body) + '\n')
     others = ' '.join('%dx(%d instr, %d sp)' % (len(v), k[0], k[1])
                       for k, v in sorted(groups.items()) if k != (n, nsp))
     nf = sum(x.startswith(('fmla', 'fmul')) and '.4s' in x for x in body)
     rows.append('\t'.join(map(str, [name, desc, n, nf, nsp, len(members), others or '-',
                                    '%s:%d' % key])))
+# Reference, not compiled code: the 6 x 4 Q.K^T step written by hand without spills (Q's 6 values
+# as one ldr q + one ldr d, fmla by lane: 24 + 4 + 2 = 30 vector registers).
+ref = ['ldp\tq24, q25, [x5]', 'ldp\tq26, q27, [x5, 32]', 'add\tx5, x5, 64',
+       'ldr\tq28, [x4]', 'ldr\td29, [x4, 16]', 'add\tx4, x4, 24']
+ref += ['fmla\tv%d.4s, v%d.4s, v%d.s[%d]' % (4 * i + v, 24 + v, 28 + i // 4, i % 4)
+        for i in range(6) for v in range(4)]
+ref += ['cmp\tx5, x6', 'b.ne\t.Lref']
+open(work + '/qk_6x4_lane.s', 'w').write('\n'.join(ref) + '\n')
+rows.append('\t'.join(['qk_6x4_lane', 'reference: hand-written 6x4 Q.K^T, ldr q + ldr d, fmla by lane',
+                       str(len(ref)), '24', '0', '0', '-', '-']))
 open(work + '/loops.tsv', 'w').write('\n'.join(rows) + '\n')
 EOF
 
 if [ -n "${DUMP:-}" ]; then mkdir -p "$DUMP" && cp "$WORK"/*.s "$WORK/loops.tsv" "$DUMP"/; fi
 
 # ---- step 4: simulate each loop on each CPU
-pipes() { case $1 in neoverse-n1|neoverse-n2|a64fx) echo 2 ;; *) echo 4 ;; esac; }
+# 128-bit FMLA pipes of the real core (not of the model); other -mcpu names: 2
+pipes() { case $1 in neoverse-v1|neoverse-v2|apple-m*|cortex-x*) echo 4 ;; *) echo 2 ;; esac; }
 short() { case $1 in neoverse-n1) echo N1 ;; neoverse-n2) echo N2 ;; neoverse-v1) echo V1 ;;
     neoverse-v2) echo V2 ;; apple-m1) echo M1 ;; *) echo "$1" ;; esac; }
 # model latency of one instruction (column 2 of -instruction-info)
@@ -164,11 +199,12 @@ lat() { printf '%s\n' "$2" >"$WORK/lat.s"
 
 hdr="| loop | instr/iter | FMAs/iter |"; sep="|---|---|---|"
 for cpu in $CPUS; do hdr="$hdr $(short "$cpu") ($(pipes "$cpu") pipes) |"; sep="$sep---|"; done
-echo "cycles/iteration (llvm-mca) / FMA-bound cycles = efficiency"
+echo "cycles/iteration (llvm-mca) / FMA-bound cycles = efficiency (ESTIMATES, not measurements)"
 echo "$hdr"; echo "$sep"
 notes=""
 while IFS=$'\t' read -r name desc n nf nsp ncopies others src; do
-    line="| $desc | $n | $nf |"
+    spill=""; if [ "$nsp" -gt 0 ]; then spill=", $nsp q-register stack accesses"; fi
+    line="| $desc$spill | $n | $nf |"
     for cpu in $CPUS; do
         out=$("$MCA" -mtriple=aarch64 -mcpu="$cpu" -iterations="$ITER" "$WORK/$name.s")
         cyc=$(awk -v it="$ITER" '/^Total Cycles:/{printf "%.2f", $3/it}' <<<"$out")
@@ -177,19 +213,24 @@ while IFS=$'\t' read -r name desc n nf nsp ncopies others src; do
                     p&&/^[ 0-9.-]+$/&&NF>1{for(i=1;i<=NF;i++) if($i!="-"&&$i+0>mx){mx=$i+0;b=nm[i]} p=0}
                     END{printf "%s %.2f", b, mx}' <<<"$out")
         bound=$(awk -v f="$nf" -v p="$(pipes "$cpu")" 'BEGIN{printf "%.2f", f/p}')
-        eff=$cyc; cell=""
-        if [ "$nsp" -gt 0 ]; then   # spilled accumulator: ldr q + fmla chain per iteration
+        eff=$cyc; chaintxt=""; le=""
+        if [ "$nsp" -gt 0 ]; then   # spilled accumulator: ldr q + fmla per iteration, at least
             chain=$(( $(lat "$cpu" 'ldr q0, [sp, 16]') + $(lat "$cpu" 'fmla v0.4s, v1.4s, v2.4s') ))
-            eff=$(awk -v a="$cyc" -v b="$chain" 'BEGIN{print (b > a ? b : a)}')
-            cell=" (spill chain >= $chain)"
+            if awk -v a="$cyc" -v b="$chain" 'BEGIN{exit !(b > a)}'; then
+                eff=$chain; chaintxt=" (chain >= $chain)"; le="<="
+            fi
         fi
         pct=$(awk -v b="$bound" -v c="$eff" 'BEGIN{printf "%.0f", 100 * b / c}')
-        line="$line $cyc / $bound = $pct%$cell |"
+        line="$line $cyc$chaintxt / $bound = $le$pct% |"
         notes="$notes  $name $(short "$cpu"): busiest resource $busy cycles/iter"$'\n'
     done
     echo "$line"
-    notes="$notes  $name: source line $src; simulated the $ncopies copies of $n instructions"
-    notes="$notes with $nsp stack accesses; other copies: $others"$'\n'
+    if [ "$src" = "-" ]; then
+        notes="$notes  $name: written by hand (not compiled code), $n instructions"$'\n'
+    else
+        notes="$notes  $name: source line $src; simulated the $ncopies copies of $n instructions"
+        notes="$notes with $nsp q-register stack accesses; other copies (instr, q stack accesses): $others"$'\n'
+    fi
 done <"$WORK/loops.tsv"
 echo
 echo "notes:"
