@@ -98,6 +98,34 @@ class _Options:
         return mask, kw
 
 
+def _forward(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask_t: torch.Tensor | None, opts: _Options
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) by fastattn's forward: the eager Function's and the custom op's body."""
+    mask, kw = opts.arrays(mask_t, query.shape[-2], key.shape[-2])
+    out, lse = _sdpa(_np(query), _np(key), _np(value), mask, return_lse=True, **kw)
+    return _torch(out), _torch(lse)
+
+
+def _backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask_t: torch.Tensor | None,
+    opts: _Options,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) by fastattn's fused backward (both paths' body)."""
+    mask, kw = opts.arrays(mask_t, query.shape[-2], key.shape[-2])
+    go = _np(grad_out.to(query.dtype))
+    dq, dk, dv = scaled_dot_product_attention_backward(
+        go, _np(query), _np(key), _np(value), _np(out), _np(lse), mask, **kw
+    )
+    return _torch(dq), _torch(dk), _torch(dv)
+
+
 def _batched_front(
     args: tuple[torch.Tensor | None, ...], in_dims: tuple[int | None, ...], size: int, mask_at: int, ndim: int
 ) -> list[torch.Tensor | None]:
@@ -136,9 +164,7 @@ class _FusedSDPA(torch.autograd.Function):
         mask_t: torch.Tensor | None,
         opts: _Options,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        mask, kw = opts.arrays(mask_t, query.shape[-2], key.shape[-2])
-        out, lse = _sdpa(_np(query), _np(key), _np(value), mask, return_lse=True, **kw)
-        return _torch(out), _torch(lse)
+        return _forward(query, key, value, mask_t, opts)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -196,12 +222,7 @@ class _FusedSDPABackward(torch.autograd.Function):
         mask_t: torch.Tensor | None,
         opts: _Options,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        mask, kw = opts.arrays(mask_t, query.shape[-2], key.shape[-2])
-        go = _np(grad_out.to(query.dtype))
-        dq, dk, dv = scaled_dot_product_attention_backward(
-            go, _np(query), _np(key), _np(value), _np(out), _np(lse), mask, **kw
-        )
-        return _torch(dq), _torch(dk), _torch(dv)
+        return _backward(grad_out, query, key, value, out, lse, mask_t, opts)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -242,6 +263,95 @@ class _FusedSDPABackward(torch.autograd.Function):
         return res, (0, 0, 0)
 
 
+# Under torch.compile the call is this custom op (Dynamo cannot trace the NumPy
+# views of the eager path): its fake gives the output shapes, so a compiled
+# graph keeps it whole (fullgraph=True), and AOTAutograd differentiates it
+# through fastattn::sdpa_backward (its autograd formula; that op has none, so a
+# double backward raises).  Same kernels as the eager path.  The float32
+# precision is the one in effect when the graph was traced.
+@torch.library.custom_op("fastattn::sdpa", mutates_args=())
+def _sdpa_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    precision: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(query, key, value, attn_mask, _Options(is_causal, scale, enable_gqa, precision))
+
+
+@_sdpa_op.register_fake
+def _sdpa_op_fake(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    precision: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # fastattn's results: C-contiguous, out in the query's dtype, lse float32 (float64 for float64)
+    rows = tuple(query.shape[:-1])
+    lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    return query.new_empty(rows + (value.shape[-1],)), query.new_empty(rows, dtype=lse_dtype)
+
+
+@torch.library.custom_op("fastattn::sdpa_backward", mutates_args=())
+def _sdpa_backward_op(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    precision: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    opts = _Options(is_causal, scale, enable_gqa, precision)
+    return _backward(grad_out, query, key, value, out, lse, attn_mask, opts)
+
+
+@_sdpa_backward_op.register_fake
+def _sdpa_backward_op_fake(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    precision: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+def _op_setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    query, key, value, attn_mask, is_causal, scale, enable_gqa, precision = inputs
+    ctx.save_for_backward(query, key, value, output[0], output[1], attn_mask)
+    ctx.mark_non_differentiable(output[1])
+    ctx.opts = (is_causal, scale, enable_gqa, precision)
+
+
+def _op_backward(ctx: Any, grad_out: torch.Tensor | None, _grad_lse: torch.Tensor | None) -> tuple[Any, ...]:
+    query, key, value, out, lse, attn_mask = ctx.saved_tensors
+    go = torch.zeros_like(out) if grad_out is None else grad_out
+    dq, dk, dv = torch.ops.fastattn.sdpa_backward(go, query, key, value, out, lse, attn_mask, *ctx.opts)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_sdpa_op.register_autograd(_op_backward, setup_context=_op_setup_context)
+
+
 def scaled_dot_product_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -269,7 +379,10 @@ def scaled_dot_product_attention(
 
     As torch: under ``torch.autocast("cpu")`` every floating input but float64
     (the mask included) is cast to the autocast dtype; ``torch.func.vmap`` and
-    ``torch.func.grad`` (and their compositions) work; the backward refuses to
+    ``torch.func.grad`` (and their compositions) work; under ``torch.compile``
+    (``fullgraph=True`` too) the call is the custom op ``torch.ops.fastattn.sdpa``
+    (its backward ``torch.ops.fastattn.sdpa_backward``), kept whole in the
+    graph, with the float32 precision in effect when it was traced; the backward refuses to
     run after the output, an input or the mask was modified in place; the
     gradient is not differentiable again (double backward, e.g. a gradient
     penalty, raises RuntimeError).  float32 is computed at
@@ -349,6 +462,12 @@ def scaled_dot_product_attention(
         attn_mask = attn_mask.detach()  # nothing is recorded: it is just a constant
     if query.dim() < 2:
         raise ValueError(f"query must have at least 2 dimensions, got shape {tuple(query.shape)}")
-    opts = _Options(bool(is_causal), scale, bool(enable_gqa), get_float32_matmul_precision())
+    precision = get_float32_matmul_precision()
+    if torch.compiler.is_compiling():
+        sc = None if scale is None else float(scale)
+        flags = (bool(is_causal), sc, bool(enable_gqa), precision)
+        compiled: torch.Tensor = torch.ops.fastattn.sdpa(query, key, value, attn_mask, *flags)[0]
+        return compiled
+    opts = _Options(bool(is_causal), scale, bool(enable_gqa), precision)
     out: torch.Tensor = _FusedSDPA.apply(query, key, value, attn_mask, opts)[0]
     return out
