@@ -296,21 +296,6 @@ typedef uint32x4_t vm;
 #define vm_or_ge(m, x, lim) vorrq_u32((m), vmvnq_u32(vcltq_f32((x), (lim))))
 #define vm_any(m) (vmaxvq_u32(m) != 0)
 
-FA_INLINE void fa_cvt_row(float *dst, const void *src, int dt, int64_t n)
-{
-    int64_t j = 0;
-    if (dt == FA_F32) { memcpy(dst, src, (size_t)n * 4); return; }
-    if (fa_dtype_8(dt)) { fa_cvt_row8(dst, (const uint8_t *)src, dt, n); return; }
-    const uint16_t *s = (const uint16_t *)src;
-    if (dt == FA_F16) {
-        for (; j + 4 <= n; j += 4) vst1q_f32(dst + j, vf_load_f16(s + j));
-        for (; j < n; j++) dst[j] = fa_f16_to_f32(s[j]);
-    } else {
-        for (; j + 4 <= n; j += 4) vst1q_f32(dst + j, vf_load_bf16(s + j));
-        for (; j < n; j++) dst[j] = fa_bf16_to_f32(s[j]);
-    }
-}
-
 #elif defined(FA_TARGET_SVE)
 /* ------------------------------------------- AArch64 SVE, fixed length */
 /* Built with -msve-vector-bits=N (N = 256 or 512: setup.py's sve256 and
@@ -377,21 +362,6 @@ FA_INLINE vf vf_ldexp2(vf p, vf n)
 #define vm_or_ge(m, x, lim) svorr_b_z(FA_SVE_ALL, (m), svnot_b_z(FA_SVE_ALL, svcmplt_f32(FA_SVE_ALL, (x), (lim))))
 #define vm_any(m) svptest_any(FA_SVE_ALL, (m))
 
-FA_INLINE void fa_cvt_row(float *dst, const void *src, int dt, int64_t n)
-{
-    int64_t j = 0;
-    if (dt == FA_F32) { memcpy(dst, src, (size_t)n * 4); return; }
-    if (fa_dtype_8(dt)) { fa_cvt_row8(dst, (const uint8_t *)src, dt, n); return; }
-    const uint16_t *s = (const uint16_t *)src;
-    if (dt == FA_F16) {
-        for (; j + VW <= n; j += VW) vf_store(dst + j, vf_load_f16(s + j));
-        for (; j < n; j++) dst[j] = fa_f16_to_f32(s[j]);
-    } else {
-        for (; j + VW <= n; j += VW) vf_store(dst + j, vf_load_bf16(s + j));
-        for (; j < n; j++) dst[j] = fa_bf16_to_f32(s[j]);
-    }
-}
-
 #else
 /* ---------------------------------------------------- portable C, width 1 */
 #ifndef REAL
@@ -425,6 +395,25 @@ typedef int vm; /* lane masks (see the AVX-512 section) */
 FA_INLINE void fa_cvt_row(REAL *dst, const void *src, int dt, int64_t n)
 {
     for (int64_t j = 0; j < n; j++) dst[j] = (REAL)fa_load_elem(src, dt, j);
+}
+#endif
+
+#if defined(FA_TARGET_NEON) || defined(FA_TARGET_SVE)
+/* dst[0:n] = src[0:n] (dtype dt) converted to float, over the Arm sections'
+ * hooks (the x86 sections write theirs with their own intrinsics). */
+FA_INLINE void fa_cvt_row(float *dst, const void *src, int dt, int64_t n)
+{
+    int64_t j = 0;
+    if (dt == FA_F32) { memcpy(dst, src, (size_t)n * 4); return; }
+    if (fa_dtype_8(dt)) { fa_cvt_row8(dst, (const uint8_t *)src, dt, n); return; }
+    const uint16_t *s = (const uint16_t *)src;
+    if (dt == FA_F16) {
+        for (; j + VW <= n; j += VW) vf_store(dst + j, vf_load_f16(s + j));
+        for (; j < n; j++) dst[j] = fa_f16_to_f32(s[j]);
+    } else {
+        for (; j + VW <= n; j += VW) vf_store(dst + j, vf_load_bf16(s + j));
+        for (; j < n; j++) dst[j] = fa_bf16_to_f32(s[j]);
+    }
 }
 #endif
 

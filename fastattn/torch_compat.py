@@ -285,14 +285,7 @@ def _sdpa_op(
 
 @_sdpa_op.register_fake
 def _sdpa_op_fake(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    is_causal: bool,
-    scale: float | None,
-    enable_gqa: bool,
-    precision: str,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *_: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # fastattn's results: C-contiguous, out in the query's dtype, lse float32 (float64 for float64)
     rows = tuple(query.shape[:-1])
@@ -320,17 +313,7 @@ def _sdpa_backward_op(
 
 @_sdpa_backward_op.register_fake
 def _sdpa_backward_op_fake(
-    grad_out: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    is_causal: bool,
-    scale: float | None,
-    enable_gqa: bool,
-    precision: str,
+    grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *_: Any
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
