@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["is_tensor", "to_numpy", "from_numpy"]
+__all__ = ["is_tensor", "is_compiling", "to_numpy", "from_numpy"]
 
 
 def torch_module() -> Any:
@@ -28,6 +28,13 @@ def is_tensor(x: Any) -> bool:
     """True when x is a torch.Tensor (without importing torch)."""
     torch = torch_module()
     return torch is not None and isinstance(x, torch.Tensor)
+
+
+def is_compiling() -> bool:
+    """True while ``torch.compile`` traces the caller (NumPy views cannot be traced: a front end
+    takes its custom-op path there)."""
+    torch = torch_module()
+    return torch is not None and bool(torch.compiler.is_compiling())
 
 
 def to_numpy(t: Any, name: str, *, writable: bool = False) -> npt.NDArray[Any]:

@@ -247,7 +247,9 @@ def attention_forward(
             else None
         )
         return out.transpose(1, 2).contiguous(), weights
-    if grad:
+    plain = cap is None and s_aux is None and position_bias is None
+    if grad or (plain and _torch_bridge.is_compiling()):
+        # (under torch.compile: torch_compat's custom op, which the graph keeps whole)
         from .torch_compat import scaled_dot_product_attention as torch_sdpa
 
         out = torch_sdpa(

@@ -110,3 +110,44 @@ def test_op_gradient_not_differentiable_again():
     (dq,) = torch.autograd.grad(out.sum(), (q,), create_graph=True)
     with pytest.raises(RuntimeError):
         dq.sum().backward()
+
+
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
+def test_hf_attention_function_fullgraph(mask_kind):
+    """fastattn.hf's attention function (no softcap, sinks or bias) compiles whole, through the
+    same op; against torch's SDPA on transformers' 4-D masks."""
+    hf = optional("fastattn.hf")
+    q, k, v = _inputs(torch.float32, 4, 2, 10, 10, 16, 16, seed=6)
+    gen = torch.Generator().manual_seed(8)
+    mask = None
+    if mask_kind == "bool":
+        mask = (torch.rand((2, 1, 10, 10), generator=gen) > 0.3) | torch.eye(10, dtype=torch.bool)
+    elif mask_kind == "float":
+        mask = torch.randn((2, 1, 10, 10), generator=gen)
+
+    def layer(q, k, v, m):
+        return hf.attention_forward(None, q, k, v, m, is_causal=True)[0]
+
+    def reference(q, k, v, m):  # sdpa's rule: is_causal only without a mask
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=m is None, enable_gqa=True)
+        return o.transpose(1, 2)
+
+    torch._dynamo.reset()
+    _compare(
+        torch.compile(layer, fullgraph=True, backend="aot_eager"), reference, [q, k, v], mask, torch.float32
+    )
+
+
+def test_hf_attention_function_inference_fullgraph():
+    """Inference (no tensor requires grad, the usual compiled generate loop): the op too."""
+    hf = optional("fastattn.hf")
+    q, k, v = (t.detach() for t in _inputs(torch.float32, 4, 2, 1, 12, 16, 16, seed=9))
+
+    def layer(q, k, v):
+        return hf.attention_forward(None, q, k, v, None, is_causal=True)[0]
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(layer, fullgraph=True, backend="aot_eager")(q, k, v)
+    ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True).transpose(1, 2)  # one query: no causal
+    assert float((out - ref).abs().max()) <= 2e-4
