@@ -258,6 +258,11 @@ for _units in (ISA_UNITS, FAMILY_UNITS):
         (src, flags + ["-fno-sanitize=all"] if os.path.basename(src)[:-2] in UNINSTRUMENTED else flags)
         for src, flags in _units
     ]
+    if UNINSTRUMENTED:
+        # Longest compiles first (BUILD_JOBS at a time): the instrumented vector units (the avx2
+        # kernel alone ~1100 s of CPU), then the scalar ones, the uninstrumented ones last.  In list
+        # order the two scalar units went first and the avx2 unit started only after them.
+        _units.sort(key=lambda u: (os.path.basename(u[0])[:-2] in UNINSTRUMENTED, "_scalar" in u[0]))
 
 
 def _build_config_text():
