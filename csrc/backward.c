@@ -38,10 +38,13 @@ static const fa_bwd_kernel *fa_select_bwd_kernel(const fa_params *p)
     }
 #endif
 #if defined(FA_HAVE_ARM64)
+    switch (fa_isa_get()) { /* read once: the call runs whole on one path */
 #if defined(FA_HAVE_SVE)
-    if (fa_isa_get() == FA_ISA_SVE) return fa_sve_bits() == 256 ? &fa_bwd_kernel_f32_sve256 : &fa_bwd_kernel_f32_sve512;
+    case FA_ISA_SVE: return fa_sve_bits() == 256 ? &fa_bwd_kernel_f32_sve256 : &fa_bwd_kernel_f32_sve512;
 #endif
-    if (fa_isa_get() == FA_ISA_NEON) return &fa_bwd_kernel_f32_neon;
+    case FA_ISA_NEON: return &fa_bwd_kernel_f32_neon;
+    default: break;
+    }
 #endif
     return &fa_bwd_kernel_f32_scalar;
 }

@@ -327,10 +327,13 @@ const fa_kernel *fa_select_kernel(const fa_params *p)
     }
 #endif
 #if defined(FA_HAVE_ARM64)
+    switch (fa_isa_get()) { /* read once, as above: the call runs whole on one path */
 #if defined(FA_HAVE_SVE)
-    if (fa_isa_get() == FA_ISA_SVE) return fa_sve_bits() == 256 ? &fa_kernel_f32_sve256 : &fa_kernel_f32_sve512;
+    case FA_ISA_SVE: return fa_sve_bits() == 256 ? &fa_kernel_f32_sve256 : &fa_kernel_f32_sve512;
 #endif
-    if (fa_isa_get() == FA_ISA_NEON) return &fa_kernel_f32_neon;
+    case FA_ISA_NEON: return &fa_kernel_f32_neon;
+    default: break;
+    }
 #endif
     return &fa_kernel_f32_scalar;
 }

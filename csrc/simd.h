@@ -113,26 +113,6 @@ typedef __mmask16 vm;
 
 
 
-/* dst[0:n] = src[0:n] converted to float; n is a multiple of VW or a tail. */
-FA_INLINE void fa_cvt_row(float *dst, const void *src, int dt, int64_t n)
-{
-    int64_t j = 0;
-    if (dt == FA_F32) { memcpy(dst, src, (size_t)n * 4); return; }
-    if (fa_dtype_8(dt)) { fa_cvt_row8(dst, (const uint8_t *)src, dt, n); return; }
-    const uint16_t *s = (const uint16_t *)src;
-    if (dt == FA_F16) {
-        for (; j + 16 <= n; j += 16)
-            _mm512_storeu_ps(dst + j, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + j))));
-        for (; j < n; j++) dst[j] = fa_f16_to_f32(s[j]);
-    } else {
-        for (; j + 16 <= n; j += 16) {
-            __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(s + j)));
-            _mm512_storeu_ps(dst + j, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-        }
-        for (; j < n; j++) dst[j] = fa_bf16_to_f32(s[j]);
-    }
-}
-
 #elif defined(FA_TARGET_AVX2)
 /* ------------------------------------------------------ AVX2 + FMA + F16C */
 typedef float REAL;
@@ -214,25 +194,6 @@ typedef __m256 vm;
 #define vm_any(m) (_mm256_movemask_ps(m) != 0)
 
 
-
-FA_INLINE void fa_cvt_row(float *dst, const void *src, int dt, int64_t n)
-{
-    int64_t j = 0;
-    if (dt == FA_F32) { memcpy(dst, src, (size_t)n * 4); return; }
-    if (fa_dtype_8(dt)) { fa_cvt_row8(dst, (const uint8_t *)src, dt, n); return; }
-    const uint16_t *s = (const uint16_t *)src;
-    if (dt == FA_F16) {
-        for (; j + 8 <= n; j += 8)
-            _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + j))));
-        for (; j < n; j++) dst[j] = fa_f16_to_f32(s[j]);
-    } else {
-        for (; j + 8 <= n; j += 8) {
-            __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + j)));
-            _mm256_storeu_ps(dst + j, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-        }
-        for (; j < n; j++) dst[j] = fa_bf16_to_f32(s[j]);
-    }
-}
 
 #elif defined(FA_TARGET_NEON)
 /* ------------------------------------------------- AArch64 Advanced SIMD */
@@ -398,9 +359,9 @@ FA_INLINE void fa_cvt_row(REAL *dst, const void *src, int dt, int64_t n)
 }
 #endif
 
-#if defined(FA_TARGET_NEON) || defined(FA_TARGET_SVE)
-/* dst[0:n] = src[0:n] (dtype dt) converted to float, over the Arm sections'
- * hooks (the x86 sections write theirs with their own intrinsics). */
+#if defined(FA_TARGET_AVX512) || defined(FA_TARGET_AVX2) || defined(FA_TARGET_NEON) || defined(FA_TARGET_SVE)
+/* dst[0:n] = src[0:n] (dtype dt) converted to float over the sections'
+ * hooks; n is a multiple of VW or a tail. */
 FA_INLINE void fa_cvt_row(float *dst, const void *src, int dt, int64_t n)
 {
     int64_t j = 0;
