@@ -11,12 +11,16 @@
  * P = exp2(S scale log2e - LSE log2e), dP = dO.V^T and dS = P (dP - D),
  * accumulates dV += P^T.dO and dK += dS^T.Q in the block's scratch (GQA heads
  * sum there, in a fixed order) and dQ += dS.K into the task's dQ rows.
+ * With dropout (fastattn.h), Z the tile's regenerated multipliers (0 or
+ * 1 / (1 - p), dropout.h): dV += (P o Z)^T.dO and dS = P (dP o Z - D), D
+ * being rowsum(dO o O) of the dropped output as without it.
  * Scratch is bounded by the tiles. */
 #include <math.h>
 #include <string.h>
 #include "simd.h"
 #include "mask.h"
 #include "backward.h"
+#include "dropout.h"
 
 /* Register blocks: 24 zmm accumulators as 6 rows x 64 columns (one block for
  * D = 64 and for the 64-key tiles; 1 thread, B1 H4 L2048 D64, CPU time,
@@ -352,6 +356,10 @@ static void FB_NAME(fb_run)(const fa_bwd_params *bp, const fa_bwd_task *t, void 
     const fa_batch bi = fa_batch_info(p, b);
     const int64_t delta = bi.Sb - bi.Lb;
     const int use_log2 = p->softcap == 0.0;
+    /* dropout: every tile takes the per-element pass, which applies Z */
+    const int drop = p->dropout_p > 0.0;
+    const uint64_t drop_thr = fa_dropout_threshold(p->dropout_p);
+    const double drop_scale = fa_dropout_keep_scale(p->dropout_p);
     const int elem_always = p->mask_kind != FA_MASK_NONE || p->alibi || !use_log2;
     /* the attn_mask is the one per-element transform: a tile a bool mask hides
      * from the tile's rows is skipped (its P and dS are 0), one it leaves alone
@@ -424,7 +432,7 @@ static void FB_NAME(fb_run)(const fa_bwd_params *bp, const fa_bwd_task *t, void 
                     if (hi1 <= jt || lo0 >= jt + nk) continue; /* the forward's masked-tile skipping */
                     const int mst = mask_only ? fa_tile_mask_state(p, b, h, 1, i0, nq, jt, nk) : FA_TM_MIXED;
                     if (mst == FA_TM_HIDDEN) continue;
-                    const int elem = elem_always && mst != FA_TM_VISIBLE; /* this tile per element */
+                    const int elem = (elem_always && mst != FA_TM_VISIBLE) || drop; /* this tile per element */
                     const int full = lo1 <= jt && hi0 >= jt + nk && nk == FB_BK;
                     const REAL *Kt = w.Kt + u * Dp * FB_BK, *Vt = w.Vt + u * Dvp * FB_BK;
                     const REAL *Kr = w.Kr + u * FB_BK * Dp;
@@ -481,11 +489,25 @@ static void FB_NAME(fb_run)(const fa_bwd_params *bp, const fa_bwd_task *t, void 
                             }
                         }
                         /* ---- P = exp2(S - LSE log2e), dS = P (dP - D) [x softcap'] (S was
-                         * transformed above, so c1 = 1 here) ---- */
+                         * transformed above, so c1 = 1 here); with dropout, dP o Z
+                         * and P o Z for dV ---- */
                         for (int64_t r = 0; r < nq; r++) {
                             REAL *s = w.S + r * FB_BK, *dp = w.dP + r * FB_BK;
                             const vf l2v = vf_set1(l2t[r]), dv_ = vf_set1(dit[r]);
-                            if (use_log2) {
+                            if (drop) {
+                                REAL z[FB_BK];
+                                fa_dropout_row(p->dropout_seed, drop_thr, drop_scale, p->dropout_b0 + b, h, i0 + r,
+                                               jt, FB_BK, sizeof(REAL) == 4 ? (float *)(void *)z : NULL,
+                                               sizeof(REAL) == 8 ? (double *)(void *)z : NULL);
+                                const REAL *dr = w.Dr + r * FB_BK;
+                                for (int64_t jj = 0; jj < FB_BK; jj += VW) {
+                                    const vf pv = vf_exp2_neg(vf_sub(vf_load(s + jj), l2v)), zv = vf_load(z + jj);
+                                    vf ds = vf_mul(pv, vf_sub(vf_mul(vf_load(dp + jj), zv), dv_));
+                                    if (!use_log2) ds = vf_mul(ds, vf_load(dr + jj));
+                                    vf_store(s + jj, vf_mul(pv, zv));
+                                    vf_store(dp + jj, ds);
+                                }
+                            } else if (use_log2) {
                                 for (int64_t jj = 0; jj < FB_BK; jj += VW) {
                                     vf pv = vf_exp2_neg(vf_sub(vf_load(s + jj), l2v));
                                     vf_store(s + jj, pv);

@@ -289,12 +289,15 @@ int fa_isa_set(int isa)
 
 /* Paged K/V (block_table) takes the vector kernels, whose tiles end at page
  * boundaries (kernel_impl.h, tile_len); the matrix-unit kernels read one
- * contiguous K/V per (batch, head) and are not chosen for it. */
+ * contiguous K/V per (batch, head) and are not chosen for it.  Nor for
+ * dropout, which the vector kernel's prefill path applies (kernel_impl.h,
+ * dropout_tile): a dropout call is computed as "highest". */
 const fa_kernel *fa_select_kernel(const fa_params *p)
 {
     if (p->q_dtype == FA_F64) return &fa_kernel_f64_scalar;
 #if defined(FA_HAVE_X86)
-    switch (fa_isa_get()) {
+    const int isa = fa_isa_get();
+    switch (p->dropout_p > 0.0 && (isa == FA_ISA_AMX || isa == FA_ISA_AVX512BF16) ? FA_ISA_AVX512 : isa) {
     case FA_ISA_AMX:
 #if defined(FA_HAVE_AMX)
         if (((p->q_dtype == FA_BF16 && p->k_dtype == FA_BF16 && p->v_dtype == FA_BF16) ||

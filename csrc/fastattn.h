@@ -98,6 +98,20 @@ typedef struct fa_params {
      * run on the AMX kernel where the ISA is amx, "medium" on VDPBF16PS where it is
      * avx512bf16; elsewhere float32 ("highest"). */
     int precision;
+
+    /* Attention dropout (training; 0: off): a probability P[b, h, i, j] is
+     * kept, and multiplied by 1 / (1 - dropout_p), when the 32-bit word
+     * u(b, h, i, j) >= round(dropout_p * 2^32), else zeroed; the normaliser
+     * and the LSE are those of the undropped softmax (dropout.h gives u:
+     * Philox-4x64-10 keyed by dropout_seed, counted by (j / 8, i, h, b)).
+     * b counts from dropout_b0 (the caller's batch index of this call's
+     * batch 0), i and j are the positions within the batch's sequences, h
+     * the query head.  0 <= dropout_p <= 1.  The forward and the backward
+     * given the same fields regenerate the same mask; it does not depend on
+     * the thread count, the ISA or the path. */
+    double dropout_p;
+    uint64_t dropout_seed;
+    int64_t dropout_b0;
 } fa_params;
 
 /* Runs the attention described by p.  Returns enum fa_status. */

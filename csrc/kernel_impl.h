@@ -39,6 +39,7 @@
 #include "simd.h"
 #include "mask.h"
 #include "kernel.h"
+#include "dropout.h"
 
 #define FA_CAT_(a, b) a##b
 #define FA_CAT(a, b) FA_CAT_(a, b)
@@ -283,6 +284,10 @@ typedef struct fa_ctx {
     const int32_t *bt;
     int64_t page;
     int page_shift;                  /* log2(page) for a power of two (every usual size), else -1 */
+    /* Dropout (fastattn.h): on for this call; its threshold and kept factor. */
+    int drop;
+    uint64_t drop_thr;
+    double drop_scale;
 } fa_ctx;
 
 /* The prefill products take R rows in nb = ceil(R / FA_BLK_MR) register
@@ -1136,6 +1141,24 @@ FA_INLINE int FA_NAME(huge_tile_skips)(const fa_ctx *c, const fa_ws *w, const fa
     return kmax < INFINITY && (double)c->D * *qmax * kmax < 1e29;
 }
 
+/* Dropout of a tile's probabilities (nj keys at jt; rows of stride TN), after
+ * the softmax has summed them into l (the normaliser is the undropped one) and
+ * before P.V reads them: each kept entry times 1 / (1 - p), the others 0
+ * (dropout.h).  Every row over all nj keys: values that P.V does not read
+ * (outside a partial tile's blocks) are multiplied too, harmlessly. */
+FA_INLINE void FA_NAME(dropout_tile)(const fa_ctx *c, const fa_ws *w, int64_t TN, int64_t jt, int64_t nj)
+{
+    const fa_params *p = c->p;
+    REAL z[FA_BLK_BN];
+    for (int64_t r = 0; r < c->R; r++) {
+        const int64_t h = c->t->hk * c->G + r / c->ni, i = c->t->i0 + r % c->ni;
+        fa_dropout_row(p->dropout_seed, c->drop_thr, c->drop_scale, p->dropout_b0 + c->b, h, i, jt, nj,
+                       sizeof(REAL) == 4 ? (float *)(void *)z : NULL, sizeof(REAL) == 8 ? (double *)(void *)z : NULL);
+        REAL *s = w->S + r * TN;
+        for (int64_t jj = 0; jj < nj; jj++) s[jj] *= z[jj];
+    }
+}
+
 /* path_prefill: more than FA_BLK_RD stacked rows; FA_BLK_BN-key tiles, K
  * packed into panels and both products register-blocked (qk_packed,
  * pv_prefill). */
@@ -1185,6 +1208,7 @@ FA_PATH void FA_NAME(path_prefill)(const fa_ctx *c, const fa_ws *w)
                 }
             }
         }
+        if (c->drop) FA_NAME(dropout_tile)(c, w, TN, jt, nj);
         FA_NAME(pv_prefill)(c, w, &st, jt, nj, partial);
     }
 }
@@ -1260,6 +1284,9 @@ FA_PATH void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
         c.flo = lo1;
         c.fhi = hi0;
     }
+    c.drop = p->dropout_p > 0.0;
+    c.drop_thr = fa_dropout_threshold(p->dropout_p);
+    c.drop_scale = fa_dropout_keep_scale(p->dropout_p);
     c.elem_always = p->mask_kind != FA_MASK_NONE || p->alibi || !c.use_log2 || p->bmask;
     c.mask_only = p->mask_kind != FA_MASK_NONE && !p->alibi && c.use_log2 && !p->bmask;
     /* Q.K^T's loop order (qk_packed): panel by panel when the packed K tile
@@ -1281,10 +1308,12 @@ FA_PATH void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
     /* The path, chosen once per task.  A single row read in place takes
      * path_row1 when its output row fits pv_row1's registers (its long tile
      * fits the S scratch: cap_rows keeps at least FA_ROW_TN / FA_BLK_BN rows);
-     * other tasks of at most FA_BLK_RD rows take path_rows; the rest
-     * path_prefill. */
+     * other tasks of at most FA_BLK_RD rows take path_rows; the rest, and
+     * every task with dropout (applied to the probability tiles of
+     * path_prefill only: dropout is for training, whose calls are prefill
+     * shapes), path_prefill. */
     const int64_t nvo = c.Dvp / VW;
-    const int rows = c.R <= FA_BLK_RD;
+    const int rows = c.R <= FA_BLK_RD && !c.drop;
     const int row1 = c.R == 1 && rows && c.kfuse && c.vfuse && (nvo == 4 || nvo == 8 || nvo == 12 || nvo == 16);
     FA_NAME(load_q)(&c, &w, !rows); /* path_prefill's Q is packed by register block */
     /* The head K buffer (head_keys), when this task's keys fit it: a fresh

@@ -281,13 +281,41 @@ def block_mask_value(
         ) from None
 
 
-def dropout_value(dropout_p: Any) -> None:
-    """dropout_p must be 0 (an inference library)."""
+def dropout_p_value(dropout_p: Any) -> float:
+    """A dropout probability: a real number in [0, 1] (torch's range)."""
     if type(dropout_p) is not float and type(dropout_p) is not int:  # (exact types: the common case)
         if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
             raise TypeError(f"dropout_p must be a number, got {type(dropout_p).__name__}")
-    if dropout_p != 0:
-        raise NotImplementedError("dropout_p must be 0: fastattn is an inference library")
+    p = float(dropout_p)
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
+    return p
+
+
+def dropout_value(dropout_p: Any, dropout_seed: Any) -> tuple[float, int]:
+    """``(p, seed)`` of attention dropout (csrc/dropout.h): ``dropout_p`` in [0, 1];
+    ``dropout_seed`` an integer in [0, 2**64), required when ``dropout_p > 0``
+    (the backward regenerates the forward's mask from it), checked when given."""
+    p = dropout_p_value(dropout_p)
+    seed = 0
+    if dropout_seed is not None:
+        if isinstance(dropout_seed, (bool, np.bool_)) or not isinstance(dropout_seed, numbers.Integral):
+            raise TypeError(f"dropout_seed must be an int, got {type(dropout_seed).__name__}")
+        seed = int(dropout_seed)
+        if not 0 <= seed < 1 << 64:
+            raise ValueError(f"dropout_seed must be in [0, 2**64), got {seed}")
+    elif p > 0:
+        raise ValueError(
+            "dropout_seed is required when dropout_p > 0 (an int in [0, 2**64): the backward "
+            "passes the same seed to regenerate the forward's dropout mask)"
+        )
+    return p, seed
+
+
+def no_dropout(dropout_p: Any, where: str) -> None:
+    """``dropout_p`` must be 0 where fastattn has no dropout (``where`` says which call)."""
+    if dropout_p_value(dropout_p) != 0:
+        raise NotImplementedError(f"dropout_p must be 0 {where}: fastattn has no dropout there")
 
 
 def check_out(

@@ -6,7 +6,7 @@
 # file writes an enum value by hand.  A new fa_params field is added here and
 # in fastattn.h (same name), and filled in _kernels.pyx from the Plan field of
 # that name (fastattn/_args.py).
-from libc.stdint cimport int32_t, int64_t, uint8_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
 
 cdef extern from "fastattn.h":
     cpdef enum fa_dtype:
@@ -81,6 +81,9 @@ cdef extern from "fastattn.h":
         int64_t bm_sb, bm_sh, bm_si, bm_sj, bm_q, bm_k
         int num_threads
         int precision
+        double dropout_p
+        uint64_t dropout_seed
+        int64_t dropout_b0
 
     int fa_attention(const fa_params *p) nogil
     int fa_cpu_has(int isa)

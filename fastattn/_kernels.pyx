@@ -159,6 +159,9 @@ cdef int _fill(fa_params *p, object plan) except -1:
     p.bm_k = plan.bm_k
     p.num_threads = plan.num_threads
     p.precision = plan.precision
+    p.dropout_p = plan.dropout_p
+    p.dropout_seed = plan.dropout_seed
+    p.dropout_b0 = plan.dropout_b0
     return 0
 
 

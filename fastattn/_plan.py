@@ -126,6 +126,12 @@ class Plan:
     bmask: Any = _batch_field(3)
     bm_q: int = 1
     bm_k: int = 1
+    # Attention dropout (csrc/fastattn.h): probability, Philox key, and the flat
+    # index (over the caller's leading dims) of this plan's batch 0, so that a
+    # split plan (split) draws the mask of the whole call's batch elements.
+    dropout_p: float = 0.0
+    dropout_seed: int = 0
+    dropout_b0: int = 0
 
 
 # (name, trailing dims) of the per-batch fields, read from the metadata once.
@@ -213,10 +219,14 @@ def _item(a: Any, i: int) -> Any:
 
 def split(plan: Plan) -> Iterator[Plan]:
     """The plans of ``plan[i]`` for each index i of the first leading dim: every
-    per-batch field indexed, the others shared."""
+    per-batch field indexed, the others shared (``dropout_b0`` advanced by the
+    batch elements of the indices before i)."""
     arrays = [(n, getattr(plan, n)) for n, _ in PER_BATCH_FIELDS]
+    inner = math.prod(plan.q.shape[1:-3])
     for i in range(plan.q.shape[0]):
-        yield replace(plan, {n: _item(a, i) for n, a in arrays if a is not None})
+        changes = {n: _item(a, i) for n, a in arrays if a is not None}
+        changes["dropout_b0"] = plan.dropout_b0 + i * inner
+        yield replace(plan, changes)
 
 
 def kernel_plans(plan: Plan) -> Iterator[Plan]:

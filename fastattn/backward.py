@@ -15,6 +15,7 @@ from ._args import (
     check_dtypes,
     check_shapes,
     compute_dtype,
+    dropout_value,
     layout_value,
     lengths,
     mask_value,
@@ -71,6 +72,8 @@ def scaled_dot_product_attention_backward(
     query_lengths: npt.ArrayLike | None = None,
     num_threads: int | None = None,
     precision: str | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
 ) -> tuple[NDArray, ...]:
     """Gradients of :func:`fastattn.scaled_dot_product_attention` with respect to
     query, key and value (and sinks), fused and tiled as in FlashAttention-2.
@@ -128,6 +131,10 @@ def scaled_dot_product_attention_backward(
         Threads for this call; None uses :func:`fastattn.get_num_threads`.
     precision : {None, "highest", "high", "medium"}, optional
         The forward's float32 matmul level, as described above.
+    dropout_p, dropout_seed : optional
+        The forward's dropout (pass the same two): the mask is regenerated from
+        the seed, not stored; dV = (P Z)^T dout and dS = P (dP Z - D) with Z the
+        mask over 1 - dropout_p.
 
     Returns
     -------
@@ -157,6 +164,7 @@ def scaled_dot_product_attention_backward(
     """
     # The forward's checks, in its order (fastattn._args.sdpa_call).
     prec = precision_code(precision)
+    drop_p, drop_seed = dropout_value(dropout_p, dropout_seed)
     layout = layout_value(layout)
     causal = flag_value(is_causal, "is_causal")
     q = as_array(query, "query")
@@ -204,7 +212,7 @@ def scaled_dot_product_attention_backward(
         # On a copy: the caller's lse is not modified.
         lse3 = np.where(poisoned, np.array(np.nan, dtype=cdt), lse3)
     _check_dead_rows(lse3, mask, lead, Hq, L, S, causal, wl, wr, k_lens, q_lens, sk is not None)
-    if forward_rounds_to_bf16(q.dtype, k.dtype, v.dtype, prec, L * (Hq // Hk)):
+    if drop_p == 0 and forward_rounds_to_bf16(q.dtype, k.dtype, v.dtype, prec, L * (Hq // Hk)):
         # The forward's scores were products of bf16-rounded Q and K (exact in
         # float32) and its output used bf16 V: recompute P from the same values.
         bf16 = bfloat16_dtype()
@@ -253,6 +261,8 @@ def scaled_dot_product_attention_backward(
         precision=_kernels.FA_PRECISION_HIGHEST,  # (the backward computes float32 as "highest")
         L=L,
         S=S,
+        dropout_p=drop_p,
+        dropout_seed=drop_seed,
     )
     if mask is not None and m4 is None:
         # A broadcast mask whose leading dims cannot merge: one call per batch element.
@@ -265,6 +275,7 @@ def scaled_dot_product_attention_backward(
                 softcap=cap, alibi=None if alibi is None else alibi[sl], sinks=sk,
                 q_lens=None if q_lens is None else q_lens[sl], k_lens=None if k_lens is None else k_lens[sl],
                 num_threads=threads, precision=plan.precision, L=L, S=S,
+                dropout_p=drop_p, dropout_seed=drop_seed, dropout_b0=bidx,
             )  # fmt: skip
             _kernels.attention_backward(sub, goh[sl], dqh[sl], dkh[sl], dvh[sl], part)
             if part is not None and dsinks is not None:  # (part is set exactly when dsinks is)
@@ -285,7 +296,7 @@ def forward_rounds_to_bf16(
     happens at "medium" on the ``amx`` and ``avx512bf16`` paths (the ISA can only be
     one of those where the extension was built with its kernel).  At "high" the
     ``amx`` path computes bf16x3, which no float32 rounding reproduces: the backward
-    computes float32 there."""
+    computes float32 there.  (A call with dropout never rounds: the caller checks.)"""
     if not (q_dtype == F32 and k_dtype == F32 and v_dtype == F32):
         return False
     if prec != _kernels.FA_PRECISION_MEDIUM or rows < _BF16_MIN_ROWS:

@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _kernels
-from ._args import dropout_value, sdpa_call, varlen_call
+from ._args import dropout_value, no_dropout, sdpa_call, varlen_call
 from ._checks import F32, threads_value
 from ._config import Precision, get_num_threads, precision_code
 from ._paged import paged_varlen_call
@@ -62,6 +62,7 @@ def scaled_dot_product_attention(
     precision: _Precision = None,
     k_scale: npt.ArrayLike | float | None = None,
     v_scale: npt.ArrayLike | float | None = None,
+    dropout_seed: int | None = None,
 ) -> np.ndarray: ...
 @overload
 def scaled_dot_product_attention(
@@ -90,6 +91,7 @@ def scaled_dot_product_attention(
     precision: _Precision = None,
     k_scale: npt.ArrayLike | float | None = None,
     v_scale: npt.ArrayLike | float | None = None,
+    dropout_seed: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]: ...
 def scaled_dot_product_attention(
     query: npt.ArrayLike,
@@ -117,6 +119,7 @@ def scaled_dot_product_attention(
     precision: _Precision = None,
     k_scale: npt.ArrayLike | float | None = None,
     v_scale: npt.ArrayLike | float | None = None,
+    dropout_seed: int | None = None,
 ) -> Any:
     """softmax(query @ key^T * scale + mask) @ value, fused and tiled.
 
@@ -141,7 +144,16 @@ def scaled_dot_product_attention(
         excludes), broadcastable to ``(..., Hq, L, S)``; read in place through
         broadcasting strides, never expanded.
     dropout_p : float, default 0.0
-        Must be 0 (torch's signature; NotImplementedError otherwise: no training dropout).
+        Attention dropout for training, as torch's: each attention weight is
+        zeroed with probability ``dropout_p`` and the others multiplied by
+        ``1 / (1 - dropout_p)``; the LSE is the undropped softmax's.  The mask
+        is a function of ``dropout_seed`` and the coordinates (batch element,
+        query head, query position, key position) only, drawn in the kernel and
+        never stored: :func:`fastattn.reference.dropout_mask` gives it and
+        :func:`fastattn.scaled_dot_product_attention_backward` regenerates it
+        from the same seed.  It does not depend on the thread count or ISA.  A
+        dropout call runs the tiled prefill path in float32 ("highest") for
+        every shape.  Not with ``device="cuda"``.
     is_causal : bool, default False
         Query i may see keys j <= i + (S - L), aligned to the bottom
         right (flash-attn's convention, what a KV cache needs).  Equal to the
@@ -206,6 +218,10 @@ def scaled_dot_product_attention(
         ``(B, Hk, 1, 1)`` is per tensor / head.  Finite and positive.  Required
         for int8; 1 by default for fp8; an error with float keys and values.
         See :func:`fastattn.quantize_kv`.
+    dropout_seed : int, optional
+        The dropout mask's key, an int in [0, 2**64); required when
+        ``dropout_p > 0``.  Pass a fresh one per call (and the same one to the
+        backward): the same seed gives the same mask.
 
     Returns
     -------
@@ -262,6 +278,7 @@ def scaled_dot_product_attention(
         and (scale is None or type(scale) is float)
         and (is_causal is False or is_causal is True)
         and (dropout_p == 0 if type(dropout_p) is float or type(dropout_p) is int else False)
+        and dropout_seed is None
         and out is None
         and return_lse is False  # (not `not return_lse`: an array there must reach the named check)
         and device is None
@@ -299,11 +316,12 @@ def scaled_dot_product_attention(
                 )
             )
             return res
-    dropout_value(dropout_p)
+    drop_p, drop_seed = dropout_value(dropout_p, dropout_seed)
     if device is not None and device != "cpu":
         precision_code(precision)  # checked for either device
         if device != "cuda":
             raise ValueError(f"device must be None, 'cpu' or 'cuda', got {device!r}")
+        no_dropout(drop_p, "with device='cuda'")
         cpu_only = dict(
             num_threads=num_threads,
             k_scale=k_scale,
@@ -336,7 +354,7 @@ def scaled_dot_product_attention(
             key_lengths=key_lengths,
         )
     # sdpa_call takes this function's arguments in this order (by position: ~1 µs less).
-    return sdpa_call(
+    call = sdpa_call(
         query,
         key,
         value,
@@ -359,7 +377,11 @@ def scaled_dot_product_attention(
         precision,
         k_scale,
         v_scale,
-    ).run()
+    )
+    if drop_p > 0 and call.plan is not None:
+        call.plan.dropout_p = drop_p
+        call.plan.dropout_seed = drop_seed
+    return call.run()
 
 
 @overload

@@ -34,8 +34,12 @@ What :func:`attention_forward` covers, with sdpa's semantics:
   the kernel (sdpa refuses both);
 - ``position_bias`` (an additive bias, T5-style) joins the mask.
 
-``dropout`` must be 0 (a model in ``eval()`` mode passes 0; training dropout
-raises ``NotImplementedError``).  While autograd records and an input requires
+``dropout`` (transformers passes the module's ``attention_dropout`` in
+``train()`` mode, 0 in ``eval()``) is applied as torch's sdpa applies it,
+through :func:`fastattn.torch_compat.scaled_dot_product_attention` (fused
+forward and backward, the mask fastattn's Philox mask keyed by a seed from
+torch's generator); dropout with softcap, sinks or a position bias, or with
+``output_attentions=True``, raises ``NotImplementedError``.  While autograd records and an input requires
 grad, the call is differentiable: through
 :func:`fastattn.torch_compat.scaled_dot_product_attention` (fused backward) when no
 softcap, sinks or position bias are involved; with softcap or sinks (a constant
@@ -161,7 +165,7 @@ def attention_forward(
     attention_mask : torch.Tensor or None
         Bool 4-D mask (True = attend) or an additive float mask.
     dropout : float, default 0.0
-        Must be 0.
+        Attention dropout probability (transformers passes 0 in eval mode), as described above.
     scaling : float, optional
         Score scale; None means ``1/sqrt(head_dim)``.
     is_causal : bool, optional
@@ -201,10 +205,9 @@ def attention_forward(
             raise TypeError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
     if isinstance(dropout, (bool, np.bool_)) or not isinstance(dropout, numbers.Real):
         raise TypeError(f"dropout must be a number, got {type(dropout).__name__}")
-    if dropout != 0:
-        raise NotImplementedError(
-            f"dropout={dropout}: fastattn has no dropout; put the model in eval() mode for inference"
-        )
+    drop = float(dropout)
+    if not 0.0 <= drop <= 1.0:
+        raise ValueError(f"dropout must be in [0, 1], got {dropout}")
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         raise ValueError(
             "query, key and value must be 4-D (batch, heads, seq, head_dim), got "
@@ -230,6 +233,11 @@ def attention_forward(
     causal = causal and mask is None and L > 1
 
     cap = None if softcap is None or softcap == 0 else softcap
+    if drop > 0 and (cap is not None or s_aux is not None or position_bias is not None or want_weights):
+        raise NotImplementedError(
+            f"dropout={dropout} with softcap, s_aux (sinks), position_bias or output_attentions=True is "
+            "not supported by fastattn (dropout is supported in plain attention calls)"
+        )
     grad = _grad_needed(query, key, value, s_aux, position_bias)
     if grad and _torch_bridge.is_tensor(position_bias) and position_bias.requires_grad:
         # A learned bias: torch operations, as eager (fastattn's backward has no bias gradient).
@@ -248,12 +256,19 @@ def attention_forward(
         )
         return out.transpose(1, 2).contiguous(), weights
     plain = cap is None and s_aux is None and position_bias is None
-    if grad or (plain and _torch_bridge.is_compiling()):
+    if grad or drop > 0 or (plain and _torch_bridge.is_compiling()):
         # (under torch.compile: torch_compat's custom op, which the graph keeps whole)
         from .torch_compat import scaled_dot_product_attention as torch_sdpa
 
         out = torch_sdpa(
-            query, key, value, mask, is_causal=causal, scale=scaling, enable_gqa=key.shape[1] != Hq
+            query,
+            key,
+            value,
+            mask,
+            dropout_p=drop,
+            is_causal=causal,
+            scale=scaling,
+            enable_gqa=key.shape[1] != Hq,
         )
         weights = _torch_weights(query, key, mask, causal, scaling) if want_weights else None
         return out.transpose(1, 2).contiguous(), weights

@@ -25,6 +25,7 @@ __all__ = [
     "rotary_cos_sin",
     "apply_rotary",
     "attention_weights",
+    "dropout_mask",
 ]
 
 
@@ -54,6 +55,7 @@ def scaled_dot_product_attention(
     query_lengths: npt.ArrayLike | None = None,
     block_mask: npt.ArrayLike | None = None,
     block_size: tuple[int, int] | None = None,
+    dropout_seed: int | None = None,
 ) -> NDArray | tuple[NDArray, NDArray]:
     """:func:`fastattn.scaled_dot_product_attention` the obvious way, in float64.
 
@@ -73,7 +75,10 @@ def scaled_dot_product_attention(
         As for :func:`fastattn.scaled_dot_product_attention`.
     return_lse : bool, default False
         Also return the log-sum-exp of each row.
-    dropout_p, out, num_threads : optional
+    dropout_p, dropout_seed : optional
+        Dropout as fastattn applies it: the weights times
+        :func:`dropout_mask` ``/ (1 - dropout_p)`` (the LSE is undropped).
+    out, num_threads : optional
         Accepted for the same signature; ignored.
 
     Returns
@@ -155,6 +160,8 @@ def scaled_dot_product_attention(
         lse = np.where(denom[..., 0] > 0, m_safe[..., 0] + np.log(denom[..., 0]), -np.inf)
     if sinks is not None:
         p = p[..., :-1]
+    if dropout_p > 0:
+        p = p * _dropout_factor(p.shape, dropout_p, dropout_seed)
     o = p @ v
     # Rows with no visible key (and padded query rows) are zeros with LSE -inf.
     dead = ~np.any(allowed, axis=-1)
@@ -278,6 +285,8 @@ def scaled_dot_product_attention_backward(
     key_lengths: npt.ArrayLike | None = None,
     query_lengths: npt.ArrayLike | None = None,
     num_threads: int | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
 ) -> tuple[NDArray, ...]:
     """Gradients of :func:`scaled_dot_product_attention` by the explicit float64
     formula, everything materialised (``out`` and ``lse`` are ignored: the
@@ -286,6 +295,8 @@ def scaled_dot_product_attention_backward(
     P = softmax(s) over the keys and the sink column; O = P V; D_i = sum(dO_i O_i);
     dV = P^T dO; dP = dO V^T; dS = P (dP - D) (times 1 - tanh^2 under softcap);
     dQ = dS K scale; dK = dS^T Q scale; d sink = -sum_i P_sink,i D_i.
+    With dropout (Z = :func:`dropout_mask` / (1 - p)): O = (P Z) V, dV = (P Z)^T dO
+    and dS = P (dP Z - D).
     GQA sums each group's dK and dV.  Returns float64 arrays."""
     q, k, v, go = _f64(query), _f64(key), _f64(value), _f64(grad_out)
     if layout == "bshd":
@@ -338,11 +349,12 @@ def scaled_dot_product_attention_backward(
         p, p_sink = p[..., :-1], p[..., -1]
     dead = ~np.any(allowed, axis=-1)  # rows with no key: output 0, so no gradient
     p = np.where(dead[..., None], 0.0, p)
-    o = p @ ve
+    z = _dropout_factor(p.shape, dropout_p, dropout_seed) if dropout_p > 0 else np.ones_like(p)
+    o = (p * z) @ ve
     delta = np.sum(go * o, axis=-1)  # (..., Hq, L)
-    dv = np.swapaxes(p, -1, -2) @ go
+    dv = np.swapaxes(p * z, -1, -2) @ go
     dp = go @ np.swapaxes(ve, -1, -2)
-    ds = p * (dp - delta[..., None]) * dcap
+    ds = p * (dp * z - delta[..., None]) * dcap
     dq = ds @ ke * scale
     dk = np.swapaxes(ds, -1, -2) @ q * scale
     # GQA: query head h used kv head h // g; sum each group's contributions.
@@ -358,6 +370,47 @@ def scaled_dot_product_attention_backward(
         dsinks = -np.sum(np.where(dead, 0.0, p_sink) * delta, axis=tuple(range(len(lead))) + (-1,))
         res.append(dsinks)
     return tuple(res)
+
+
+def dropout_mask(
+    shape: tuple[int, ...], dropout_p: float, dropout_seed: int, *, batch_offset: int = 0
+) -> npt.NDArray[np.bool_]:
+    """The keep mask (True = kept) of fastattn's attention dropout over scores of
+    ``shape = (*lead, Hq, L, S)``, computed by NumPy's Philox bit generator (an
+    implementation independent of fastattn's C): entry (b, h, i, j), b the flat
+    index over ``lead`` plus ``batch_offset``, takes the 32-bit word ``j % 8``
+    (little-endian halves of the four 64-bit outputs) of Philox-4x64-10 of the
+    counter (j // 8, i, h, b) under the key ``dropout_seed``, and is kept when that
+    word is >= round(dropout_p * 2**32) (csrc/dropout.h).  For a packed
+    variable-length batch, b is the sequence and i, j are positions within it.
+
+    >>> m = dropout_mask((1, 2, 64, 64), 0.25, 1234)
+    >>> m.shape, round(float(m.mean()), 1)
+    ((1, 2, 64, 64), 0.8)
+    """
+    *lead, H, L, S = shape
+    B = int(np.prod(lead, dtype=np.int64)) if lead else 1
+    thr = int(dropout_p * 4294967296.0 + 0.5)
+    nblk = (S + 7) // 8
+    out = np.empty((B, H, L, S), dtype=bool)
+    for b in range(B):
+        for h in range(H):
+            for i in range(L):
+                # NumPy's Philox increments its 256-bit counter before each block, and
+                # the blocks of a row are consecutive counters from (0, i, h, b).
+                ctr = ((b + batch_offset) << 192 | h << 128 | i << 64) - 1
+                gen = np.random.Philox(counter=ctr % (1 << 256), key=dropout_seed)
+                words = gen.random_raw(4 * nblk).astype("<u8").view("<u4")[:S]
+                out[b, h, i] = words >= thr
+    return out.reshape(tuple(lead) + (H, L, S))
+
+
+def _dropout_factor(shape: tuple[int, ...], dropout_p: float, dropout_seed: int | None) -> NDArray:
+    """The dropout multipliers of scores of ``shape``: 1 / (1 - p) where kept, 0 where dropped."""
+    if dropout_seed is None:
+        raise ValueError("dropout_seed is required when dropout_p > 0")
+    keep = dropout_mask(shape, dropout_p, dropout_seed)
+    return np.where(keep, 1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0, 0.0)
 
 
 def _softmax_rows(s: NDArray) -> tuple[NDArray, NDArray]:

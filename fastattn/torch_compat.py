@@ -74,17 +74,29 @@ def _causal_top_left(
 
 class _Options:
     """The forward's non-tensor arguments: ``is_causal`` (torch's top-left),
-    ``scale``, ``enable_gqa`` and the float32 ``precision`` captured when the
+    ``scale``, ``enable_gqa``, the float32 ``precision`` captured when the
     forward ran (so the backward recomputes P exactly as the forward did, even
-    if the process default changes in between)."""
+    if the process default changes in between), and the dropout probability
+    with the seed of its mask (drawn from torch's generator by the caller, so
+    the backward regenerates the forward's mask)."""
 
-    __slots__ = ("is_causal", "scale", "enable_gqa", "precision")
+    __slots__ = ("is_causal", "scale", "enable_gqa", "precision", "dropout_p", "dropout_seed")
 
-    def __init__(self, is_causal: bool, scale: float | None, enable_gqa: bool, precision: str) -> None:
+    def __init__(
+        self,
+        is_causal: bool,
+        scale: float | None,
+        enable_gqa: bool,
+        precision: str,
+        dropout_p: float = 0.0,
+        dropout_seed: int | None = None,
+    ) -> None:
         self.is_causal = is_causal
         self.scale = scale
         self.enable_gqa = enable_gqa
         self.precision = precision
+        self.dropout_p = dropout_p
+        self.dropout_seed = dropout_seed
 
     def arrays(
         self, mask_t: torch.Tensor | None, L: int, S: int
@@ -92,6 +104,8 @@ class _Options:
         """The NumPy mask and keyword arguments shared by fastattn's forward and backward."""
         mask = None if mask_t is None else _np(mask_t)
         kw: dict[str, Any] = {"scale": self.scale, "enable_gqa": self.enable_gqa, "precision": self.precision}
+        if self.dropout_p > 0:
+            kw.update(dropout_p=self.dropout_p, dropout_seed=self.dropout_seed)
         if self.is_causal:
             mask, extra = _causal_top_left(mask, L, S)
             kw.update(extra)
@@ -152,6 +166,14 @@ def _batched_front(
     return res
 
 
+def _no_dropout_vmap(opts: _Options) -> None:
+    if opts.dropout_p > 0:
+        # One seed is drawn outside the vmapped function, and the batched call
+        # would give each sample its own mask: neither of vmap's randomness
+        # modes ("same" / "different") as torch defines them.
+        raise NotImplementedError("dropout_p > 0 under torch.func.vmap is not supported by fastattn")
+
+
 class _FusedSDPA(torch.autograd.Function):
     """out, lse = attention(query, key, value, mask); lse is saved for the
     backward (an output, so that torch.func transforms accept saving it)."""
@@ -200,6 +222,7 @@ class _FusedSDPA(torch.autograd.Function):
         mask_t: torch.Tensor | None,
         opts: _Options,
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[int, int]]:
+        _no_dropout_vmap(opts)
         # The vmapped dim becomes one more leading (batch) dim: one fused call.
         ndim = query.dim() - (in_dims[0] is not None)  # the query's per-sample (logical) dims
         q, k, v, m = _batched_front((query, key, value, mask_t), in_dims[:4], info.batch_size, 3, ndim)
@@ -252,6 +275,7 @@ class _FusedSDPABackward(torch.autograd.Function):
         mask_t: torch.Tensor | None,
         opts: _Options,
     ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], tuple[int, int, int]]:
+        _no_dropout_vmap(opts)
         args = _batched_front(
             (grad_out, query, key, value, out, lse, mask_t),
             in_dims[:7],
@@ -279,8 +303,11 @@ def _sdpa_op(
     scale: float | None,
     enable_gqa: bool,
     precision: str,
+    dropout_p: float = 0.0,
+    dropout_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(query, key, value, attn_mask, _Options(is_causal, scale, enable_gqa, precision))
+    opts = _Options(is_causal, scale, enable_gqa, precision, dropout_p, _seed_int(dropout_seed))
+    return _forward(query, key, value, attn_mask, opts)
 
 
 @_sdpa_op.register_fake
@@ -306,8 +333,10 @@ def _sdpa_backward_op(
     scale: float | None,
     enable_gqa: bool,
     precision: str,
+    dropout_p: float = 0.0,
+    dropout_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    opts = _Options(is_causal, scale, enable_gqa, precision)
+    opts = _Options(is_causal, scale, enable_gqa, precision, dropout_p, _seed_int(dropout_seed))
     return _backward(grad_out, query, key, value, out, lse, attn_mask, opts)
 
 
@@ -319,20 +348,37 @@ def _sdpa_backward_op_fake(
 
 
 def _op_setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
-    query, key, value, attn_mask, is_causal, scale, enable_gqa, precision = inputs
-    ctx.save_for_backward(query, key, value, output[0], output[1], attn_mask)
+    query, key, value, attn_mask, is_causal, scale, enable_gqa, precision, *rest = inputs
+    dropout_p, dropout_seed = (list(rest) + [0.0, None])[len(rest) - 2 :] if len(rest) < 2 else rest
+    ctx.save_for_backward(query, key, value, output[0], output[1], attn_mask, dropout_seed)
     ctx.mark_non_differentiable(output[1])
-    ctx.opts = (is_causal, scale, enable_gqa, precision)
+    ctx.opts = (is_causal, scale, enable_gqa, precision, dropout_p)
 
 
 def _op_backward(ctx: Any, grad_out: torch.Tensor | None, _grad_lse: torch.Tensor | None) -> tuple[Any, ...]:
-    query, key, value, out, lse, attn_mask = ctx.saved_tensors
+    query, key, value, out, lse, attn_mask, seed = ctx.saved_tensors
     go = torch.zeros_like(out) if grad_out is None else grad_out
-    dq, dk, dv = torch.ops.fastattn.sdpa_backward(go, query, key, value, out, lse, attn_mask, *ctx.opts)
-    return dq, dk, dv, None, None, None, None, None
+    dq, dk, dv = torch.ops.fastattn.sdpa_backward(go, query, key, value, out, lse, attn_mask, *ctx.opts, seed)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _sdpa_op.register_autograd(_op_backward, setup_context=_op_setup_context)
+
+
+def _seed_int(seed: torch.Tensor | None) -> int | None:
+    """The dropout seed as fastattn takes it (a 0-d int64 tensor in the ops: a
+    tensor, so that a compiled graph draws a fresh one per call)."""
+    if seed is None:
+        return None
+    if torch._C._functorch.is_batchedtensor(seed):  # vmap(randomness="different") drew one per sample
+        raise NotImplementedError("dropout_p > 0 under torch.func.vmap is not supported by fastattn")
+    return int(seed) % (1 << 64)
+
+
+def _draw_seed() -> torch.Tensor:
+    """A dropout seed from torch's default CPU generator (``torch.manual_seed``
+    makes the masks reproducible, as it does torch's dropout)."""
+    return torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
 
 
 def scaled_dot_product_attention(
@@ -357,7 +403,13 @@ def scaled_dot_product_attention(
     or ``torch.inference_mode()`` it is accepted).  is_causal: **top-left** as torch (query i sees
     keys j <= i, also when L != S), combined with attn_mask when both are given,
     as torch 2.13 does.  scale: None = 1/sqrt(D).  enable_gqa: Hq a multiple of
-    Hk.  dropout_p must be 0 (NotImplementedError otherwise).  A row with no
+    Hk.  dropout_p: torch's attention dropout (each weight zeroed with that
+    probability, the rest scaled by 1 / (1 - dropout_p), whenever dropout_p > 0,
+    as torch's function does: the caller passes 0 in eval mode); the mask is
+    fastattn's Philox mask (fastattn.reference.dropout_mask) keyed by a seed drawn
+    from torch's default generator, so ``torch.manual_seed`` reproduces it, but
+    it is not the mask torch would draw; the backward regenerates it.  Not under
+    ``torch.func.vmap`` (NotImplementedError).  A row with no
     visible key gives zeros (as torch 2.13 on the CPU) and zero gradients.
 
     As torch: under ``torch.autocast("cpu")`` every floating input but float64
@@ -383,7 +435,7 @@ def scaled_dot_product_attention(
     attn_mask : torch.Tensor, optional
         Bool (True = may attend) or float (added), broadcastable to ``(..., Hq, L, S)``.
     dropout_p : float, default 0.0
-        Must be 0.
+        Attention dropout probability in [0, 1], as described above.
     is_causal : bool, default False
         Top-left causal mask, as torch.
     scale : float, optional
@@ -434,8 +486,9 @@ def scaled_dot_product_attention(
         )
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a number, got {type(dropout_p).__name__}")
-    if dropout_p != 0:
-        raise NotImplementedError("dropout_p must be 0: fastattn's fused kernels have no dropout")
+    drop_p = float(dropout_p)
+    if not 0.0 <= drop_p <= 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
     if attn_mask is not None and attn_mask.requires_grad:
         if torch.is_grad_enabled():
             raise NotImplementedError(
@@ -446,11 +499,12 @@ def scaled_dot_product_attention(
     if query.dim() < 2:
         raise ValueError(f"query must have at least 2 dimensions, got shape {tuple(query.shape)}")
     precision = get_float32_matmul_precision()
+    seed = _draw_seed() if drop_p > 0 else None
     if torch.compiler.is_compiling():
         sc = None if scale is None else float(scale)
-        flags = (bool(is_causal), sc, bool(enable_gqa), precision)
+        flags = (bool(is_causal), sc, bool(enable_gqa), precision, drop_p, seed)
         compiled: torch.Tensor = torch.ops.fastattn.sdpa(query, key, value, attn_mask, *flags)[0]
         return compiled
-    opts = _Options(bool(is_causal), scale, bool(enable_gqa), precision)
+    opts = _Options(bool(is_causal), scale, bool(enable_gqa), precision, drop_p, _seed_int(seed))
     out: torch.Tensor = _FusedSDPA.apply(query, key, value, attn_mask, opts)[0]
     return out

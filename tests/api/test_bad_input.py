@@ -187,9 +187,12 @@ def test_out_aliases_input():
     check(ValueError, "attn_mask", Q, t(2, 4, 16, 16), t(2, 4, 16, 16), attn_mask=m[0, 0, :, :16], out=m)
 
 
-@pytest.mark.parametrize("p", [0.1, 1.0, -0.5])
-def test_dropout(p):
-    with pytest.raises(NotImplementedError, match="dropout"):
+@pytest.mark.parametrize(
+    "p,msg",
+    [(0.1, "dropout_seed is required"), (1.5, "dropout_p must be in"), (-0.5, "dropout_p must be in")],
+)
+def test_dropout(p, msg):
+    with pytest.raises(ValueError, match=msg):
         sdpa(Q, K, V, dropout_p=p)
 
 

@@ -262,7 +262,9 @@ def test_attention_forward_refusals_and_gradients():
     q = torch.randn(1, 2, 3, 8)
     fwd = fastattn.hf.attention_forward
     with pytest.raises(NotImplementedError, match="dropout"):
-        fwd(_Module(), q, q, q, None, dropout=0.1)
+        fwd(_Module(), q, q, q, None, dropout=0.1, softcap=30.0)
+    with pytest.raises(ValueError, match="dropout"):
+        fwd(_Module(), q, q, q, None, dropout=-0.1)
     with pytest.raises(TypeError, match="query"):
         fwd(_Module(), q.numpy(), q, q, None)
     with pytest.raises(ValueError, match="attention_mask"):

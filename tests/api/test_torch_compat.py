@@ -89,8 +89,8 @@ def test_non_contiguous_and_plain_sum():
 
 def test_bad_inputs():
     q = torch.randn(1, 2, 5, 8)
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        tc.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="dropout_p"):
+        tc.scaled_dot_product_attention(q, q, q, dropout_p=1.1)
     with pytest.raises(NotImplementedError, match="attn_mask"):
         tc.scaled_dot_product_attention(q, q, q, torch.zeros(5, 5, requires_grad=True))
     with pytest.raises(TypeError, match="same dtype"):

@@ -59,7 +59,8 @@ def test_fast_path_non_contiguous_last_dim(rng):
         ({"num_threads": 1.5}, TypeError),
         ({"scale": float("inf")}, ValueError),
         ({"scale": float("nan")}, ValueError),
-        ({"dropout_p": 0.1}, NotImplementedError),
+        ({"dropout_p": 0.1}, ValueError),  # (no dropout_seed)
+        ({"dropout_seed": -1}, ValueError),
         ({"dropout_p": "0"}, TypeError),
     ],
 )
