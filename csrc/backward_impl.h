@@ -358,8 +358,8 @@ static void FB_NAME(fb_run)(const fa_bwd_params *bp, const fa_bwd_task *t, void 
     const int use_log2 = p->softcap == 0.0;
     /* dropout: every tile takes the per-element pass, which applies Z */
     const int drop = p->dropout_p > 0.0;
-    const uint64_t drop_thr = fa_dropout_threshold(p->dropout_p);
-    const double drop_scale = fa_dropout_keep_scale(p->dropout_p);
+    const int32_t drop_thr = FA_DROP_FLIP(fa_dropout_thr32(p->dropout_p)); /* (dropout.h) */
+    const REAL drop_scale = (REAL)fa_dropout_keep_scale(p->dropout_p);
     const int elem_always = p->mask_kind != FA_MASK_NONE || p->alibi || !use_log2;
     /* the attn_mask is the one per-element transform: a tile a bool mask hides
      * from the tile's rows is skipped (its P and dS are 0), one it leaves alone
@@ -432,7 +432,7 @@ static void FB_NAME(fb_run)(const fa_bwd_params *bp, const fa_bwd_task *t, void 
                     if (hi1 <= jt || lo0 >= jt + nk) continue; /* the forward's masked-tile skipping */
                     const int mst = mask_only ? fa_tile_mask_state(p, b, h, 1, i0, nq, jt, nk) : FA_TM_MIXED;
                     if (mst == FA_TM_HIDDEN) continue;
-                    const int elem = (elem_always && mst != FA_TM_VISIBLE) || drop; /* this tile per element */
+                    const int elem = elem_always && mst != FA_TM_VISIBLE; /* this tile per element */
                     const int full = lo1 <= jt && hi0 >= jt + nk && nk == FB_BK;
                     const REAL *Kt = w.Kt + u * Dp * FB_BK, *Vt = w.Vt + u * Dvp * FB_BK;
                     const REAL *Kr = w.Kr + u * FB_BK * Dp;
@@ -443,7 +443,7 @@ static void FB_NAME(fb_run)(const fa_bwd_params *bp, const fa_bwd_task *t, void 
                     if (!full) FB_NAME(fb_ranges)(p, i0, nq, delta, bi.Sb, jt, nk, a0, a1, qlo, qhi);
                     const int32_t *rl = full ? NULL : a0, *rh = full ? NULL : a1;   /* keys per row */
                     const int32_t *kl = full ? NULL : qlo, *kh = full ? NULL : qhi; /* rows per key */
-                    if (!elem) {
+                    if (!elem && !drop) {
                         /* ---- P and dS in one pass (fb_sdp) ---- */
                         FB_NAME(fb_sdp)(nq, D, Dv, qt, qst, Kt, ot, ost, Vt, l2t, dit, c1, w.S, w.dP, rl, rh);
                         if (!full) FB_NAME(fb_edge)(nq, a0, a1, w.S, w.dP);
@@ -454,7 +454,7 @@ static void FB_NAME(fb_run)(const fa_bwd_params *bp, const fa_bwd_task *t, void 
 
                         /* ---- the forward's transforms, only where the tile needs them:
                          * S becomes the log2-domain logit (-inf where not seen) ---- */
-                        for (int64_t r = 0; r < nq; r++) {
+                        for (int64_t r = 0; r < nq && elem; r++) {
                             REAL *s = w.S + r * FB_BK;
                             const int64_t i = i0 + r, ip = i + delta;
                             int64_t lo, hi;
@@ -490,18 +490,24 @@ static void FB_NAME(fb_run)(const fa_bwd_params *bp, const fa_bwd_task *t, void 
                         }
                         /* ---- P = exp2(S - LSE log2e), dS = P (dP - D) [x softcap'] (S was
                          * transformed above, so c1 = 1 here); with dropout, dP o Z
-                         * and P o Z for dV ---- */
+                         * and P o Z for dV, and an untransformed tile (dropout only: the
+                         * raw scores, as fb_sdp's, c1 scaling them; fb_edge clears
+                         * what its rows do not see) ---- */
+                        const vf c1v = vf_set1(elem ? (REAL)1 : c1);
                         for (int64_t r = 0; r < nq; r++) {
                             REAL *s = w.S + r * FB_BK, *dp = w.dP + r * FB_BK;
                             const vf l2v = vf_set1(l2t[r]), dv_ = vf_set1(dit[r]);
                             if (drop) {
                                 REAL z[FB_BK];
-                                fa_dropout_row(p->dropout_seed, drop_thr, drop_scale, p->dropout_b0 + b, h, i0 + r,
-                                               jt, FB_BK, sizeof(REAL) == 4 ? (float *)(void *)z : NULL,
-                                               sizeof(REAL) == 8 ? (double *)(void *)z : NULL);
+                                uint32_t u[FB_BK + 16]; /* >= fa_dropout_words_len */
+                                fa_dropout_words(p->dropout_seed, p->dropout_b0 + b, h, i0 + r, jt, FB_BK, u);
+                                const uint32_t *uj = u + (jt & 7);
+                                for (int64_t jj = 0; jj < FB_BK; jj++) z[jj] = FA_DROP_FLIP(uj[jj]) >= drop_thr ? drop_scale : 0;
                                 const REAL *dr = w.Dr + r * FB_BK;
+                                const vf nl2 = vf_sub(vf_zero(), l2v);
                                 for (int64_t jj = 0; jj < FB_BK; jj += VW) {
-                                    const vf pv = vf_exp2_neg(vf_sub(vf_load(s + jj), l2v)), zv = vf_load(z + jj);
+                                    const vf pv = vf_exp2_neg(vf_fma(vf_load(s + jj), c1v, nl2));
+                                    const vf zv = vf_load(z + jj);
                                     vf ds = vf_mul(pv, vf_sub(vf_mul(vf_load(dp + jj), zv), dv_));
                                     if (!use_log2) ds = vf_mul(ds, vf_load(dr + jj));
                                     vf_store(s + jj, vf_mul(pv, zv));
@@ -523,6 +529,7 @@ static void FB_NAME(fb_run)(const fa_bwd_params *bp, const fa_bwd_task *t, void 
                             }
                         }
                     }
+                    if (drop && !elem && !full) FB_NAME(fb_edge)(nq, a0, a1, w.S, w.dP);
                     /* ---- dV += P^T.dO, dK += dS^T.Q, dQ += dS.K ---- */
                     FB_NAME(fb_gemm)(nk, Dvp, nq, w.S, 1, FB_BK, ot, ost, w.dV + u * FB_BK * Dvp, Dvp, 1, kl, kh);
                     FB_NAME(fb_gemm)(nk, Dp, nq, w.dP, 1, FB_BK, qt, qst, w.dK + u * FB_BK * Dp, Dp, 1, kl, kh);

@@ -286,7 +286,7 @@ typedef struct fa_ctx {
     int page_shift;                  /* log2(page) for a power of two (every usual size), else -1 */
     /* Dropout (fastattn.h): on for this call; its threshold and kept factor. */
     int drop;
-    uint64_t drop_thr;
+    uint32_t drop_thr;
     double drop_scale;
 } fa_ctx;
 
@@ -1149,12 +1149,19 @@ FA_INLINE int FA_NAME(huge_tile_skips)(const fa_ctx *c, const fa_ws *w, const fa
 FA_INLINE void FA_NAME(dropout_tile)(const fa_ctx *c, const fa_ws *w, int64_t TN, int64_t jt, int64_t nj)
 {
     const fa_params *p = c->p;
+    uint32_t u[FA_BLK_BN + 16]; /* >= fa_dropout_words_len(jt, nj) */
     REAL z[FA_BLK_BN];
+    const int32_t thr = FA_DROP_FLIP(c->drop_thr);
+    const REAL ks = (REAL)c->drop_scale;
     for (int64_t r = 0; r < c->R; r++) {
         const int64_t h = c->t->hk * c->G + r / c->ni, i = c->t->i0 + r % c->ni;
-        fa_dropout_row(p->dropout_seed, c->drop_thr, c->drop_scale, p->dropout_b0 + c->b, h, i, jt, nj,
-                       sizeof(REAL) == 4 ? (float *)(void *)z : NULL, sizeof(REAL) == 8 ? (double *)(void *)z : NULL);
+        fa_dropout_words(p->dropout_seed, p->dropout_b0 + c->b, h, i, jt, nj, u);
+        const uint32_t *uj = u + (jt & 7);
         REAL *s = w->S + r * TN;
+        /* The factors first, in a local array (so that the loop vectorises:
+         * the scratch may alias u as far as the compiler knows), then one
+         * product (FA_DROP_FLIP: a branch-free select). */
+        for (int64_t jj = 0; jj < nj; jj++) z[jj] = FA_DROP_FLIP(uj[jj]) >= thr ? ks : (REAL)0;
         for (int64_t jj = 0; jj < nj; jj++) s[jj] *= z[jj];
     }
 }
@@ -1285,7 +1292,7 @@ FA_PATH void FA_NAME(run)(const fa_params *p, const fa_task *t, void *scratch)
         c.fhi = hi0;
     }
     c.drop = p->dropout_p > 0.0;
-    c.drop_thr = fa_dropout_threshold(p->dropout_p);
+    c.drop_thr = fa_dropout_thr32(p->dropout_p);
     c.drop_scale = fa_dropout_keep_scale(p->dropout_p);
     c.elem_always = p->mask_kind != FA_MASK_NONE || p->alibi || !c.use_log2 || p->bmask;
     c.mask_only = p->mask_kind != FA_MASK_NONE && !p->alibi && c.use_log2 && !p->bmask;

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _torch_bridge
+from ._args import dropout_p_value
 from ._cache_args import index_value
 from ._checks import as_array
 
@@ -32,11 +33,20 @@ def wrap(torch_out: bool, *arrays: np.ndarray) -> Any:
     return res if len(res) > 1 else res[0]
 
 
-def dropout_value(dropout_p: Any) -> None:
-    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p must be a number, got {type(dropout_p).__name__}")
-    if dropout_p != 0:
-        raise NotImplementedError(f"dropout_p must be 0 (got {dropout_p}): fastattn has no dropout")
+def dropout_value(dropout_p: Any) -> float:
+    """flash-attn's ``dropout_p``: a real number in [0, 1] (TypeError / ValueError)."""
+    return dropout_p_value(dropout_p)
+
+
+def draw_seed(torch_generator: bool) -> int:
+    """A fresh dropout seed (an int in [0, 2**63 - 1)): from torch's default generator for
+    tensor inputs, drawn as fastattn.torch_compat draws it (``torch.manual_seed`` then
+    reproduces the masks, as it does flash-attn's), else from NumPy's global generator
+    (``numpy.random.seed`` reproduces them)."""
+    torch = _torch_bridge.torch_module() if torch_generator else None
+    if torch is not None:
+        return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+    return int(np.random.randint(0, 2**63 - 1, dtype=np.int64))
 
 
 def flag_value(x: Any, name: str) -> bool:
@@ -101,5 +111,16 @@ def check_ndim(a: np.ndarray, name: str, nd: int, shape: str) -> None:
 
 
 def probs_placeholder(q: np.ndarray) -> np.ndarray:
-    # flash-attn returns an empty S_dmask unless dropout_p > 0 (which fastattn refuses).
+    # flash-attn returns an empty S_dmask unless dropout_p > 0 (no_probs_with_dropout refuses that).
     return np.empty((0,), dtype=q.dtype)
+
+
+def no_probs_with_dropout(return_attn_probs: bool, dropout_p: float) -> None:
+    """flash-attn returns its dropout pattern ``S_dmask`` (for its tests, in its own tile
+    encoding) when both are set: fastattn does not produce it."""
+    if return_attn_probs and dropout_p > 0:
+        raise NotImplementedError(
+            "return_attn_probs=True with dropout_p > 0 is not supported: flash-attn then returns "
+            "S_dmask, its dropout pattern in its kernel's own encoding (for testing only), which "
+            "fastattn does not produce (fastattn.reference.dropout_mask gives fastattn's mask)"
+        )

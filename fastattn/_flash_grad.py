@@ -5,8 +5,10 @@ Where autograd records (``torch.is_grad_enabled()``) and a query, key or value t
 requires grad, the call runs through a ``torch.autograd.Function``: its forward is the
 same fastattn call on the tensors' memory with the log-sum-exp kept, its backward
 fastattn's fused backward (:func:`fastattn.scaled_dot_product_attention_backward`) with
-the forward's options, on the bshd layout flash-attn uses; a varlen call's backward runs
-sequence by sequence on views of the packed arrays.  The packed functions slice the
+the forward's options (dropout included: the forward's seed is kept in the spec, so the
+backward regenerates its mask), on the bshd layout flash-attn uses; a varlen call's
+backward runs sequence by sequence on views of the packed arrays (with dropout, on one
+zero-padded batch, :func:`varlen_spec`).  The packed functions slice the
 packed tensor with torch, so the gradient reaches it through torch's own indexing.
 Like flash-attn's, the gradient is not differentiable again (double backward raises).
 
@@ -53,24 +55,47 @@ class Spec:
         self.backward = backward
 
 
-def dense_spec(forward: Forward, causal: bool, scale: float | None, options: dict[str, Any]) -> Spec:
+def dense_spec(
+    forward: Forward,
+    causal: bool,
+    scale: float | None,
+    options: dict[str, Any],
+    dropout: dict[str, Any] | None = None,
+) -> Spec:
     """flash_attn_func's call: bshd, grouped-query heads, ``options`` (window, softcap,
-    alibi_slopes) as the forward checked them."""
+    alibi_slopes) as the forward checked them, ``dropout`` (``dropout_p`` and the
+    forward's ``dropout_seed``, or empty) as the forward applied it."""
+    drop = dropout or {}
 
     def backward(go: Array, q: Array, k: Array, v: Array, out: Array, lse: Array) -> tuple[Array, ...]:
         return scaled_dot_product_attention_backward(
-            go, q, k, v, out, lse, is_causal=causal, scale=scale, enable_gqa=True, layout="bshd", **options
-        )
+            go, q, k, v, out, lse, is_causal=causal, scale=scale, enable_gqa=True, layout="bshd",
+            **options, **drop,
+        )  # fmt: skip
 
     return Spec(forward, backward)
 
 
 def varlen_spec(
-    forward: Forward, cu_q: Array, cu_k: Array, causal: bool, scale: float | None, options: dict[str, Any]
+    forward: Forward,
+    cu_q: Array,
+    cu_k: Array,
+    causal: bool,
+    scale: float | None,
+    options: dict[str, Any],
+    dropout: dict[str, Any] | None = None,
 ) -> Spec:
     """flash_attn_varlen_func's call: sequence ``b`` owns rows ``cu_q[b]:cu_q[b+1]`` of q
     and ``cu_k[b]:cu_k[b+1]`` of k and v; each sequence's backward runs on views
-    ``(1, n, H, D)`` (bshd) with its own ALiBi slopes when they are per sequence."""
+    ``(1, n, H, D)`` (bshd) with its own ALiBi slopes when they are per sequence.
+
+    With ``dropout`` (the forward's ``dropout_p`` and ``dropout_seed``) the mask's batch
+    index is the sequence's, which a one-sequence call cannot give: the sequences are
+    then copied into a zero-padded ``(batch, longest, H, D)`` batch and differentiated in
+    one call with their lengths (``query_lengths``/``key_lengths``: bottom-right
+    alignment and the mask's positions within each sequence, as in the packed forward)."""
+    if dropout:
+        return Spec(forward, _padded_backward(cu_q, cu_k, causal, scale, options, dropout))
     alibi = options.get("alibi_slopes")
     rest = {n: x for n, x in options.items() if n != "alibi_slopes"}
 
@@ -101,10 +126,52 @@ def varlen_spec(
     return Spec(forward, backward)
 
 
+def _padded_backward(
+    cu_q: Array,
+    cu_k: Array,
+    causal: bool,
+    scale: float | None,
+    options: dict[str, Any],
+    dropout: dict[str, Any],
+) -> Callable[..., tuple[Array, ...]]:
+    """A packed call's backward through one padded bshd batch (see :func:`varlen_spec`)."""
+    nb = len(cu_q) - 1
+    lq, lk = np.diff(cu_q).astype(np.int64), np.diff(cu_k).astype(np.int64)
+    L, S = int(lq.max(initial=0)), int(lk.max(initial=0))
+
+    def pad(x: Array, cu: Array, n: int, fill: float = 0.0) -> Array:
+        """(T, H, X) -> (nb, n, H, X), sequence b's rows first, ``fill`` after."""
+        res = np.full((nb, n) + x.shape[1:], fill, dtype=x.dtype)
+        for b in range(nb):
+            res[b, : int(cu[b + 1] - cu[b])] = x[int(cu[b]) : int(cu[b + 1])]
+        return res
+
+    def unpad(x: Array, cu: Array, like: Array) -> Array:
+        res = np.empty_like(like)
+        for b in range(nb):
+            res[int(cu[b]) : int(cu[b + 1])] = x[b, : int(cu[b + 1] - cu[b])]
+        return res
+
+    def backward(go: Array, q: Array, k: Array, v: Array, out: Array, lse: Array) -> tuple[Array, ...]:
+        if nb == 0 or L == 0 or S == 0:  # no query, or no key: every row outputs zeros
+            return np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+        # lse (H, Tq) -> (nb, L, H) padded with -inf (a padded row's, as the forward gives it)
+        lse_p = np.moveaxis(pad(np.ascontiguousarray(lse.T), cu_q, L, -np.inf), 2, 1)
+        dq, dk, dv = scaled_dot_product_attention_backward(
+            pad(go, cu_q, L), pad(q, cu_q, L), pad(k, cu_k, S), pad(v, cu_k, S), pad(out, cu_q, L), lse_p,
+            is_causal=causal, scale=scale, enable_gqa=True, layout="bshd",
+            query_lengths=lq, key_lengths=lk, **options, **dropout,
+        )  # fmt: skip
+        return unpad(dq, cu_q, q), unpad(dk, cu_k, k), unpad(dv, cu_k, v)
+
+    return backward
+
+
 def run(spec: Spec, q: Any, k: Any, v: Any, return_attn_probs: bool) -> Any:
     """The call on tensors: ``out`` (differentiable with respect to q, k and v), or
     ``(out, softmax_lse, S_dmask)`` with ``return_attn_probs`` (the lse is not
-    differentiable; ``S_dmask`` is empty, as flash-attn returns it without dropout)."""
+    differentiable; ``S_dmask`` is empty, as flash-attn returns it without dropout:
+    the caller refuses ``return_attn_probs`` with dropout)."""
     torch = _torch_bridge.torch_module()
     # (an array beside tensors that require grad: a tensor of its memory, a constant)
     q, k, v = (_tensor_of(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))

@@ -32,8 +32,20 @@ torch's slicing; not differentiable again, as flash-attn's is not).
 (nor have flash-attn's): a tensor that requires grad is refused there while autograd
 records.
 
-Differences, all loud: ``dropout_p`` must be 0 (``NotImplementedError``
-otherwise: fastattn has no dropout); ``cache_leftpad`` with paged caches raises
+``dropout_p`` is flash-attn's attention dropout, applied whenever it is > 0 (as
+flash-attn's: the caller passes 0 at evaluation): each attention weight is zeroed
+with that probability and the others scaled by ``1 / (1 - dropout_p)``; the
+log-sum-exp is the undropped softmax's.  The backward regenerates the forward's
+mask.
+
+Differences, all loud: the dropout mask is fastattn's (Philox keyed by a seed
+drawn from torch's default generator for tensor inputs, from NumPy's global
+generator for arrays: ``torch.manual_seed`` / ``numpy.random.seed`` reproduce it;
+for a packed batch sequence ``b``'s positions within it, see
+:func:`fastattn.reference.dropout_mask`), not the one flash-attn draws;
+``return_attn_probs=True`` with ``dropout_p > 0`` (flash-attn then returns its
+dropout pattern ``S_dmask``, for its tests) and ``dropout_p > 0`` with
+``block_table`` raise ``NotImplementedError``; ``cache_leftpad`` with paged caches raises
 ``NotImplementedError``; ``return_attn_probs`` returns an empty ``S_dmask`` as flash-attn does without
 dropout.  Where flash-attn leaves a case undefined, fastattn refuses it with a
 ``ValueError`` (repeated ``cache_batch_idx`` with new keys, ``max_seqlen`` smaller
@@ -56,17 +68,20 @@ from typing import Any
 
 import numpy as np
 
-from . import _flash_grad, _torch_bridge
+from . import _flash_args, _flash_grad, _torch_bridge
 from ._args import sdpa_call, varlen_call
 from ._cache_args import index_value, indices_value
 from ._flash_args import Opts as _Opts
 from ._flash_args import array_value as _array
 from ._flash_args import check_ndim as _ndim
+from ._flash_args import dropout_value as _dropout_p
 from ._flash_args import flag_value as _flag
+from ._flash_args import no_probs_with_dropout as _no_probs_with_dropout
 from ._flash_args import probs_placeholder as _probs_placeholder
 from ._flash_args import wrap as _wrap
 from ._flash_kvcache import flash_attn_with_kvcache
 from ._paged import paged_varlen_call
+from ._plan import Call
 
 __all__ = [
     "flash_attn_func",
@@ -98,6 +113,31 @@ def _unpack(x: Any, name: str, nd: int, axis: int, n: int, shape: str) -> list[A
     return [a[(slice(None),) * axis + (i,)] for i in range(n)]
 
 
+def _dropout(o: _Opts, ret: bool) -> dict[str, Any]:
+    """The call's dropout keywords (fastattn's ``dropout_p``/``dropout_seed``): empty at
+    ``dropout_p == 0``; else ``dropout_p``, and the seed that :func:`_run` draws once the
+    call's arguments are checked (the backward reuses it: it regenerates the forward's
+    mask)."""
+    p = _dropout_p(o.dropout_p)
+    if p == 0:
+        return {}
+    _no_probs_with_dropout(ret, p)
+    return {"dropout_p": p}
+
+
+def _run(call: Call, drop: dict[str, Any], torch_out: bool) -> Any:
+    """Run a checked call, with dropout when ``drop`` asks for it: a fresh seed
+    (:func:`fastattn._flash_args.draw_seed`, kept in ``drop`` for the backward) and the
+    Plan fields, as fastattn.scaled_dot_product_attention sets them."""
+    if drop:
+        if "dropout_seed" not in drop:
+            drop["dropout_seed"] = _flash_args.draw_seed(torch_out)
+        if call.plan is not None:
+            call.plan.dropout_p = drop["dropout_p"]
+            call.plan.dropout_seed = drop["dropout_seed"]
+    return call.run()
+
+
 def _dense(q: Any, k: Any, v: Any, o: _Opts) -> Any:
     """flash_attn_func's call on q, k, v as given (arrays or tensors; differentiable
     where a tensor requires grad, :mod:`fastattn._flash_grad`)."""
@@ -105,12 +145,14 @@ def _dense(q: Any, k: Any, v: Any, o: _Opts) -> Any:
     ret = _flag(o.return_attn_probs, "return_attn_probs")
     causal = _flag(o.causal, "causal")
     grad = _flash_grad.wants_grad(q, k, v)
+    torch_out = _torch_bridge.is_tensor(q)
+    drop = _dropout(o, ret)
 
     def forward(qa: np.ndarray, ka: np.ndarray, va: np.ndarray) -> Any:
         for a, n in ((qa, "q"), (ka, "k"), (va, "v")):
             _ndim(a, n, 4, "(batch, seqlen, nheads, headdim)")
         _same_dtype(qa, ka, va)
-        return sdpa_call(
+        call = sdpa_call(
             qa,
             ka,
             va,
@@ -120,12 +162,13 @@ def _dense(q: Any, k: Any, v: Any, o: _Opts) -> Any:
             layout="bshd",
             return_lse=ret or grad,
             **opts,
-        ).run()
+        )
+        return _run(call, drop, torch_out)
 
     if grad:
-        return _flash_grad.run(_flash_grad.dense_spec(forward, causal, o.softmax_scale, opts), q, k, v, ret)
+        spec = _flash_grad.dense_spec(forward, causal, o.softmax_scale, opts, drop)
+        return _flash_grad.run(spec, q, k, v, ret)
     res = forward(_array(q, "q"), _array(k, "k"), _array(v, "v"))
-    torch_out = _torch_bridge.is_tensor(q)
     if not ret:
         return _wrap(torch_out, res)
     out, lse = res
@@ -163,7 +206,9 @@ def flash_attn_func(
     v : array_like or torch.Tensor
         ``(batch, seqlen_k, nheads_k, headdim_v)``.
     dropout_p : float, default 0.0
-        Must be 0 (fastattn has no dropout; otherwise NotImplementedError).
+        Attention dropout probability in [0, 1], applied whenever > 0 (pass 0 at
+        evaluation); the mask is fastattn's, seeded from torch's (NumPy's) global
+        generator, see the module docstring.  Not with ``return_attn_probs=True``.
     softmax_scale : float, optional
         Score scale; None means ``1/sqrt(headdim)``.
     causal : bool, default False
@@ -236,7 +281,9 @@ def flash_attn_qkvpacked_func(
     qkv : array_like or torch.Tensor
         ``(batch, seqlen, 3, nheads, headdim)``.
     dropout_p : float, default 0.0
-        Must be 0 (fastattn has no dropout; otherwise NotImplementedError).
+        Attention dropout probability in [0, 1], applied whenever > 0 (pass 0 at
+        evaluation); the mask is fastattn's, seeded from torch's (NumPy's) global
+        generator, see the module docstring.  Not with ``return_attn_probs=True``.
     softmax_scale : float, optional
         Score scale; None means ``1/sqrt(headdim)``.
     causal : bool, default False
@@ -312,7 +359,9 @@ def flash_attn_kvpacked_func(
     kv : array_like or torch.Tensor
         ``(batch, seqlen_k, 2, nheads_k, headdim)``.
     dropout_p : float, default 0.0
-        Must be 0 (fastattn has no dropout; otherwise NotImplementedError).
+        Attention dropout probability in [0, 1], applied whenever > 0 (pass 0 at
+        evaluation); the mask is fastattn's, seeded from torch's (NumPy's) global
+        generator, see the module docstring.  Not with ``return_attn_probs=True``.
     softmax_scale : float, optional
         Score scale; None means ``1/sqrt(headdim)``.
     causal : bool, default False
@@ -413,18 +462,25 @@ def _varlen(
             "flash_attn_varlen_func with block_table has no backward (nor has flash-attn's): "
             "run it under torch.no_grad() or torch.inference_mode()"
         )
+    if block_table is not None and _dropout_p(o.dropout_p) > 0:
+        raise NotImplementedError(
+            "flash_attn_varlen_func with block_table (paged K/V, an inference call) has no dropout "
+            "in fastattn: pass dropout_p=0"
+        )
+    torch_out = _torch_bridge.is_tensor(q)
+    drop = _dropout(o, ret)
     kw: dict[str, Any] = dict(
         is_causal=causal, scale=o.softmax_scale, enable_gqa=True, return_lse=ret or grad, **opts
     )
 
     def forward(qa: np.ndarray, ka: np.ndarray, va: np.ndarray) -> Any:
         _same_dtype(qa, ka, va)
-        return varlen_call(qa, ka, va, cq, ck, **kw).run()
+        # (dropout: batch b of the mask is sequence b, positions within it)
+        return _run(varlen_call(qa, ka, va, cq, ck, **kw), drop, torch_out)
 
     if grad:
-        spec = _flash_grad.varlen_spec(forward, cq, ck, causal, o.softmax_scale, opts)
+        spec = _flash_grad.varlen_spec(forward, cq, ck, causal, o.softmax_scale, opts, drop)
         return _flash_grad.run(spec, q, k, v, ret)
-    torch_out = _torch_bridge.is_tensor(q)
     q, k, v = _array(q, "q"), _array(k, "k"), _array(v, "v")
     if block_table is not None:  # chunked prefill: k and v are page pools
         bt = _array(block_table, "block_table") if _torch_bridge.is_tensor(block_table) else block_table
@@ -478,7 +534,10 @@ def flash_attn_varlen_func(
     max_seqlen_q, max_seqlen_k : int
         At least the longest query / key sequence.
     dropout_p : float, default 0.0
-        Must be 0 (fastattn has no dropout; otherwise NotImplementedError).
+        Attention dropout probability in [0, 1], applied whenever > 0 (pass 0 at
+        evaluation); the mask is fastattn's, seeded from torch's (NumPy's) global
+        generator, see the module docstring.  Not with ``return_attn_probs=True``
+        nor with ``block_table``.
     softmax_scale : float, optional
         Score scale; None means ``1/sqrt(headdim)``.
     causal : bool, default False
@@ -569,7 +628,9 @@ def flash_attn_varlen_qkvpacked_func(
     max_seqlen : int
         At least the longest sequence.
     dropout_p : float, default 0.0
-        Must be 0 (fastattn has no dropout; otherwise NotImplementedError).
+        Attention dropout probability in [0, 1], applied whenever > 0 (pass 0 at
+        evaluation); the mask is fastattn's, seeded from torch's (NumPy's) global
+        generator, see the module docstring.  Not with ``return_attn_probs=True``.
     softmax_scale : float, optional
         Score scale; None means ``1/sqrt(headdim)``.
     causal : bool, default False
@@ -658,7 +719,9 @@ def flash_attn_varlen_kvpacked_func(
     max_seqlen_q, max_seqlen_k : int
         At least the longest query / key sequence.
     dropout_p : float, default 0.0
-        Must be 0 (fastattn has no dropout; otherwise NotImplementedError).
+        Attention dropout probability in [0, 1], applied whenever > 0 (pass 0 at
+        evaluation); the mask is fastattn's, seeded from torch's (NumPy's) global
+        generator, see the module docstring.  Not with ``return_attn_probs=True``.
     softmax_scale : float, optional
         Score scale; None means ``1/sqrt(headdim)``.
     causal : bool, default False

@@ -207,8 +207,10 @@ def test_varlen_argument_checks(rng):
         fc.flash_attn_varlen_func(q, q, q, cu, cu, 6, 2)
     with pytest.raises(ValueError, match="k must be a 4-D page pool"):
         fc.flash_attn_varlen_func(q, q, q, cu, cu, 6, 6, block_table=np.zeros((2, 1), np.int32))
-    with pytest.raises(NotImplementedError, match="dropout"):
-        fc.flash_attn_varlen_func(q, q, q, cu, cu, 6, 6, dropout_p=0.1)
+    # dropout_p > 0 works (test_flash_compat_dropout.py), but not with block_table
+    bt = np.zeros((2, 1), np.int32)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        fc.flash_attn_varlen_func(q, q, q, cu, cu, 6, 6, dropout_p=0.1, block_table=bt)
     with pytest.raises(TypeError, match="max_seqlen_q"):
         fc.flash_attn_varlen_func(q, q, q, cu, cu, 6.0, 6)
     with pytest.raises(TypeError, match="cu_seqlens_k"):
@@ -219,11 +221,13 @@ def test_varlen_argument_checks(rng):
 
 def test_flash_attn_func_bad_arguments(rng):
     q = randn(rng, (1, 4, 2, 8))
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        fc.flash_attn_func(q, q, q, dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match="return_attn_probs=True with dropout_p > 0"):
+        fc.flash_attn_func(q, q, q, dropout_p=0.1, return_attn_probs=True)
     fc.flash_attn_func(q, q, q, dropout_p=0.0, deterministic=True)  # 0 and flags are fine
     with pytest.raises(TypeError, match="dropout_p"):
         fc.flash_attn_func(q, q, q, dropout_p="0")
+    with pytest.raises(ValueError, match="dropout_p"):
+        fc.flash_attn_func(q, q, q, dropout_p=1.5)
     with pytest.raises(ValueError, match="softcap"):
         fc.flash_attn_func(q, q, q, softcap=-1.0)
     with pytest.raises(TypeError, match="softcap"):
