@@ -25,16 +25,18 @@ class ForwardBackward:
             raise NotImplementedError("this commit has no backward pass")
         c = CASES[case]
         causal = c.causal
+        drop = getattr(c, "dropout", 0.0)  # (older commits' cases have none)
+        kw = {"dropout_p": drop, "dropout_seed": 1234} if drop else {}
         rng = np.random.default_rng(0)
         q, k, v, go = (rng.standard_normal((c.B, c.H, c.L, c.D), dtype=np.float32) for _ in range(4))
         if impl == "fastattn":
 
             def run():
                 o, lse = fastattn.scaled_dot_product_attention(
-                    q, k, v, is_causal=causal, return_lse=True, num_threads=THREADS
+                    q, k, v, is_causal=causal, return_lse=True, num_threads=THREADS, **kw
                 )
                 fastattn.scaled_dot_product_attention_backward(
-                    go, q, k, v, o, lse, is_causal=causal, num_threads=THREADS
+                    go, q, k, v, o, lse, is_causal=causal, num_threads=THREADS, **kw
                 )
 
         else:
@@ -49,7 +51,8 @@ class ForwardBackward:
             def run():
                 for t in (tq, tk, tv):
                     t.grad = None
-                torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal).backward(tgo)
+                sdpa = torch.nn.functional.scaled_dot_product_attention
+                sdpa(tq, tk, tv, is_causal=causal, dropout_p=drop).backward(tgo)
 
         self.run = run
         run()

@@ -384,7 +384,8 @@ def dropout_mask(
     word is >= round(dropout_p * 2**32) (csrc/dropout.h).  For a packed
     variable-length batch, b is the sequence and i, j are positions within it.
 
-    >>> m = dropout_mask((1, 2, 64, 64), 0.25, 1234)
+    >>> from fastattn import reference
+    >>> m = reference.dropout_mask((1, 2, 64, 64), 0.2, 1234)
     >>> m.shape, round(float(m.mean()), 1)
     ((1, 2, 64, 64), 0.8)
     """

@@ -125,7 +125,7 @@ default_args() {
     local k=tests/kernel
     case "$1" in
     neoverse-n1) args=($k/test_isa.py $k/test_threads.py $k/test_backward.py $k/test_dtypes.py $k/test_kv8.py
-        $k/test_sdpa.py tests/api/test_paged.py) ;;
+        $k/test_sdpa.py tests/api/test_paged.py $k/test_dropout.py) ;;
     *sve-default-vector-length=16*) args=($k/test_isa.py -k "architecture or exp2 or tile_boundaries") ;;
     *) args=($k/test_isa.py $k/test_threads.py) ;;
     esac

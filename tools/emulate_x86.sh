@@ -44,9 +44,9 @@ default_files() {
     avx512) echo tests/kernel/test_sdpa.py tests/kernel/test_isa.py tests/kernel/test_variants.py tests/kernel/test_dtypes.py \
                  tests/api/test_kvcache.py tests/kernel/test_threads.py tests/kernel/test_backward.py tests/kernel/test_family.py \
                  tests/kernel/test_register_blocks.py tests/kernel/test_fused_softmax.py tests/kernel/test_masks.py \
-                 tests/kernel/test_kv8.py tests/api/test_paged.py ;;
+                 tests/kernel/test_kv8.py tests/api/test_paged.py tests/kernel/test_dropout.py ;;
     amx) echo tests/kernel/test_amx.py tests/kernel/test_amx_fp16.py tests/kernel/test_precision.py tests/kernel/test_dtypes.py \
-              tests/kernel/test_masks.py tests/kernel/test_kv8.py tests/api/test_paged.py ;;
+              tests/kernel/test_masks.py tests/kernel/test_kv8.py tests/api/test_paged.py tests/kernel/test_dropout.py ;;
     avx512bf16) echo tests/kernel/test_amx.py tests/kernel/test_precision.py tests/kernel/test_dtypes.py tests/kernel/test_masks.py \
                      tests/kernel/test_kv8.py tests/api/test_paged.py ;;
     esac

@@ -3,7 +3,8 @@
 Times fastattn's fused forward (``return_lse=True``) plus
 :func:`fastattn.scaled_dot_product_attention_backward` against torch's
 ``scaled_dot_product_attention`` forward plus ``backward()`` on CPU tensors
-(when torch is installed), float32, at the same thread count (``--threads``).
+(when torch is installed), float32, at the same thread count (``--threads``);
+the dropout cases pass their ``dropout_p`` to both (each draws its own mask).
 Each implementation is first checked against the float64 reference backward on
 a reduced copy of the case (one head, at most 256 queries).  Repetitions are
 interleaved (fastattn, pause, torch, pause, ...); a sample is the mean of as many
@@ -37,7 +38,9 @@ MIN_TIME = 0.05
 # The fewest samples per implementation from which a speedup is printed (and stored).
 MIN_SAMPLES = 3
 
-Maker = Callable[[Array, Array, Array, Array, bool, int], Callable[[], Any]]
+Maker = Callable[[Array, Array, Array, Array, bool, int, float], Callable[[], Any]]
+# The dropout seed of fastattn's timed calls (any fixed one: the cost does not depend on it).
+SEED = 1234
 
 
 def inputs(B: int, H: int, L: int, D: int, seed: int = 0) -> tuple[Array, Array, Array, Array]:
@@ -48,20 +51,24 @@ def inputs(B: int, H: int, L: int, D: int, seed: int = 0) -> tuple[Array, Array,
 
 
 def fastattn_fwd_bwd(
-    q: Array, k: Array, v: Array, go: Array, causal: bool, threads: int
+    q: Array, k: Array, v: Array, go: Array, causal: bool, threads: int, dropout: float = 0.0
 ) -> Callable[[], Any]:
+    drop: dict[str, Any] = {"dropout_p": dropout, "dropout_seed": SEED} if dropout else {}
+
     def run() -> Any:
         o, lse = fastattn.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, return_lse=True, num_threads=threads
+            q, k, v, is_causal=causal, return_lse=True, num_threads=threads, **drop
         )
         return fastattn.scaled_dot_product_attention_backward(  # type: ignore[no-untyped-call, unused-ignore]
-            go, q, k, v, o, lse, is_causal=causal, num_threads=threads
+            go, q, k, v, o, lse, is_causal=causal, num_threads=threads, **drop
         )
 
     return run
 
 
-def torch_fwd_bwd(q: Array, k: Array, v: Array, go: Array, causal: bool, threads: int) -> Callable[[], Any]:
+def torch_fwd_bwd(
+    q: Array, k: Array, v: Array, go: Array, causal: bool, threads: int, dropout: float = 0.0
+) -> Callable[[], Any]:
     torch = optional("torch")
     torch.set_num_threads(threads)
     tq, tk, tv = (torch.from_numpy(a).requires_grad_() for a in (q, k, v))
@@ -70,7 +77,8 @@ def torch_fwd_bwd(q: Array, k: Array, v: Array, go: Array, causal: bool, threads
     def run() -> Any:
         for t in (tq, tk, tv):
             t.grad = None
-        torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal).backward(tgo)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        sdpa(tq, tk, tv, is_causal=causal, dropout_p=dropout).backward(tgo)
         return tq.grad.numpy(), tk.grad.numpy(), tv.grad.numpy()
 
     return run
@@ -86,7 +94,9 @@ def available(name: str) -> bool:
 
 def check(name: str, L: int, D: int, causal: bool) -> float:
     """Max error (relative to the largest gradient) against the float64 reference
-    on one head of at most 256 queries and keys."""
+    on one head of at most 256 queries and keys (without dropout: torch's mask is
+    its own; fastattn's dropout gradients are tested against the reference in
+    tests/kernel/test_dropout.py)."""
     n = min(L, 256)
     q, k, v, go = inputs(1, 1, n, D, seed=1)
     got = IMPLS[name](q, k, v, go, causal, 1)()
@@ -96,7 +106,11 @@ def check(name: str, L: int, D: int, causal: bool) -> float:
 
 def shape_name(case: BackwardCase) -> str:
     """The shape of ``case`` in the case names' notation (its own name for a full-size case)."""
-    return f"B{case.B} H{case.H} L{case.L} D{case.D}" + (" causal" if case.causal else "")
+    return (
+        f"B{case.B} H{case.H} L{case.L} D{case.D}"
+        + (f" dropout {case.dropout}" if case.dropout else "")
+        + (" causal" if case.causal else "")
+    )
 
 
 def iqr(times: list[float]) -> tuple[float, float]:
@@ -111,7 +125,7 @@ def run_case(
     """Time ``impls`` on ``case`` in interleaved rounds; the record of the JSON output."""
     q, k, v, go = inputs(case.B, case.H, case.L, case.D)
     # timed(): two warm-up calls (thread pools, scratch, page faults), then calls per sample
-    runs = {i: timed(IMPLS[i](q, k, v, go, case.causal, threads), min_time) for i in impls}
+    runs = {i: timed(IMPLS[i](q, k, v, go, case.causal, threads, case.dropout), min_time) for i in impls}
     interleaved_rounds(list(runs.values()), repeat, pause)
     rec: dict[str, Any] = {
         "case": case.name,
@@ -121,6 +135,7 @@ def run_case(
         "L": case.L,
         "D": case.D,
         "causal": case.causal,
+        "dropout": case.dropout,
         "threads": threads,
         "repeat": repeat,
     }
@@ -200,7 +215,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         rec["quick"] = bool(args.quick)
         records.append(rec)
         of = f"  [--quick shape of {case.name}]" if args.quick else ""
-        print(f"{shape_name(shape):24s} {format_record(rec, ok)}{of}", file=out, flush=True)
+        print(f"{shape_name(shape):36s} {format_record(rec, ok)}{of}", file=out, flush=True)
     if args.json:
         return write_json(args.json, {"cpu": cpu_model(), "threads": args.threads, "records": records}, out)
     return 0

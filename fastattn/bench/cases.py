@@ -104,7 +104,8 @@ class Case:
 
 @dataclasses.dataclass(frozen=True)
 class BackwardCase:
-    """One forward + backward shape (``fastattn bench --backward``): float32, Hq = Hk, L = S."""
+    """One forward + backward shape (``fastattn bench --backward``): float32, Hq = Hk, L = S;
+    ``dropout``: the attention dropout probability of both implementations (training)."""
 
     name: str
     B: int
@@ -112,6 +113,7 @@ class BackwardCase:
     L: int
     D: int
     causal: bool = False
+    dropout: float = 0.0
 
     def quick(self) -> BackwardCase:
         """The ``--quick`` smoke-test shape (:data:`QUICK_WHAT`); its name stays the case's."""
@@ -297,6 +299,9 @@ BACKWARD_CASES = [
     BackwardCase("B1 H8 L2048 D64", 1, 8, 2048, 64),
     BackwardCase("B1 H8 L2048 D64 causal", 1, 8, 2048, 64, causal=True),
     BackwardCase("B4 H8 L512 D128 causal", 4, 8, 512, 128, causal=True),
+    # training with attention dropout: a BERT-base fine-tuning batch and a causal LM
+    BackwardCase("B8 H12 L128 D64 dropout 0.1", 8, 12, 128, 64, dropout=0.1),
+    BackwardCase("B1 H8 L2048 D64 dropout 0.1 causal", 1, 8, 2048, 64, causal=True, dropout=0.1),
 ]
 
 
