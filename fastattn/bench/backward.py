@@ -99,7 +99,7 @@ def check(name: str, L: int, D: int, causal: bool) -> float:
     tests/kernel/test_dropout.py)."""
     n = min(L, 256)
     q, k, v, go = inputs(1, 1, n, D, seed=1)
-    got = IMPLS[name](q, k, v, go, causal, 1)()
+    got = IMPLS[name](q, k, v, go, causal, 1, 0.0)()
     exp = reference.scaled_dot_product_attention_backward(go, q, k, v, is_causal=causal)  # type: ignore[no-untyped-call, unused-ignore]
     return max(float(np.abs(g - e).max()) / max(1.0, float(np.abs(e).max())) for g, e in zip(got, exp))
 
