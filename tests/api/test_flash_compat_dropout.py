@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import assert_close, optional, randn
+from test_flash_compat import _flash_kw
 
 from fastattn import _flash_args
 from fastattn import flash_compat as fc
@@ -49,17 +50,6 @@ def _ref_kw(case):
     kw = dict(is_causal=case.get("causal", False), enable_gqa=True, layout="bshd")
     if "window" in case:
         kw["window"] = case["window"]
-    if "softcap" in case:
-        kw["softcap"] = case["softcap"]
-    if "alibi" in case:
-        kw["alibi_slopes"] = case["alibi"]
-    return kw
-
-
-def _flash_kw(case):
-    kw = dict(causal=case.get("causal", False))
-    if "window" in case:
-        kw["window_size"] = case["window"]
     if "softcap" in case:
         kw["softcap"] = case["softcap"]
     if "alibi" in case:
