@@ -166,7 +166,7 @@ static void fa_run_tasks(const fa_kernel *kern, const fa_params *p, const fa_tas
 #pragma omp for schedule(dynamic, 1)
 #endif
     for (int64_t t = 0; t < ntask; t++)
-        if (ws) kern->run(p, &tasks[t], ws);
+        if (ws) (p->dropout_p > 0.0 ? kern->run_dropout : kern->run)(p, &tasks[t], ws);
     if (ws) fa_ws_put(ws, ws_bytes);
     fa_fpenv_exit(&env);
 }

@@ -37,6 +37,9 @@ typedef struct fa_kernel {
      * short block (the AMX kernel: bf16 B4 H8 L512 ran 0.995 / 1.05 at 256 /
      * 512 rows against its 128, not adopted). */
     int short_l2;
+    /* run for calls with dropout (fa_params.dropout_p > 0); NULL where the
+     * kernel has none (the AMX kernels: fa_select_kernel never picks them then). */
+    void (*run_dropout)(const fa_params *p, const fa_task *t, void *scratch);
 } fa_kernel;
 
 enum { FA_BAND_PLAIN = 0, FA_BAND_L2 = 1 };

@@ -939,4 +939,4 @@ static void amx_run(const fa_params *p, const fa_task *t, void *scratch)
 
 /* rows_max: 512 rows (measured: 1024 gave +6% on L2048/L4096 causal but cost L1024
  * 38% through the key split it forces; see the notes of AMX_BMR). */
-const fa_kernel AMX_KERNEL = { amx_scratch_bytes, amx_run, AMX_BMR, AMX_BMR_SHORT, AMX_BN, AMX_BMR, AMX_RG, amx_row_bytes, FA_BAND_PLAIN, 0 };
+const fa_kernel AMX_KERNEL = { amx_scratch_bytes, amx_run, AMX_BMR, AMX_BMR_SHORT, AMX_BN, AMX_BMR, AMX_RG, amx_row_bytes, FA_BAND_PLAIN, 0, NULL };

@@ -10,8 +10,10 @@
  * - mask (every fa_mask_kind), scale, causal, window, softcap, alibi, k_lens.
  * Not implemented (must be NULL / 0; fa_cuda_attention fails naming the
  * field): sinks, q_lens, cu_q, cu_k, bmask, precision != FA_PRECISION_HIGHEST
- * (the kernels compute float32 scores with fp32 FMA, never bf16 passes).
- * num_threads is a CPU setting and is not read.
+ * (the kernels compute float32 scores with fp32 FMA, never bf16 passes),
+ * dropout_p != 0.
+ * num_threads is a CPU setting and is not read, nor are dropout_seed and
+ * dropout_b0 (dropout's).
  *
  * Strides are in ELEMENTS; the last dimension of q, k, v and o is contiguous
  * (stride 1).  Broadcast dimensions of the mask have stride 0.  Semantics are

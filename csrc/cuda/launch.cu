@@ -419,6 +419,7 @@ extern "C" int fa_cuda_attention(const fa_params *p, uintptr_t stream_handle, ch
     if (p->bmask) FA_FAIL("bmask (block-sparse) is not supported by the CUDA kernels");
     if (p->precision != FA_PRECISION_HIGHEST)
         FA_FAIL("precision %d is not supported by the CUDA kernels (float32 only)", p->precision);
+    if (p->dropout_p != 0.0) FA_FAIL("dropout is not supported by the CUDA kernels");
     if (p->o_dtype != p->q_dtype || p->v_dtype != p->k_dtype)
         FA_FAIL("o_dtype (%d) must equal q_dtype (%d), v_dtype (%d) must equal k_dtype (%d)", p->o_dtype,
                 p->q_dtype, p->v_dtype, p->k_dtype);

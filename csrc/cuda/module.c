@@ -215,6 +215,9 @@ static const fa_field FIELDS[] = {
     FA_FIELD(bm_k, FA_T_I64, FA_USE_IGNORED),
     FA_FIELD(num_threads, FA_T_INT, FA_USE_IGNORED),
     FA_FIELD(precision, FA_T_INT, FA_USE_UNSUPPORTED),
+    FA_FIELD(dropout_p, FA_T_F64, FA_USE_UNSUPPORTED),
+    FA_FIELD(dropout_seed, FA_T_I64, FA_USE_IGNORED),
+    FA_FIELD(dropout_b0, FA_T_I64, FA_USE_IGNORED),
 };
 #undef FA_FIELD
 #define NFIELDS ((Py_ssize_t)(sizeof FIELDS / sizeof FIELDS[0]))
