@@ -90,6 +90,9 @@ def small_call_dims(q: object, k: object, v: object) -> tuple[int, int, int, int
 def exp2(x: npt.NDArray[np.float32], isa: str) -> npt.NDArray[np.float32]:
     """The vectorised exp2 of one ISA path (a test hook)."""
 
+def positive_normal_f32(a: npt.NDArray[np.float32]) -> bool:
+    """Every value of the C-contiguous float32 ``a`` a finite positive normal (one pass)."""
+
 def cpu_has(isa: str) -> bool: ...
 def isa_best() -> str: ...
 def isa_get() -> str: ...

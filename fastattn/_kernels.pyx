@@ -8,7 +8,7 @@ The C declarations (fa_params, the enums) are in fastattn/_kernels.pxd, which
 Cython includes here.  Plan arrays arrive as 4-D ``(B, H, L, D)`` views whose
 last dimension is contiguous; strides are passed to C in elements.
 """
-from libc.stdint cimport int32_t, int64_t, uint8_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t
 cimport numpy as cnp
 
 cnp.import_array()
@@ -227,6 +227,21 @@ def exp2(cnp.ndarray[cnp.float32_t, ndim=1, mode="c"] x, str isa):
     if rc != 0:
         raise ValueError(f"this CPU cannot run the {isa!r} path")
     return y
+
+
+def positive_normal_f32(cnp.ndarray a):
+    """Every value of the C-contiguous float32 array ``a`` finite and at least float32's
+    least normal, i.e. its bits in [0x00800000, 0x7f7fffff] (NaN, infinities, zeros,
+    denormals and negatives are outside): one pass where NumPy's min and max take two
+    (8-bit K/V scales are checked on every call; a per-token scale array is 4 / D bytes
+    per cache byte).  The caller checks the dtype and contiguity."""
+    cdef const uint32_t *p = <const uint32_t *>cnp.PyArray_DATA(a)
+    cdef Py_ssize_t n = a.size, i
+    cdef uint32_t bad = 0
+    with nogil:
+        for i in range(n):
+            bad |= <uint32_t>(<uint32_t>(p[i] - <uint32_t>0x00800000) >= <uint32_t>0x7f000000)
+    return bad == 0
 
 
 def cpu_has(str isa):

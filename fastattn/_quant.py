@@ -21,6 +21,7 @@ from typing import Any, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
+from . import _kernels
 from ._checks import F32, as_array
 
 Array: TypeAlias = npt.NDArray[Any]
@@ -78,13 +79,16 @@ def kv8_dtype(dtype: Any, name: str = "dtype") -> np.dtype[Any]:
 
 
 def positive_normal(s: Array) -> bool:
-    """Every value of float32 ``s`` finite and at least float32's least normal: two
-    reductions and no temporary (a NaN fails the min's comparison).  Per call this
+    """Every value of float32 ``s`` finite and at least float32's least normal: one pass
+    over a contiguous array's bits in C (``_kernels.positive_normal_f32``), else two
+    NumPy reductions and no temporary (a NaN fails the min's comparison).  Per call this
     reads the scales once, as the kernel does (a per-token scale is 4 / D bytes per
     8-bit cache byte).  A broadcast view (zero strides) is reduced over its distinct
     values only: a scale broadcast over the tokens costs nothing to check."""
     if 0 in s.strides:
         s = s[tuple(slice(0, 1) if st == 0 else slice(None) for st in s.strides)]
+    if s.dtype == F32 and s.flags.c_contiguous:
+        return bool(_kernels.positive_normal_f32(s))  # one pass over the bits
     return bool(s.min() >= F32_TINY and s.max() <= _F32_MAX)
 
 

@@ -284,6 +284,29 @@ def test_bad_scales():
         sdpa(q.astype(I8), k8, v8, k_scale=good, v_scale=good)
 
 
+@pytest.mark.parametrize("S", [1, 5, 16, 37])
+def test_bad_scale_anywhere_in_an_array(S):
+    """One bad per-token value at the first, a middle or the last token is found by
+    the one-pass check of a contiguous scale (every lane and tail of its loop) and by
+    the NumPy check of a strided one; float32's least normal and largest pass."""
+    rng = np.random.default_rng(S)
+    q, k8, v8 = qkv8(rng, I8, 1, 2, 2, 1, S, 8)
+    tiny, big = np.finfo(F32).tiny, np.finfo(F32).max
+    edge = np.full((1, 2, S, 1), tiny, F32)
+    edge[0, 1, -1] = big
+    sdpa(q, k8, v8, k_scale=edge, v_scale=edge[:, ::-1])
+    for bad in (0.0, -0.0, -1.0, -tiny, np.nextafter(tiny, np.float32(0)), np.nan, np.inf, -np.inf):
+        for h, t in ((0, 0), (1, S // 2), (1, S - 1)):
+            ks = np.ones((1, 2, S, 1), F32)
+            ks[0, h, t] = bad
+            with pytest.raises(ValueError, match="k_scale"):
+                sdpa(q, k8, v8, k_scale=ks, v_scale=np.ones_like(ks))
+            wide = np.ones((1, 2, S, 2), F32)  # a strided view: the NumPy check
+            wide[0, h, t, 0] = bad
+            with pytest.raises(ValueError, match="v_scale"):
+                sdpa(q, k8, v8, k_scale=np.ones_like(ks), v_scale=wide[..., :1])
+
+
 def test_fp8_default_scale_is_one():
     rng = np.random.default_rng(2)
     q, k8, v8 = qkv8(rng, E4M3, 1, 2, 2, 1, 50, 16)
