@@ -17,6 +17,12 @@ fewer heads than Q (grouped-query, e.g. decode ``1x32x1x128x8192 --kv-heads 8``)
 One thread is timed as thread CPU time, more as wall time.  A ratio above 1 means NEW is faster.  --isa
 times another ISA path of both builds (``avx2`` on an AVX-512 machine: the
 path AVX2-only CPUs take).
+
+    python tools/ab_builds.py OLD_TREE NEW_TREE - --case "B4 H32/8 S8192 D128 decode int8kv page16" --threads 2
+
+--case times the kernel calls fastattn makes for a ``fastattn bench`` case
+(paged, 8-bit, masked, varlen: whatever the case's call is), captured from
+OLD's Python side; SHAPE is then ignored.
 """
 
 from __future__ import annotations
@@ -66,6 +72,13 @@ def main() -> None:
     ap.add_argument(
         "--upper-bound", action="store_true", help="time NEW even if its results differ (a wrong build)"
     )
+    ap.add_argument(
+        "--case",
+        default=None,
+        help="instead of SHAPE's call: the kernel call(s) that fastattn makes for this `fastattn bench` "
+        "case (its exact name, e.g. 'B4 H32/8 S8192 D128 decode int8kv page16': paged calls too), "
+        "captured from OLD's Python side",
+    )
     a = ap.parse_args()
     sys.path.insert(0, a.old)  # the Plan record (pure Python) of the old tree
     from fastattn._plan import Plan
@@ -75,6 +88,9 @@ def main() -> None:
         for mod in (old, new):
             if not mod.isa_set(a.isa):
                 raise SystemExit(f"this CPU cannot run the {a.isa!r} path")
+    if a.case is not None:
+        alternate(old, new, *case_plans(a.case, a.threads), a.bursts, a.threads, a.case, a.upper_bound)
+        return
     dims = [int(x) for x in a.shape.split("x")]
     B, H, L, D = dims[:4]
     S = dims[4] if len(dims) > 4 else L
@@ -128,6 +144,92 @@ def main() -> None:
         f"new {np.median(t_new) * 1e6:.1f} us, old/new {np.median(r):.3f} "
         f"[{np.percentile(r, 25):.3f}-{np.percentile(r, 75):.3f}] ({calls} calls per burst, "
         f"{'same bits' if same else 'DIFFERENT RESULTS' if differ else 'not the same bits'})"
+    )
+
+
+Plans = list[object]
+Outs = list[np.ndarray]
+
+
+def case_plans(name: str, threads: int) -> tuple[Plans, Plans, Outs, Outs]:
+    """The Plans of one call of fastattn's runner for bench case ``name`` (two copies, each
+    with outputs of its own), captured at ``fastattn._plan``'s kernel call, and those outputs."""
+    import dataclasses
+
+    import fastattn._plan as plan_mod
+    from fastattn.bench.cases import CASES
+    from fastattn.bench.inputs import make_inputs
+    from fastattn.bench.peers import FastAttn
+
+    case = next((c for c in CASES if c.name == name), None)
+    if case is None:
+        raise SystemExit(f"no bench case {name!r}")
+    runner = FastAttn().prepare(make_inputs(case, "float32"), threads)
+    seen: list[object] = []
+    real = plan_mod._kernels
+
+    class Capture:
+        def __getattr__(self, n: str) -> object:
+            return getattr(real, n)
+
+        @staticmethod
+        def attention(plan: object) -> None:
+            seen.append(plan)
+            real.attention(plan)
+
+    plan_mod._kernels = Capture()  # type: ignore[assignment]
+    try:
+        runner()
+    finally:
+        plan_mod._kernels = real
+    copies: tuple[list[object], list[object]] = ([], [])
+    outs: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
+    for pl in seen:
+        for plans, o in zip(copies, outs):
+            out = np.empty_like(pl.o)  # type: ignore[attr-defined]
+            o.append(out)
+            plans.append(dataclasses.replace(pl, o=out))  # type: ignore[type-var]
+    return copies[0], copies[1], outs[0], outs[1]
+
+
+def alternate(
+    old: ModuleType,
+    new: ModuleType,
+    p_old: list[object],
+    p_new: list[object],
+    o_old: list[np.ndarray],
+    o_new: list[np.ndarray],
+    bursts: int,
+    threads: int,
+    label: str,
+    upper_bound: bool,
+) -> None:
+    """Time the kernel calls of p_old on ``old`` and p_new on ``new`` in alternating bursts."""
+    for _ in range(3):
+        for pl in p_old:
+            old.attention(pl)
+        for pl in p_new:
+            new.attention(pl)
+    same = all(np.array_equal(x, y) for x, y in zip(o_old, o_new))
+    close = all(np.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(o_old, o_new))
+    if not same and not close and not upper_bound:
+        raise SystemExit("the two builds give different results")
+    clock = time.thread_time if threads == 1 else time.perf_counter
+    t_old: list[float] = []
+    t_new: list[float] = []
+    runs = ((old, p_old, t_old), (new, p_new, t_new))
+    for i in range(bursts):
+        for mod, plans, acc in runs if i % 2 == 0 else runs[::-1]:
+            t0 = clock()
+            for pl in plans:
+                mod.attention(pl)
+            acc.append(clock() - t0)
+    r = np.array(t_old) / np.array(t_new)
+    print(
+        f"{label} threads={threads}: old {np.median(t_old) * 1e6:.1f} us, "
+        f"new {np.median(t_new) * 1e6:.1f} us, "
+        f"old/new {np.median(r):.3f} [{np.percentile(r, 25):.3f}-{np.percentile(r, 75):.3f}] "
+        f"({'same bits' if same else 'not the same bits'})"
     )
 
 
