@@ -18,7 +18,7 @@ One thread is timed as thread CPU time, more as wall time.  A ratio above 1 mean
 times another ISA path of both builds (``avx2`` on an AVX-512 machine: the
 path AVX2-only CPUs take).
 
-    python tools/ab_builds.py OLD_TREE NEW_TREE - --case "B4 H32/8 S8192 D128 decode int8kv page16" --threads 2
+    python tools/ab_builds.py OLD NEW - --case "B4 H32/8 S8192 D128 decode int8kv page16" --threads 2
 
 --case times the kernel calls fastattn makes for a ``fastattn bench`` case
 (paged, 8-bit, masked, varlen: whatever the case's call is), captured from
