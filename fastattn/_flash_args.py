@@ -111,16 +111,5 @@ def check_ndim(a: np.ndarray, name: str, nd: int, shape: str) -> None:
 
 
 def probs_placeholder(q: np.ndarray) -> np.ndarray:
-    # flash-attn returns an empty S_dmask unless dropout_p > 0 (no_probs_with_dropout refuses that).
+    # flash-attn returns an empty S_dmask unless dropout_p > 0 (then fastattn._flash_sdmask's).
     return np.empty((0,), dtype=q.dtype)
-
-
-def no_probs_with_dropout(return_attn_probs: bool, dropout_p: float) -> None:
-    """flash-attn returns its dropout pattern ``S_dmask`` (for its tests, in its own tile
-    encoding) when both are set: fastattn does not produce it."""
-    if return_attn_probs and dropout_p > 0:
-        raise NotImplementedError(
-            "return_attn_probs=True with dropout_p > 0 is not supported: flash-attn then returns "
-            "S_dmask, its dropout pattern in its kernel's own encoding (for testing only), which "
-            "fastattn does not produce (fastattn.reference.dropout_mask gives fastattn's mask)"
-        )

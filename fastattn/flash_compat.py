@@ -43,11 +43,13 @@ drawn from torch's default generator for tensor inputs, from NumPy's global
 generator for arrays: ``torch.manual_seed`` / ``numpy.random.seed`` reproduce it;
 for a packed batch sequence ``b``'s positions within it, see
 :func:`fastattn.reference.dropout_mask`), not the one flash-attn draws;
-``return_attn_probs=True`` with ``dropout_p > 0`` (flash-attn then returns its
-dropout pattern ``S_dmask``, for its tests) and ``dropout_p > 0`` with
-``block_table`` raise ``NotImplementedError``; ``cache_leftpad`` with paged caches raises
-``NotImplementedError``; ``return_attn_probs`` returns an empty ``S_dmask`` as flash-attn does without
-dropout.  Where flash-attn leaves a case undefined, fastattn refuses it with a
+``return_attn_probs=True`` with ``dropout_p > 0`` returns flash-attn 2's ``S_dmask``
+encoding (for its tests: each key block's weights over the running row maximum, with
+the block widths of its sm80 kernel, negated where dropped, ``(batch, nheads, seqlen_q,
+seqlen_k)`` rounded up to multiples of 128, q's dtype) of fastattn's weights and mask,
+materialised after the call; without dropout ``S_dmask`` is empty, as flash-attn's.
+``dropout_p > 0`` with ``block_table`` and ``cache_leftpad`` with paged caches raise
+``NotImplementedError``.  Where flash-attn leaves a case undefined, fastattn refuses it with a
 ``ValueError`` (repeated ``cache_batch_idx`` with new keys, ``max_seqlen`` smaller
 than a sequence, a new key that overflows a 16-bit cache).  ``deterministic``
 and ``num_splits`` are accepted and change nothing: every result is already
@@ -68,7 +70,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _flash_args, _flash_grad, _torch_bridge
+from . import _flash_args, _flash_grad, _flash_sdmask, _torch_bridge
 from ._args import sdpa_call, varlen_call
 from ._cache_args import index_value, indices_value
 from ._flash_args import Opts as _Opts
@@ -76,7 +78,6 @@ from ._flash_args import array_value as _array
 from ._flash_args import check_ndim as _ndim
 from ._flash_args import dropout_value as _dropout_p
 from ._flash_args import flag_value as _flag
-from ._flash_args import no_probs_with_dropout as _no_probs_with_dropout
 from ._flash_args import probs_placeholder as _probs_placeholder
 from ._flash_args import wrap as _wrap
 from ._flash_kvcache import flash_attn_with_kvcache
@@ -121,8 +122,20 @@ def _dropout(o: _Opts, ret: bool) -> dict[str, Any]:
     p = _dropout_p(o.dropout_p)
     if p == 0:
         return {}
-    _no_probs_with_dropout(ret, p)
     return {"dropout_p": p}
+
+
+def _np_of(x: Any, name: str) -> np.ndarray:
+    return _torch_bridge.to_numpy(x.detach(), name) if _torch_bridge.is_tensor(x) else _array(x, name)
+
+
+def _with_s_dmask(res: Any, q: Any, k: Any, drop: dict[str, Any], torch_out: bool, **kw: Any) -> Any:
+    """``(out, lse, S_dmask)`` of a call that ran with dropout and ``return_attn_probs``:
+    the empty placeholder replaced by flash-attn's ``S_dmask`` (:mod:`fastattn._flash_sdmask`)
+    under the seed the call drew."""
+    qa, ka = _np_of(q, "q"), _np_of(k, "k")
+    s = _flash_sdmask.s_dmask(qa, ka, dropout_p=drop["dropout_p"], dropout_seed=drop["dropout_seed"], **kw)
+    return (res[0], res[1], _wrap(torch_out, s))
 
 
 def _run(call: Call, drop: dict[str, Any], torch_out: bool) -> Any:
@@ -167,12 +180,29 @@ def _dense(q: Any, k: Any, v: Any, o: _Opts) -> Any:
 
     if grad:
         spec = _flash_grad.dense_spec(forward, causal, o.softmax_scale, opts, drop)
-        return _flash_grad.run(spec, q, k, v, ret)
-    res = forward(_array(q, "q"), _array(k, "k"), _array(v, "v"))
-    if not ret:
-        return _wrap(torch_out, res)
-    out, lse = res
-    return _wrap(torch_out, out, lse, _probs_placeholder(out))
+        res = _flash_grad.run(spec, q, k, v, ret)
+    else:
+        res = forward(_array(q, "q"), _array(k, "k"), _array(v, "v"))
+        if not ret:
+            return _wrap(torch_out, res)
+        res = _wrap(torch_out, res[0], res[1], _probs_placeholder(res[0]))
+    if ret and drop:
+        L, S = _np_of(q, "q").shape[1], _np_of(k, "k").shape[1]
+        return _with_s_dmask(
+            res,
+            q,
+            k,
+            drop,
+            torch_out,
+            cu_seqlens_q=None,
+            cu_seqlens_k=None,
+            max_seqlen_q=L,
+            max_seqlen_k=S,
+            causal=causal,
+            scale=o.softmax_scale,
+            opts=opts,
+        )
+    return res
 
 
 def flash_attn_func(
@@ -480,17 +510,33 @@ def _varlen(
 
     if grad:
         spec = _flash_grad.varlen_spec(forward, cq, ck, causal, o.softmax_scale, opts, drop)
-        return _flash_grad.run(spec, q, k, v, ret)
-    q, k, v = _array(q, "q"), _array(k, "k"), _array(v, "v")
-    if block_table is not None:  # chunked prefill: k and v are page pools
-        bt = _array(block_table, "block_table") if _torch_bridge.is_tensor(block_table) else block_table
-        res = paged_varlen_call(q, k, v, cq, ck, bt, **kw).run()
+        res = _flash_grad.run(spec, q, k, v, ret)
     else:
-        res = forward(q, k, v)
-    if not ret:
-        return _wrap(torch_out, res)
-    out, lse = res
-    return _wrap(torch_out, out, lse, _probs_placeholder(out))
+        q, k, v = _array(q, "q"), _array(k, "k"), _array(v, "v")
+        if block_table is not None:  # chunked prefill: k and v are page pools
+            bt = _array(block_table, "block_table") if _torch_bridge.is_tensor(block_table) else block_table
+            res = paged_varlen_call(q, k, v, cq, ck, bt, **kw).run()
+        else:
+            res = forward(q, k, v)
+        if not ret:
+            return _wrap(torch_out, res)
+        res = _wrap(torch_out, res[0], res[1], _probs_placeholder(res[0]))
+    if ret and drop:
+        return _with_s_dmask(
+            res,
+            q,
+            k,
+            drop,
+            torch_out,
+            cu_seqlens_q=cq,
+            cu_seqlens_k=ck,
+            max_seqlen_q=int(max_seqlen_q),
+            max_seqlen_k=int(max_seqlen_k),
+            causal=causal,
+            scale=o.softmax_scale,
+            opts=opts,
+        )
+    return res
 
 
 def flash_attn_varlen_func(

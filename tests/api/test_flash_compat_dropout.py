@@ -288,13 +288,6 @@ def test_refused_combinations(rng):
     q = torch.from_numpy(randn(rng, (1, 4, 2, 8)))
     cu = np.array([0, 4], dtype=np.int32)
     state = torch.get_rng_state()
-    # flash-attn returns its dropout pattern S_dmask then: not produced
-    with pytest.raises(NotImplementedError, match="return_attn_probs=True with dropout_p > 0"):
-        fc.flash_attn_func(q, q, q, dropout_p=0.1, return_attn_probs=True)
-    with pytest.raises(NotImplementedError, match="return_attn_probs=True with dropout_p > 0"):
-        fc.flash_attn_func(q.clone().requires_grad_(), q, q, dropout_p=0.1, return_attn_probs=True)
-    with pytest.raises(NotImplementedError, match="return_attn_probs=True with dropout_p > 0"):
-        fc.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, dropout_p=0.1, return_attn_probs=True)
     with pytest.raises(NotImplementedError, match="block_table"):
         pool = torch.zeros((1, 4, 2, 8))
         fc.flash_attn_varlen_func(
@@ -311,6 +304,92 @@ def test_refused_combinations(rng):
     # flash_attn_with_kvcache has no dropout_p (nor has flash-attn's)
     with pytest.raises(TypeError, match="dropout_p"):
         fc.flash_attn_with_kvcache(q, torch.zeros((1, 8, 2, 8)), torch.zeros((1, 8, 2, 8)), dropout_p=0.1)
+
+
+# flash-attn 2's key-block widths on sm80 with dropout (its _get_block_size_n), by head dim
+_SM80_BLOCK_N = {32: 128, 64: 64, 128: 32, 160: 64}
+
+
+def _decode_s_dmask(s_dmask, q, k, L, S, causal, window):
+    """flash-attn's own decoding of S_dmask (tests/test_flash_attn.py's
+    normalize_flash_attn_S, restated in float64 NumPy): the keep mask is the sign; the
+    weights are |S| times exp(m - lse), m the maximum of the scores over the key's block
+    and every later one.  Returns (weights, keep, visible)."""
+    D = q.shape[-1]
+    sc = np.einsum("blhd,bshd->bhls", q.astype(np.float64), k.astype(np.float64)) / np.sqrt(D)
+    i = np.arange(L)[:, None] + (S - L)
+    j = np.arange(S)[None, :]
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0
+    vis = np.ones((L, S), dtype=bool)
+    if left >= 0:
+        vis &= j >= i - left
+    if right >= 0:
+        vis &= j <= i + right
+    sc = np.where(vis, sc, -np.inf)
+    n = _SM80_BLOCK_N[D]
+    nb = -(-S // n)
+    pad = np.full(sc.shape[:-1] + (nb * n,), -np.inf)
+    pad[..., :S] = sc
+    bmax = pad.reshape(sc.shape[:-1] + (nb, n)).max(-1)
+    m = np.repeat(np.maximum.accumulate(bmax[..., ::-1], -1)[..., ::-1], n, -1)[..., :S]
+    with np.errstate(invalid="ignore"):
+        lse = np.log(np.exp(sc - sc.max(-1, keepdims=True)).sum(-1, keepdims=True)) + sc.max(
+            -1, keepdims=True
+        )
+    sd = np.asarray(s_dmask, dtype=np.float64)
+    assert sd.shape[-2] % 128 == 0 and sd.shape[-1] % 128 == 0  # flash-attn's rounded shape
+    sd = sd[..., :L, :S]
+    w = np.where(vis, np.abs(sd) * np.exp(np.where(vis, m - lse, 0.0)), 0.0)
+    return w, sd >= 0, np.broadcast_to(vis, w.shape)
+
+
+@pytest.mark.parametrize("D", [32, 64, 128])
+@pytest.mark.parametrize(("causal", "window"), [(False, None), (True, None), (False, (40, 7))])
+def test_s_dmask_is_flash_attns_encoding_of_the_weights_and_the_mask(rng, fixed_seed, D, causal, window):
+    """return_attn_probs with dropout: S_dmask decodes, by flash-attn's own rule, to the
+    float64 reference weights and to fastattn's dropout mask, and that mask is the one
+    the output was computed with."""
+    B, L, S, H = 2, 70, 150, 3
+    q, k, v = (randn(rng, (B, n, H, D)) for n in (L, S, S))
+    kw = dict(causal=causal, window_size=window or (-1, -1), return_attn_probs=True)
+    out, lse, s_dmask = fc.flash_attn_func(q, k, v, P, **kw)
+    assert s_dmask.shape == (B, H, 128, 256) and s_dmask.dtype == q.dtype
+    w, keep, vis = _decode_s_dmask(s_dmask, q, k, L, S, causal, window)
+    rkw = dict(is_causal=causal, layout="bshd", window=window)
+    assert_close(w, ref.attention_weights(q, k, **rkw), tol=1e-5, what="weights")
+    mask = ref.dropout_mask((B, H, L, S), P, SEED)
+    assert np.array_equal(keep[vis], mask[vis])
+    assert_close(out, np.einsum("bhls,bshd->blhd", w * keep / (1 - P), v), tol=1e-5)
+    # the packed call encodes each sequence's rows at its own positions
+    cu_q, cu_k = np.array([0, L, 2 * L], np.int32), np.array([0, S, 2 * S], np.int32)
+    _, _, s_var = fc.flash_attn_varlen_func(
+        q.reshape(-1, H, D), k.reshape(-1, H, D), v.reshape(-1, H, D), cu_q, cu_k, L, S, P, **kw
+    )
+    assert s_var.shape == s_dmask.shape
+    for b in range(B):
+        wb, kb, _ = _decode_s_dmask(s_var[b : b + 1], q[b : b + 1], k[b : b + 1], L, S, causal, window)
+        assert_close(wb, w[b : b + 1], tol=1e-6, what="packed weights")
+        mb = ref.dropout_mask((1, H, L, S), P, SEED, batch_offset=b)
+        assert np.array_equal(kb[vis[:1]], mb[vis[:1]])
+
+
+def test_s_dmask_with_gradients_and_bfloat16(rng, fixed_seed):
+    """A tensor that requires grad still gets S_dmask (bfloat16, as flash-attn's tests call it);
+    the output stays differentiable."""
+    q, k, v = (torch.from_numpy(randn(rng, (1, 40, 2, 64))).to(torch.bfloat16) for _ in range(3))
+    q.requires_grad_()
+    out, _, s_dmask = fc.flash_attn_func(q, k, v, P, causal=True, return_attn_probs=True)
+    assert s_dmask.dtype == torch.bfloat16 and s_dmask.shape == (1, 2, 128, 128)
+    w, keep, vis = _decode_s_dmask(
+        s_dmask.float().numpy(), q.detach().float().numpy(), k.float().numpy(), 40, 40, True, None
+    )
+    qf, kf = q.detach().float().numpy(), k.float().numpy()
+    assert_close(w, ref.attention_weights(qf, kf, is_causal=True, layout="bshd"), tol=1e-2, what="weights")
+    assert np.array_equal(keep[vis], ref.dropout_mask((1, 2, 40, 40), P, SEED)[vis])
+    out.float().sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape
 
 
 @pytest.mark.parametrize(
