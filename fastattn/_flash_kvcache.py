@@ -139,6 +139,7 @@ def _paged(
         precision=None,
         k_scale=None if kd is None else kd[:, None, :, None],  # (B, 1, Hk, 1): bshd, per sequence and head
         v_scale=None if vd is None else vd[:, None, :, None],
+        short_rows=True,  # flash-attn: causal rows that see no key output zeros
     )
     return _wrap(torch_out, *res) if ret else _wrap(torch_out, res)
 

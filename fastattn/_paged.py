@@ -238,10 +238,13 @@ def paged_attention(
     precision: Any,
     k_scale: Any,
     v_scale: Any,
+    short_rows: bool = False,
 ) -> Any:
     """:func:`fastattn.attention_with_kvcache` with ``block_table`` (its docstring
     documents the layouts).  ``rotary``: its ``(rotary_cos, rotary_sin,
-    rotary_interleaved)``."""
+    rotary_interleaved)``.  ``short_rows``: flash-attn's rule for a causal call with
+    more queries than a sequence's keys (the first rows, which see no key, output
+    zeros) instead of fastattn's ValueError."""
     lay = layout_value(layout)
     causal = flag_value(is_causal, "is_causal")
     qa = as_array(q, "q")
@@ -299,7 +302,7 @@ def paged_attention(
     total = seq + T
     bt = block_table_value(block_table, "block_table", B, NP, P, total)
     S = bt.shape[1] * P
-    if causal and total.size and total.min() < Lq:
+    if causal and not short_rows and total.size and total.min() < Lq:
         b = int(np.argmin(total))
         raise ValueError(
             f"q holds {Lq} query tokens but sequence {b} has only {int(total[b])} keys; "

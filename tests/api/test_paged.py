@@ -247,6 +247,28 @@ def test_flash_compat_block_table(rng):
     assert_close(lse, rlse, tol=1e-4, what="lse")
 
 
+@pytest.mark.parametrize("window", [(-1, -1), (4, 0)])
+def test_flash_compat_block_table_more_queries_than_keys(rng, window):
+    """flash-attn's rule (its test_flash_attn_kvcache, 128 queries over 96 keys): a causal
+    call whose sequence holds fewer keys than q has queries aligns them to the bottom
+    right and the first rows, which see no key, output zeros (the native API refuses)."""
+    B, Lq, Hq, Hk, D, page = 2, 12, 4, 2, 32, 16
+    lens = np.array([3, 40])
+    kp, vp, bt, _ = make_pool(rng, lens, page, Hk, D, D, F32)
+    kfa, vfa = kp.transpose(0, 2, 1, 3).copy(), vp.transpose(0, 2, 1, 3).copy()
+    q = rng.standard_normal((B, Lq, Hq, D)).astype(F32)
+    k, v = (rng.standard_normal((B, 2, Hk, D)).astype(F32) for _ in range(2))
+    kw = dict(cache_seqlens=lens.astype(np.int32), block_table=bt, causal=True, window_size=window)
+    out = flash_attn_with_kvcache(q, kfa, vfa, k, v, **kw)
+    kb, vb = kfa.transpose(0, 2, 1, 3), vfa.transpose(0, 2, 1, 3)
+    rw = None if window == (-1, -1) else window
+    ro, _ = reference(q.swapaxes(1, 2), kb, vb, bt, lens + 2, is_causal=True, window=rw)
+    assert_close(out.swapaxes(1, 2), ro, tol=1e-4)
+    assert np.all(out[0, : Lq - 5] == 0) and np.all(out[0, Lq - 5 :] != 0)  # 5 keys: rows 0-6 see none
+    with pytest.raises(ValueError, match="causal decoding needs"):
+        fastattn.attention_with_kvcache(q.swapaxes(1, 2), kp, vp, lens, block_table=bt, is_causal=True)
+
+
 def test_paged_errors_write_nothing(rng):
     B, Hq, Hk, D, page = 2, 2, 2, 16, 16
     lens = np.array([10, 20])
