@@ -46,6 +46,24 @@ def wants_grad(*xs: Any) -> bool:
     )
 
 
+def without_backward(out: Any, inputs: Sequence[Any], what: str) -> Any:
+    """``out``, a tensor computed from ``inputs`` outside autograd, as the output of a node
+    whose backward raises ``NotImplementedError`` naming ``what``: the forward of a call
+    that has none (flash-attn's own paged varlen call runs forward under grad too)."""
+    torch = _torch_bridge.torch_module()
+
+    class NoBackward(torch.autograd.Function):  # type: ignore[misc, name-defined]
+        @staticmethod
+        def forward(ctx: Any, o: Any, *ins: Any) -> Any:
+            return o.clone()
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:
+            raise NotImplementedError(f"{what} has no backward (nor has flash-attn's)")
+
+    return NoBackward.apply(out, *[x for x in inputs if _torch_bridge.is_tensor(x)])
+
+
 class Spec:
     """One differentiable call: ``forward(q, k, v) -> (out, lse)`` and
     ``backward(grad_out, q, k, v, out, lse) -> (dq, dk, dv)`` on NumPy arrays."""

@@ -28,9 +28,9 @@ requires grad, ``flash_attn_func``, ``flash_attn_varlen_func`` and their packed
 forms return an output whose backward is fastattn's fused backward with the same
 options (every score option, GQA; the gradient reaches a packed tensor through
 torch's slicing; not differentiable again, as flash-attn's is not).
-``flash_attn_with_kvcache`` and a paged ``flash_attn_varlen_func`` have no backward
-(nor have flash-attn's): a tensor that requires grad is refused there while autograd
-records.
+``flash_attn_with_kvcache`` has no backward (nor has flash-attn's): a tensor that
+requires grad is refused there while autograd records; a paged ``flash_attn_varlen_func``
+(``block_table``) runs its forward, and its output's backward raises ``NotImplementedError``.
 
 ``dropout_p`` is flash-attn's attention dropout, applied whenever it is > 0 (as
 flash-attn's: the caller passes 0 at evaluation): each attention weight is zeroed
@@ -487,11 +487,13 @@ def _varlen(
     _max_seqlen(max_seqlen_k, "max_seqlen_k", ck, "cu_seqlens_k")
     causal = _flag(o.causal, "causal")
     grad = _flash_grad.wants_grad(q, k, v)
-    if grad and block_table is not None:
-        raise NotImplementedError(
-            "flash_attn_varlen_func with block_table has no backward (nor has flash-attn's): "
-            "run it under torch.no_grad() or torch.inference_mode()"
-        )
+    # Paged K/V: forward only; under grad the output's backward raises (the forward runs,
+    # as flash-attn's does: its tests call it with a q that requires grad).
+    paged_grad = grad and block_table is not None
+    inputs = (q, k, v)
+    if paged_grad:
+        grad = False
+        q, k, v = (x.detach() if _torch_bridge.is_tensor(x) else x for x in inputs)
     if block_table is not None and _dropout_p(o.dropout_p) > 0:
         raise NotImplementedError(
             "flash_attn_varlen_func with block_table (paged K/V, an inference call) has no dropout "
@@ -518,6 +520,11 @@ def _varlen(
             res = paged_varlen_call(q, k, v, cq, ck, bt, **kw).run()
         else:
             res = forward(q, k, v)
+        if paged_grad and torch_out:
+            out = _flash_grad.without_backward(
+                _wrap(True, res[0] if ret else res), inputs, "flash_attn_varlen_func with block_table"
+            )
+            return (out, _wrap(True, res[1]), _wrap(True, _probs_placeholder(res[1]))) if ret else out
         if not ret:
             return _wrap(torch_out, res)
         res = _wrap(torch_out, res[0], res[1], _probs_placeholder(res[0]))

@@ -667,14 +667,21 @@ def test_gradient_options_and_refusals(rng):
     bt = torch.zeros((1, 1), dtype=torch.int32)
     cu = torch.tensor([0, 4], dtype=torch.int32)
     pool = torch.zeros((1, 16, 2, 8))
-    with pytest.raises(NotImplementedError, match="block_table"):
-        fc.flash_attn_varlen_func(
-            q[0], pool, pool, cu, torch.tensor([0, 6], dtype=torch.int32), 4, 6, block_table=bt
-        )
+    # paged varlen (chunked prefill): the forward runs under grad, as flash-attn's does
+    # (its test_flash_attn_varlen_causal passes a q that requires grad); the backward raises
+    pool = torch.from_numpy(randn(rng, (1, 16, 2, 8)))
+    ck = torch.tensor([0, 6], dtype=torch.int32)
+    out, lse, _ = fc.flash_attn_varlen_func(
+        q[0], pool, pool, cu, ck, 4, 6, block_table=bt, return_attn_probs=True
+    )
     with torch.no_grad():
-        fc.flash_attn_varlen_func(
-            q[0], pool, pool, cu, torch.tensor([0, 6], dtype=torch.int32), 4, 6, block_table=bt
+        want, want_lse, _ = fc.flash_attn_varlen_func(
+            q[0], pool, pool, cu, ck, 4, 6, block_table=bt, return_attn_probs=True
         )
+    assert out.requires_grad and torch.equal(out, want) and torch.equal(lse, want_lse)
+    assert torch.equal(fc.flash_attn_varlen_func(q[0], pool, pool, cu, ck, 4, 6, block_table=bt), want)
+    with pytest.raises(NotImplementedError, match="block_table has no backward"):
+        out.sum().backward()
 
 
 def _rotate(x, cos, sin, pos, interleaved):
