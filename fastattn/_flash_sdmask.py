@@ -75,10 +75,10 @@ def s_dmask(
     q: NDArray,
     k: NDArray,
     *,
-    cu_seqlens_q: NDArray | None,
-    cu_seqlens_k: NDArray | None,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
+    cu_seqlens_q: NDArray | None = None,
+    cu_seqlens_k: NDArray | None = None,
+    max_seqlen_q: int = 0,
+    max_seqlen_k: int = 0,
     causal: bool,
     scale: float | None,
     opts: dict[str, Any],
@@ -88,7 +88,7 @@ def s_dmask(
     """The ``S_dmask`` of a checked call (module docstring): dense ``q``/``k``
     ``(batch, seqlen, heads, headdim)`` when ``cu_seqlens_q`` is None, else packed
     ``(total, heads, headdim)`` sequences (sequence ``b``'s positions within it, as the
-    dropout mask counts them)."""
+    dropout mask counts them) whose rows ``max_seqlen_q``/``max_seqlen_k`` round up."""
     D = q.shape[-1]
     width = block_size_n(D, True)
     window, softcap = opts.get("window"), opts.get("softcap")
@@ -107,7 +107,7 @@ def s_dmask(
             alibi_slopes=sl,
         )
 
-    if cu_seqlens_q is None or cu_seqlens_k is None:
+    if cu_seqlens_q is None or cu_seqlens_k is None:  # dense: the shapes give the lengths
         B, L, H = q.shape[0], q.shape[1], q.shape[2]
         S = k.shape[1]
         p = weights(q, k, slopes)

@@ -187,21 +187,7 @@ def _dense(q: Any, k: Any, v: Any, o: _Opts) -> Any:
             return _wrap(torch_out, res)
         res = _wrap(torch_out, res[0], res[1], _probs_placeholder(res[0]))
     if ret and drop:
-        L, S = _np_of(q, "q").shape[1], _np_of(k, "k").shape[1]
-        return _with_s_dmask(
-            res,
-            q,
-            k,
-            drop,
-            torch_out,
-            cu_seqlens_q=None,
-            cu_seqlens_k=None,
-            max_seqlen_q=L,
-            max_seqlen_k=S,
-            causal=causal,
-            scale=o.softmax_scale,
-            opts=opts,
-        )
+        return _with_s_dmask(res, q, k, drop, torch_out, causal=causal, scale=o.softmax_scale, opts=opts)
     return res
 
 
@@ -520,14 +506,14 @@ def _varlen(
             res = paged_varlen_call(q, k, v, cq, ck, bt, **kw).run()
         else:
             res = forward(q, k, v)
-        if paged_grad and torch_out:
-            out = _flash_grad.without_backward(
-                _wrap(True, res[0] if ret else res), inputs, "flash_attn_varlen_func with block_table"
-            )
-            return (out, _wrap(True, res[1]), _wrap(True, _probs_placeholder(res[1]))) if ret else out
+        res = _wrap(torch_out, res[0], res[1], _probs_placeholder(res[0])) if ret else _wrap(torch_out, res)
+        if paged_grad and torch_out:  # (paged calls have no dropout: no S_dmask to add)
+            what = "flash_attn_varlen_func with block_table"
+            if not ret:
+                return _flash_grad.without_backward(res, inputs, what)
+            return (_flash_grad.without_backward(res[0], inputs, what), *res[1:])
         if not ret:
-            return _wrap(torch_out, res)
-        res = _wrap(torch_out, res[0], res[1], _probs_placeholder(res[0]))
+            return res
     if ret and drop:
         return _with_s_dmask(
             res,
