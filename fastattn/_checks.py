@@ -28,8 +28,12 @@ def bfloat16_dtype() -> np.dtype[Any]:
 
 
 def is_bfloat16(dt: np.dtype[Any]) -> bool:
-    """True when ``dt`` is ml_dtypes' bfloat16 (without importing ml_dtypes for other dtypes)."""
-    return bool(dt.name == "bfloat16" and dt == bfloat16_dtype())
+    """True when ``dt`` is ml_dtypes' bfloat16 (without importing ml_dtypes for other dtypes).
+
+    Told by its scalar type's name first: ``dtype.name`` is computed in Python on each
+    access (~3 us, NumPy 2), where ``dtype.type.__name__`` is an attribute (~0.1 us),
+    and every call checks its arrays' dtypes several times."""
+    return bool(dt.type.__name__ == "bfloat16" and dt == bfloat16_dtype())
 
 
 def is_storage_dtype(dt: np.dtype[Any]) -> bool:

@@ -52,13 +52,15 @@ _F32_MAX = float(np.finfo(np.float32).max)
 
 def is_kv8(dt: np.dtype[Any]) -> bool:
     """True for int8 and ml_dtypes' float8_e4m3fn / float8_e5m2 (fp8 checked by name
-    first: no ml_dtypes import for other dtypes)."""
+    first: no ml_dtypes import for other dtypes; the scalar type's name, an attribute,
+    where ``dtype.name`` is computed on each access, see ``_checks.is_bfloat16``)."""
     if dt == I8:
         return True
-    if dt.name in ("float8_e4m3fn", "float8_e5m2"):
+    name = dt.type.__name__
+    if name in ("float8_e4m3fn", "float8_e5m2"):
         import ml_dtypes
 
-        return bool(dt == np.dtype(getattr(ml_dtypes, dt.name)))
+        return bool(dt == np.dtype(getattr(ml_dtypes, name)))
     return False
 
 

@@ -530,3 +530,20 @@ def test_flash_attn_with_kvcache_bad_descales(rng, dt, kw, exc, match):
     with pytest.raises(exc, match=match):
         flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=1, **kw)
     assert not k_cache.view(np.uint8).any() and not v_cache.view(np.uint8).any()
+
+
+def test_dtype_recognition_by_scalar_type():
+    """The 16- and 8-bit dtypes are told by their scalar type's name, then compared with
+    ml_dtypes' own (fastattn._checks.is_bfloat16, fastattn._quant.is_kv8): every other
+    dtype, a 1- or 2-byte one or a structured one named alike, is neither."""
+    from fastattn._checks import is_bfloat16
+    from fastattn._quant import is_kv8
+
+    assert is_bfloat16(np.dtype(ml_dtypes.bfloat16))
+    for dt in (np.float16, np.uint16, np.int16, np.float32, [("bfloat16", "<u2")]):
+        assert not is_bfloat16(np.dtype(dt)), dt
+    for dt in (np.int8, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2):
+        assert is_kv8(np.dtype(dt)), dt
+    others = (np.uint8, np.bool_, ml_dtypes.float8_e4m3fnuz, ml_dtypes.float8_e5m2fnuz, ml_dtypes.bfloat16)
+    for dt in others + ([("float8_e4m3fn", "u1")], np.float32):
+        assert not is_kv8(np.dtype(dt)), dt
