@@ -35,6 +35,7 @@ from ._checks import (
     as_array,
     check_float,
     flag_value,
+    int_bounds,
     int_value,
     kernel_ready,
     scale_value,
@@ -224,8 +225,10 @@ def lengths(x: Any, name: str, lead: tuple[int, ...], limit: int) -> Array:
         raise TypeError(f"{name} must be an integer array, got dtype {a.dtype}")
     if a.shape != lead:
         raise ValueError(f"{name} must have shape {lead} (the batch dims), got {a.shape}")
-    if a.size and (a.min() < 0 or a.max() > limit):
-        raise ValueError(f"{name} values must lie in [0, {limit}], got range [{a.min()}, {a.max()}]")
+    if a.size:
+        lo, hi = int_bounds(a)
+        if lo < 0 or hi > limit:
+            raise ValueError(f"{name} values must lie in [0, {limit}], got range [{lo}, {hi}]")
     return np.ascontiguousarray(a, dtype=np.int64)
 
 

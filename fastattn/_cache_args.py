@@ -5,7 +5,6 @@ written."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from ._checks import (
     F64,
     INT64_MAX,
     as_array,
+    int_bounds,
     int_value,
     is_bfloat16,
     is_storage_dtype,
@@ -96,7 +96,7 @@ def indices_value(
     if shape is not None and a.shape != shape:
         raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
     if a.size:
-        lo, hi = int(a.min()), int(a.max())  # Python ints: exact for uint64 and object arrays
+        lo, hi = int_bounds(a)  # Python ints: exact for uint64 and object arrays
         if (minimum is not None and lo < minimum) or hi > maximum:
             if minimum is None:
                 bounds = f"be <= {maximum}"
@@ -589,7 +589,7 @@ def reread_scales(call: Call, k_target: Array | None, v_target: Array | None) ->
         if t is None or held is None or np.may_share_memory(held, t):
             continue
         changes[field] = np.broadcast_to(np.asarray(t, dtype=F32), held.shape)
-    return dataclasses.replace(call, plan=replace(plan, changes)) if changes else call
+    return call.with_plan(replace(plan, changes)) if changes else call
 
 
 def seqlens_value(x: Any, name: str, B: int, limit: int | None = None, note: str = "") -> Array:

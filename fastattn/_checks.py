@@ -79,6 +79,76 @@ def as_array(x: Any, name: str) -> npt.NDArray[Any]:
     return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
 
 
+# The first element along an axis (broadcast_view's cut of a zero-stride axis).
+_FIRST = slice(0, 1)
+
+
+def broadcast_view(a: npt.NDArray[Any], shape: tuple[int, ...]) -> npt.NDArray[Any]:
+    """``np.broadcast_to(a, shape)``: the same read-only view (shape, strides, memory).
+
+    NumPy's broadcast_to runs a Python-level nditer (~3.5 µs), and a paged KV cache call
+    makes several such views (stand-ins, scales).  Where ``a`` is a non-empty ndarray of a
+    NumPy or ml_dtypes dtype (native byte order) whose memory is one C-contiguous block
+    once its zero-stride dims are cut to one element (a C-contiguous array, or a broadcast
+    view of one), and ``shape`` a tuple of positive ints that ``a`` broadcasts to, the view
+    is made by ndarray's constructor on that block (~2 µs), with broadcast_to's strides: 0
+    along new dims and along a's dims of size 1, a's own along the others.  Every other
+    case (a subclass, an empty array or shape, a shape it does not broadcast to: the error,
+    a view too large for the constructor) is np.broadcast_to's."""
+    if type(a) is not np.ndarray or type(shape) is not tuple:
+        return np.broadcast_to(a, shape)
+    dt = a.dtype
+    k = len(shape) - a.ndim  # new leading dims
+    if k < 0 or not a.size or dt.hasobject or dt.isbuiltin not in (1, 2):  # (0: structured, byte-swapped)
+        return np.broadcast_to(a, shape)
+    strides = [0] * k
+    for m in shape[:k]:
+        if type(m) is not int or m < 1:
+            return np.broadcast_to(a, shape)
+    for n, m, st in zip(a.shape, shape[k:], a.strides):
+        if n == m and n != 1:  # (an m of another type that equals n: the constructor's to refuse)
+            strides.append(st)
+        elif n == 1 and type(m) is int and m >= 1:
+            strides.append(0)
+        else:
+            return np.broadcast_to(a, shape)
+    buf = a
+    if not a.flags.c_contiguous:
+        if 0 not in a.strides:
+            return np.broadcast_to(a, shape)
+        # a broadcast view: its memory is that of its first element along the zero strides
+        cut = (
+            (_FIRST,) * a.ndim
+            if not any(a.strides)
+            else tuple(_FIRST if st == 0 else slice(None) for st in a.strides)
+        )
+        buf = a[cut]
+        if not buf.flags.c_contiguous:
+            return np.broadcast_to(a, shape)
+    try:
+        view: npt.NDArray[Any] = np.ndarray(shape, dt, buf, 0, tuple(strides))
+    except (TypeError, ValueError):  # (a shape of floats, a view too large: broadcast_to's error)
+        return np.broadcast_to(a, shape)
+    view.setflags(write=False)
+    return view
+
+
+# Up to this many elements, int_bounds reads a list instead of running two reductions.
+_SMALL_INTS = 64
+
+
+def int_bounds(a: npt.NDArray[Any]) -> tuple[int, int]:
+    """``(int(a.min()), int(a.max()))`` of a non-empty integer array (exact for uint64).
+
+    A NumPy reduction costs ~1.3 µs however few the elements (its setup), and a KV cache
+    call checks several per-sequence arrays of B elements: a small array's values are
+    read as a list of Python ints (``tolist``, ~0.1 µs) and compared there."""
+    if a.size <= _SMALL_INTS and a.dtype.kind in "iu":
+        vals = (a if a.ndim == 1 else a.ravel()).tolist()
+        return min(vals), max(vals)
+    return int(a.min()), int(a.max())
+
+
 def check_float(a: Any, name: str) -> None:
     if not is_storage_dtype(a.dtype):
         raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}, got {a.dtype}")

@@ -7,7 +7,7 @@ bhsd (``(num_pages, page_size, Hk, X)`` bshd, flash-attn's), and a block table
 the pages in place (csrc/fastattn.h, ``block_table``); nothing is gathered.
 
 Every check of the attention runs through :func:`fastattn._args.sdpa_call` on
-contiguous stand-ins of the gathered K/V (zero-stride views of one page row, of
+contiguous stand-ins of the gathered K/V (zero-stride views of the first token, of
 the gathered shape ``(B, Hk, max_pages * page_size, X)``), so that the paged
 call takes exactly the options, dtypes and errors of the dense one; the plan's
 K/V (and per-token scales) are then the pools themselves.
@@ -15,7 +15,6 @@ K/V (and per-token scales) are then the pools themselves.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
@@ -33,7 +32,7 @@ from ._cache_args import (
     seqlens_value,
     to_cache_dtype,
 )
-from ._checks import F32, as_array, flag_value, kernel_ready
+from ._checks import F32, as_array, broadcast_view, flag_value, int_bounds, kernel_ready
 from ._plan import Call, replace
 from ._quant import F32_TINY, is_kv8, positive_normal, scale_value
 
@@ -42,6 +41,10 @@ Array = npt.NDArray[Any]
 __all__ = ["block_table_value", "paged_attention", "paged_varlen_call", "page_slots"]
 
 _I32_MAX = 2**31 - 1
+
+# The per-token paged scales' stand-in's values (read-only: its views are shared)
+_ONES = np.ones((1, 1, 1, 1), F32)
+_ONES.flags.writeable = False
 
 
 def block_table_value(x: Any, name: str, B: int, num_pages: int, page: int, lengths: Array) -> Array:
@@ -54,14 +57,16 @@ def block_table_value(x: Any, name: str, B: int, num_pages: int, page: int, leng
     if a.ndim != 2 or a.shape[0] != B:
         raise ValueError(f"{name} must have shape ({B}, max_pages) (one row per sequence), got {a.shape}")
     need = (lengths + page - 1) // page  # pages that hold tokens, per sequence
-    if need.size and int(need.max()) > a.shape[1]:
+    if need.size and int_bounds(need)[1] > a.shape[1]:
         b = int(np.argmax(need))
         raise ValueError(
             f"{name} has {a.shape[1]} pages per sequence but sequence {b} needs {int(need[b])} "
             f"({int(lengths[b])} tokens in pages of {page})"
         )
-    if a.size and int(a.min()) >= 0 and int(a.max()) < num_pages:  # every entry a page (the usual table)
-        return np.ascontiguousarray(a, dtype=np.int32)
+    if a.size:
+        lo, hi = int_bounds(a)
+        if lo >= 0 and hi < num_pages:  # every entry a page (the usual table)
+            return np.ascontiguousarray(a, dtype=np.int32)
     used = np.arange(a.shape[1])[None, :] < need[:, None]
     vals = a[used]
     if vals.size and (int(vals.min()) < 0 or int(vals.max()) >= num_pages):
@@ -108,7 +113,10 @@ def _paged_scale(
     if scale is None and not is_kv8(pool.dtype):
         return None, None, None
     seq_axis = -2 if lay == "bhsd" else -3
-    shape: tuple[int, ...] = np.shape(scale) if scale is not None else ()
+    # (an ndarray's own shape: np.shape is a Python-level call)
+    shape: tuple[int, ...] = (
+        () if scale is None else scale.shape if type(scale) is np.ndarray else np.shape(scale)
+    )
     NP, P = pool.shape[0], pool.shape[seq_axis]
     if len(shape) == 4 and shape[0] == NP and shape[seq_axis] == P and (P > 1 or shape[-1] == 1):
         # its values are checked where the call reads them (_check_token_scales)
@@ -120,9 +128,9 @@ def _paged_scale(
     X = pool.shape[-1]
     Hk = pool.shape[1] if lay == "bhsd" else pool.shape[2]
     gathered = (B, Hk, 1, X) if lay == "bhsd" else (B, 1, Hk, X)
-    proxy = np.broadcast_to(np.zeros((), dtype=pool.dtype), gathered)
+    proxy = broadcast_view(np.zeros((), dtype=pool.dtype), gathered)
     checked = scale_value(scale, name, proxy, seq_axis, pool_name)
-    fixed = None if checked is None else np.broadcast_to(bhsd(checked, lay), (B, Hk, 1, X))
+    fixed = None if checked is None else broadcast_view(bhsd(checked, lay), (B, Hk, 1, X))
     return None, fixed, scale
 
 
@@ -138,7 +146,9 @@ def _check_token_scales(paged: Array | None, bt: Array, lens: Array, name: str) 
     if paged is None or not lens.size:
         return
     P = paged.shape[2]
-    if paged.size <= 2 * paged.shape[1] * int(lens.sum()) and positive_normal(paged):
+    # (the tokens read; a few sequences' summed as Python ints: a reduction's setup costs ~1.3 µs)
+    tokens = sum(lens.tolist()) if lens.size <= 64 else int(lens.sum())
+    if paged.size <= 2 * paged.shape[1] * tokens and positive_normal(paged):
         return
     full = lens // P  # pages each sequence fills
     pages = bt[np.arange(bt.shape[1])[None, :] < full[:, None]]
@@ -171,10 +181,14 @@ def _scale_target(scale: Any, name: str, lay: str, pools: tuple[Array, Array]) -
 
 
 def _standin(pool: Array, lay: str, B: int, S: int) -> Array:
-    """The gathered K/V's shape in layout ``lay``, as a zero-stride view of one row."""
-    row = pool[:1, :, :1] if lay == "bhsd" else pool[:1, :1]
-    shape = (B, row.shape[1], S, row.shape[3]) if lay == "bhsd" else (B, S, row.shape[2], row.shape[3])
-    return np.broadcast_to(row, shape)
+    """The gathered K/V's shape in layout ``lay``, as a zero-stride view of the pool's
+    first token of its first head: sdpa_call reads a stand-in's shape, dtype and
+    alignment, never its values or other strides (the plan's K/V are then the pools).
+    One token (a contiguous row wherever the head dim is) makes the view in ~1 µs
+    (broadcast_view), where a row of every head of a bhsd pool is strided (~3.5 µs)."""
+    Hk = pool.shape[1] if lay == "bhsd" else pool.shape[2]
+    shape = (B, Hk, S, pool.shape[3]) if lay == "bhsd" else (B, S, Hk, pool.shape[3])
+    return broadcast_view(pool[:1, :1, :1], shape)
 
 
 def _token_view(t: Array) -> Array:
@@ -214,7 +228,7 @@ def _on_pages(
         changes["v_scale"] = _token_view(vpaged)
     if q is not None:
         changes["q"] = q
-    return dataclasses.replace(call, plan=replace(call.plan, changes))
+    return call.with_plan(replace(call.plan, changes))
 
 
 def paged_attention(
@@ -302,7 +316,7 @@ def paged_attention(
     total = seq + T
     bt = block_table_value(block_table, "block_table", B, NP, P, total)
     S = bt.shape[1] * P
-    if causal and not short_rows and total.size and total.min() < Lq:
+    if causal and not short_rows and total.size and int_bounds(total)[0] < Lq:
         b = int(np.argmin(total))
         raise ValueError(
             f"q holds {Lq} query tokens but sequence {b} has only {int(total[b])} keys; "
@@ -325,9 +339,11 @@ def paged_attention(
         raise ValueError("k_scale and v_scale must not share memory")
     # Every check of the attention, on stand-ins of the gathered K/V (and of paged scales).
     # (a per-token paged scale's stand-in is ones: its values were checked where read above)
-    ones = np.broadcast_to(np.ones((1, 1, 1, 1), F32), (1, Hk, 1, 1) if lay == "bhsd" else (1, 1, Hk, 1))
-    ks_arg = ks_seq if kpaged is None else _standin(ones, lay, B, S)
-    vs_arg = vs_seq if vpaged is None else _standin(ones, lay, B, S)
+    ones = None
+    if kpaged is not None or vpaged is not None:  # (one view serves both)
+        ones = broadcast_view(_ONES, (B, Hk, S, 1) if lay == "bhsd" else (B, S, Hk, 1))
+    ks_arg = ks_seq if kpaged is None else ones
+    vs_arg = vs_seq if vpaged is None else ones
     call = sdpa_call(
         qa,
         _standin(kpool, lay, B, S),

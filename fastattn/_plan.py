@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeAlias
@@ -141,15 +142,22 @@ PER_BATCH_FIELDS: tuple[tuple[str, int], ...] = tuple(
 
 
 _PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(Plan))
+# Every field's value at once (in C) and each field's place in __init__'s arguments.
+_plan_values = operator.attrgetter(*_PLAN_FIELDS)
+_PLAN_INDEX = {n: i for i, n in enumerate(_PLAN_FIELDS)}
 
 
 def replace(plan: Plan, changes: dict[str, Any]) -> Plan:
     """``dataclasses.replace(plan, **changes)`` without its checks (~3 µs less: the
-    fields are Plan's own, already checked)."""
-    new = object.__new__(Plan)
-    for n in _PLAN_FIELDS:
-        setattr(new, n, changes[n] if n in changes else getattr(plan, n))
-    return new
+    fields are Plan's own, already checked).  The values are read by one attrgetter
+    and passed to ``__init__`` by position (which only assigns them: ~1.5 µs less than
+    a getattr and setattr per field); names that are not fields are ignored."""
+    vals = list(_plan_values(plan))
+    for n, x in changes.items():
+        i = _PLAN_INDEX.get(n)
+        if i is not None:
+            vals[i] = x
+    return Plan(*vals)
 
 
 # ---------------------------------------------------------------------------
@@ -278,7 +286,12 @@ class Call:
         """The same call on other queries of the plan's q's bhsd shape and dtype (the KV
         cache's rotated queries, made after every check: all other checks stand)."""
         assert self.plan is not None and q.shape == self.plan.q.shape and q.dtype == self.plan.q.dtype
-        return dataclasses.replace(self, plan=replace(self.plan, {"q": kernel_ready(q)}))
+        return self.with_plan(replace(self.plan, {"q": kernel_ready(q)}))
+
+    def with_plan(self, plan: Plan) -> Call:
+        """The same call with another plan: ``dataclasses.replace(self, plan=plan)``
+        without its per-call field introspection (~2 µs)."""
+        return Call(plan, self.result, self.work, self.lse, self.lse_result)
 
     def run(self) -> Any:
         """Run the kernel; the result (and the LSE when asked for)."""

@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _kernels
-from ._checks import F32, as_array
+from ._checks import F32, as_array, broadcast_view
 
 Array: TypeAlias = npt.NDArray[Any]
 
@@ -48,6 +48,10 @@ QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 
 F32_TINY = float(np.finfo(np.float32).tiny)
 _F32_MAX = float(np.finfo(np.float32).max)
+
+# fp8's default scale, 1: the source of its read-only broadcast views (read-only itself, shared)
+_ONE = np.ones((), F32)
+_ONE.flags.writeable = False
 
 
 def is_kv8(dt: np.dtype[Any]) -> bool:
@@ -87,8 +91,13 @@ def positive_normal(s: Array) -> bool:
     reads the scales once, as the kernel does (a per-token scale is 4 / D bytes per
     8-bit cache byte).  A broadcast view (zero strides) is reduced over its distinct
     values only: a scale broadcast over the tokens costs nothing to check."""
+    if s.dtype == F32 and s.flags.c_contiguous:  # (zero strides here: only along dims of size 1)
+        return bool(_kernels.positive_normal_f32(s))
     if 0 in s.strides:
-        s = s[tuple(slice(0, 1) if st == 0 else slice(None) for st in s.strides)]
+        if not any(s.strides):  # (a stand-in's: one element, without the generator's ~1 µs)
+            s = s[(slice(0, 1),) * s.ndim]
+        else:
+            s = s[tuple(slice(0, 1) if st == 0 else slice(None) for st in s.strides)]
     if s.dtype == F32 and s.flags.c_contiguous:
         return bool(_kernels.positive_normal_f32(s))  # one pass over the bits
     return bool(s.min() >= F32_TINY and s.max() <= _F32_MAX)
@@ -114,7 +123,7 @@ def scale_value(
             raise TypeError(
                 f"{name} is required for an int8 {kv_name} (dequantised {kv_name} = {kv_name} * {name})"
             )
-        return np.broadcast_to(np.ones((), F32), arr.shape)
+        return broadcast_view(_ONE, arr.shape)
     if not kv8:
         raise TypeError(
             f"{name} applies to an 8-bit {kv_name} (int8, float8_e4m3fn, float8_e5m2), got {arr.dtype}"
@@ -135,7 +144,7 @@ def scale_value(
     if values and s32.size and not positive_normal(s32):
         raise ValueError(f"{name} must be finite and positive (at least {F32_TINY:g}, a float32 normal)")
     try:
-        return np.broadcast_to(s32, arr.shape)
+        return broadcast_view(s32, arr.shape)
     except ValueError:
         raise ValueError(f"{name} of shape {s.shape} does not broadcast to {kv_name}'s {arr.shape}") from None
 
