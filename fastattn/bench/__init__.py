@@ -59,7 +59,8 @@ gives each 8-bit call's speed relative to the two.  ``--quick`` runs them at S /
 Paged cases (``page16``: K/V read through a shuffled block table of 16-token pages,
 :func:`~fastattn.bench.cases.paged_pool`) time fastattn's paged call against the same call
 on the contiguous cache (``fastattn-contig``, decode B4 H32/8 S8192 D128 with K/V in
-bfloat16, float32 and int8), and one chunked-prefill ``varlen_attention`` call (decode rows
+bfloat16, float32 and int8, and B1 S512 int8, where the call's fixed cost weighs), and one
+chunked-prefill ``varlen_attention`` call (decode rows
 of 6 sequences beside a 512-query chunk of a seventh) against the separate calls it replaces
 (``fastattn-separate``), in the same rounds; the peers skip them (none reads pages), and a
 summary gives each paged call's speed relative to its counterpart (1.00: the pages cost

@@ -157,9 +157,9 @@ def _kv8_cases() -> list[Case]:
 def _paged_cases() -> list[Case]:
     """Paged decode of B4 GQA 32/8 sequences of 8192 tokens, D128, in 16-token pages (vLLM's
     size) with K/V in bfloat16, the run's dtype and int8 (per-token scales paged with the
-    tokens); and one chunked-prefill call: decode rows of 6 sequences of 4096 cached tokens
-    beside a 512-query prefill chunk of a seventh (2048 tokens with the chunk), bottom-right
-    causal, the same pages."""
+    tokens), and of one int8 sequence of 512 tokens; and one chunked-prefill call: decode
+    rows of 6 sequences of 4096 cached tokens beside a 512-query prefill chunk of a seventh
+    (2048 tokens with the chunk), bottom-right causal, the same pages."""
     out = [
         Case(
             f"B4 H32/8 S8192 D128 decode{kv} page16",
@@ -175,6 +175,22 @@ def _paged_cases() -> list[Case]:
         )
         for dt, kv in (("bfloat16", " bf16kv"), (None, ""), ("int8", " int8kv"))
     ]
+    # A short context (one sequence of 512 tokens): the call's fixed cost, checks included,
+    # weighs beside its 1 MiB of pages as it does in a serving step of a small batch.
+    out.append(
+        Case(
+            "B1 H32/8 S512 D128 decode int8kv page16",
+            1,
+            32,
+            8,
+            1,
+            512,
+            128,
+            kv_dtype="int8",
+            kind="decode",
+            page=16,
+        )
+    )
     out.append(
         Case(
             "chunked prefill H32/8 D128 page16: 6 decode rows + a 512-query chunk",
