@@ -79,8 +79,16 @@ def as_array(x: Any, name: str) -> npt.NDArray[Any]:
     return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
 
 
-# The first element along an axis (broadcast_view's cut of a zero-stride axis).
+# The first element along an axis (distinct_elements' cut of a zero-stride axis).
 _FIRST = slice(0, 1)
+
+
+def distinct_elements(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """``a`` with each zero-stride axis cut to its first element: a broadcast view's
+    distinct elements (its memory), ``a`` itself where no stride is zero."""
+    if not any(a.strides):  # (every axis: one element, without the generator's ~1 µs)
+        return a[(_FIRST,) * a.ndim]
+    return a[tuple(_FIRST if st == 0 else slice(None) for st in a.strides)]
 
 
 def broadcast_view(a: npt.NDArray[Any], shape: tuple[int, ...]) -> npt.NDArray[Any]:
@@ -116,13 +124,7 @@ def broadcast_view(a: npt.NDArray[Any], shape: tuple[int, ...]) -> npt.NDArray[A
     if not a.flags.c_contiguous:
         if 0 not in a.strides:
             return np.broadcast_to(a, shape)
-        # a broadcast view: its memory is that of its first element along the zero strides
-        cut = (
-            (_FIRST,) * a.ndim
-            if not any(a.strides)
-            else tuple(_FIRST if st == 0 else slice(None) for st in a.strides)
-        )
-        buf = a[cut]
+        buf = distinct_elements(a)  # a broadcast view: the memory of its distinct elements
         if not buf.flags.c_contiguous:
             return np.broadcast_to(a, shape)
     try:
@@ -134,7 +136,7 @@ def broadcast_view(a: npt.NDArray[Any], shape: tuple[int, ...]) -> npt.NDArray[A
 
 
 # Up to this many elements, int_bounds reads a list instead of running two reductions.
-_SMALL_INTS = 64
+SMALL_INTS = 64
 
 
 def int_bounds(a: npt.NDArray[Any]) -> tuple[int, int]:
@@ -143,7 +145,7 @@ def int_bounds(a: npt.NDArray[Any]) -> tuple[int, int]:
     A NumPy reduction costs ~1.3 µs however few the elements (its setup), and a KV cache
     call checks several per-sequence arrays of B elements: a small array's values are
     read as a list of Python ints (``tolist``, ~0.1 µs) and compared there."""
-    if a.size <= _SMALL_INTS and a.dtype.kind in "iu":
+    if a.size <= SMALL_INTS and a.dtype.kind in "iu":
         vals = (a if a.ndim == 1 else a.ravel()).tolist()
         return min(vals), max(vals)
     return int(a.min()), int(a.max())

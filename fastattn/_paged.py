@@ -32,7 +32,7 @@ from ._cache_args import (
     seqlens_value,
     to_cache_dtype,
 )
-from ._checks import F32, as_array, broadcast_view, flag_value, int_bounds, kernel_ready
+from ._checks import F32, SMALL_INTS, as_array, broadcast_view, flag_value, int_bounds, kernel_ready
 from ._plan import Call, replace
 from ._quant import F32_TINY, is_kv8, positive_normal, scale_value
 
@@ -146,8 +146,8 @@ def _check_token_scales(paged: Array | None, bt: Array, lens: Array, name: str) 
     if paged is None or not lens.size:
         return
     P = paged.shape[2]
-    # (the tokens read; a few sequences' summed as Python ints: a reduction's setup costs ~1.3 µs)
-    tokens = sum(lens.tolist()) if lens.size <= 64 else int(lens.sum())
+    # (the tokens read; a few sequences' summed as Python ints, as int_bounds reads them)
+    tokens = sum(lens.tolist()) if lens.size <= SMALL_INTS else int(lens.sum())
     if paged.size <= 2 * paged.shape[1] * tokens and positive_normal(paged):
         return
     full = lens // P  # pages each sequence fills

@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _kernels
-from ._checks import F32, as_array, broadcast_view
+from ._checks import F32, as_array, broadcast_view, distinct_elements
 
 Array: TypeAlias = npt.NDArray[Any]
 
@@ -91,13 +91,8 @@ def positive_normal(s: Array) -> bool:
     reads the scales once, as the kernel does (a per-token scale is 4 / D bytes per
     8-bit cache byte).  A broadcast view (zero strides) is reduced over its distinct
     values only: a scale broadcast over the tokens costs nothing to check."""
-    if s.dtype == F32 and s.flags.c_contiguous:  # (zero strides here: only along dims of size 1)
-        return bool(_kernels.positive_normal_f32(s))
-    if 0 in s.strides:
-        if not any(s.strides):  # (a stand-in's: one element, without the generator's ~1 µs)
-            s = s[(slice(0, 1),) * s.ndim]
-        else:
-            s = s[tuple(slice(0, 1) if st == 0 else slice(None) for st in s.strides)]
+    if not s.flags.c_contiguous and 0 in s.strides:  # (C-contiguous: zero strides only on size-1 dims)
+        s = distinct_elements(s)
     if s.dtype == F32 and s.flags.c_contiguous:
         return bool(_kernels.positive_normal_f32(s))  # one pass over the bits
     return bool(s.min() >= F32_TINY and s.max() <= _F32_MAX)
