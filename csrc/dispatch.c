@@ -287,11 +287,12 @@ int fa_isa_set(int isa)
     return 0;
 }
 
-/* Paged K/V (block_table) takes the vector kernels, whose tiles end at page
- * boundaries (kernel_impl.h, tile_len); the matrix-unit kernels read one
- * contiguous K/V per (batch, head) and are not chosen for it.  Nor for
- * dropout, which the vector kernel's prefill path applies (kernel_impl.h,
- * dropout_tile): a dropout call is computed as "highest". */
+/* Paged K/V (block_table) takes every kernel: the vector kernels' tiles end
+ * at page boundaries (kernel_impl.h, tile_len), the matrix-unit kernels
+ * gather a tile's rows through the table before packing them
+ * (kernel_bf16_amx.c, amx_rows).  Dropout takes the vector kernel, whose
+ * prefill path applies it (kernel_impl.h, dropout_tile): a dropout call is
+ * computed as "highest". */
 const fa_kernel *fa_select_kernel(const fa_params *p)
 {
     if (p->q_dtype == FA_F64) return &fa_kernel_f64_scalar;
@@ -303,13 +304,13 @@ const fa_kernel *fa_select_kernel(const fa_params *p)
         if (((p->q_dtype == FA_BF16 && p->k_dtype == FA_BF16 && p->v_dtype == FA_BF16) ||
              (p->q_dtype == FA_F32 && p->k_dtype == FA_F32 && p->v_dtype == FA_F32 &&
               (p->precision == FA_PRECISION_HIGH || p->precision == FA_PRECISION_MEDIUM))) &&
-            p->L * (p->Hq / p->Hk) >= FA_AMX_MIN_ROWS && !p->block_table)
+            p->L * (p->Hq / p->Hk) >= FA_AMX_MIN_ROWS)
             return &fa_kernel_bf16_amx;
 #endif
 #if defined(FA_HAVE_AMX_FP16)
         /* float16 on AMX-FP16 only: never rounded to bf16 behind the caller's back */
         if (p->q_dtype == FA_F16 && p->k_dtype == FA_F16 && p->v_dtype == FA_F16 &&
-            p->L * (p->Hq / p->Hk) >= FA_AMX_MIN_ROWS && fa_amx_fp16_usable() && !p->block_table)
+            p->L * (p->Hq / p->Hk) >= FA_AMX_MIN_ROWS && fa_amx_fp16_usable())
             return &fa_kernel_f16_amx;
 #endif
         return &fa_kernel_f32_avx512;
@@ -320,7 +321,7 @@ const fa_kernel *fa_select_kernel(const fa_params *p)
         if (((p->q_dtype == FA_BF16 && p->k_dtype == FA_BF16 && p->v_dtype == FA_BF16) ||
              (p->q_dtype == FA_F32 && p->k_dtype == FA_F32 && p->v_dtype == FA_F32 &&
               p->precision == FA_PRECISION_MEDIUM)) &&
-            p->L * (p->Hq / p->Hk) >= FA_AMX_MIN_ROWS && !p->block_table)
+            p->L * (p->Hq / p->Hk) >= FA_AMX_MIN_ROWS)
             return &fa_kernel_bf16_avx512bf16;
 #endif
         return &fa_kernel_f32_avx512;

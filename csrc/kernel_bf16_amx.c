@@ -766,6 +766,36 @@ static void amx_write_row(void *dst, int dt, int64_t oo, const float *o, double 
     for (; c < Dv; c++) fa_store_elem(dst, dt, oo + c, o[c] * inv);
 }
 
+/* The K (or V) rows of one (batch, kv head): key j's row at base + j * ld
+ * bytes, or, paged (fastattn.h), in page bt[j / page] at pool + pg * sb + hsh
+ * + (j % page) * ld.  A tile may span pages: its rows are then gathered (the
+ * products run on the packed tile, whatever its rows' addresses), so tiles
+ * and results are those of the contiguous cache holding the same keys. */
+typedef struct amx_rows {
+    const char *base;           /* contiguous: key 0's row; paged: the pool */
+    const int32_t *bt;          /* paged: this batch's block table row, else NULL */
+    int64_t ld, sb, hsh, page;  /* bytes: row and page strides, this head's offset */
+} amx_rows;
+
+static amx_rows amx_rows_of(const fa_params *p, const void *x, int64_t sb, int64_t sh, int64_t sl, int64_t b,
+                            int64_t hk, int64_t koff, int64_t esz)
+{
+    amx_rows r;
+    r.bt = p->block_table ? p->block_table + b * p->bt_sb : NULL;
+    r.base = (const char *)x + (r.bt ? 0 : (b * sb + hk * sh + koff * sl) * esz);
+    r.ld = sl * esz;
+    r.sb = sb * esz;
+    r.hsh = hk * sh * esz;
+    r.page = p->page_size;
+    return r;
+}
+
+static inline const char *amx_row(const amx_rows *r, int64_t j)
+{
+    if (!r->bt) return r->base + j * r->ld;
+    return r->base + r->bt[j / r->page] * r->sb + r->hsh + (j % r->page) * r->ld;
+}
+
 /* Row r of a task is query head hk*G + r/ni at position i0 + r%ni (kernel.h). */
 static void amx_run(const fa_params *p, const fa_task *t, void *scratch)
 {
@@ -783,8 +813,9 @@ static void amx_run(const fa_params *p, const fa_task *t, void *scratch)
     /* float32 inputs (dispatch.c sends them only at precision "high" or "medium"):
      * rounded to bf16 on the way in; "high" also keeps the low parts (bf16x3). */
     const int f32in = p->q_dtype == FA_F32, x3 = f32in && p->precision == FA_PRECISION_HIGH;
-    const char *kbase = (const char *)p->k + (b * p->k_sb + t->hk * p->k_sh + bi.koff * p->k_sl) * (f32in ? 4 : 2);
-    const char *vbase = (const char *)p->v + (b * p->v_sb + t->hk * p->v_sh + bi.koff * p->v_sl) * (f32in ? 4 : 2);
+    const int64_t esz = f32in ? 4 : 2;
+    const amx_rows kr = amx_rows_of(p, p->k, p->k_sb, p->k_sh, p->k_sl, b, t->hk, bi.koff, esz);
+    const amx_rows vr = amx_rows_of(p, p->v, p->v_sb, p->v_sh, p->v_sl, b, t->hk, bi.koff, esz);
     const int elem_always = p->mask_kind != FA_MASK_NONE || p->alibi || !use_log2 || p->bmask;
     /* the attn_mask is the one per-element transform: tiles it hides are
      * skipped, tiles it leaves alone take the unmasked softmax, and the rest
@@ -854,10 +885,9 @@ static void amx_run(const fa_params *p, const fa_task *t, void *scratch)
         AMX_PT(tp0);
         if (f32in) { /* rows to bf16 (hi, lo) first, then packed like bf16 inputs */
             for (int64_t jj = 0; jj < nj; jj++) {
-                amx_split_row(w.Kc + jj * Dq, x3 ? w.Kcl + jj * Dq : NULL,
-                              (const float *)(kbase + (jt + jj) * p->k_sl * 4), D, Dq);
-                amx_split_row(w.Vc + jj * Dvq, x3 ? w.Vcl + jj * Dvq : NULL,
-                              (const float *)(vbase + (jt + jj) * p->v_sl * 4), Dv, Dvq);
+                amx_split_row(w.Kc + jj * Dq, x3 ? w.Kcl + jj * Dq : NULL, (const float *)amx_row(&kr, jt + jj), D, Dq);
+                amx_split_row(w.Vc + jj * Dvq, x3 ? w.Vcl + jj * Dvq : NULL, (const float *)amx_row(&vr, jt + jj), Dv,
+                              Dvq);
             }
             amx_pack_k(w.K, w.Kc, Dq, nj, njp, D, Dq);
             amx_pack_v(w.V, w.Vc, Dvq, nj, njp, Dv, Dvq);
@@ -865,9 +895,16 @@ static void amx_run(const fa_params *p, const fa_task *t, void *scratch)
                 amx_pack_k(w.Kl, w.Kcl, Dq, nj, njp, D, Dq);
                 amx_pack_v(w.Vl, w.Vcl, Dvq, nj, njp, Dv, Dvq);
             }
+        } else if (kr.bt) { /* paged 16-bit rows: gathered into the tile buffers, then packed */
+            for (int64_t jj = 0; jj < nj; jj++) {
+                memcpy(w.Kc + jj * Dq, amx_row(&kr, jt + jj), (size_t)D * 2);
+                memcpy(w.Vc + jj * Dvq, amx_row(&vr, jt + jj), (size_t)Dv * 2);
+            }
+            amx_pack_k(w.K, w.Kc, Dq, nj, njp, D, Dq);
+            amx_pack_v(w.V, w.Vc, Dvq, nj, njp, Dv, Dvq);
         } else {
-            amx_pack_k(w.K, (const uint16_t *)kbase + jt * p->k_sl, p->k_sl, nj, njp, D, Dq);
-            amx_pack_v(w.V, (const uint16_t *)vbase + jt * p->v_sl, p->v_sl, nj, njp, Dv, Dvq);
+            amx_pack_k(w.K, (const uint16_t *)kr.base + jt * p->k_sl, p->k_sl, nj, njp, D, Dq);
+            amx_pack_v(w.V, (const uint16_t *)vr.base + jt * p->v_sl, p->v_sl, nj, njp, Dv, Dvq);
         }
         AMX_PT(tp1);
         AMX_PADD(0, tp0, tp1);

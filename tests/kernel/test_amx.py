@@ -216,3 +216,71 @@ def test_float32_and_mixed_inputs_use_the_float32_kernel(rng):
     fastattn.set_isa("avx512")
     b = sdpa(q, k.astype(BF16), v.astype(BF16))
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("page", [1, 16, 48])
+@pytest.mark.parametrize("inputs", ["bfloat16", "medium", "high"])
+def test_paged_prefill_is_the_contiguous_cache_bit_for_bit(rng, tile_isa, page, inputs):
+    """Paged K/V (block_table) on the tile kernel: a tile's rows are gathered through
+    the table before packing (tiles may span pages, pages are shuffled, the last ones
+    partly filled), so the output is the contiguous cache's bit for bit; and the
+    prefill rows really take the tiles (the float32-compute kernel's output differs)."""
+    if inputs == "high" and tile_isa == "avx512bf16":
+        pytest.skip('"high" (bf16x3) takes the float32 kernel on avx512bf16 (dispatch.c)')
+    B, Hq, Hk, D, Lq = 2, 8, 2, 64, 40  # 4 x 40 = 160 stacked rows per kv head
+    lens = np.array([130, 77])
+    S = int(lens.max())
+    dt = BF16 if inputs == "bfloat16" else np.dtype(np.float32)
+    kw = {} if inputs == "bfloat16" else {"precision": inputs}
+    k, v = rnd(rng, (B, Hk, S, D), dt), rnd(rng, (B, Hk, S, D), dt)
+    q = rnd(rng, (B, Hq, Lq, D), dt)
+    per = -(-S // page)
+    order = rng.permutation(B * per)
+    kp = np.zeros((B * per, Hk, page, D), dt)
+    vp = np.zeros_like(kp)
+    kpad = np.zeros((B, Hk, per * page, D), dt)
+    vpad = np.zeros_like(kpad)
+    kpad[:, :, :S], vpad[:, :, :S] = k, v
+    bt = order.reshape(B, per).astype(np.int32)
+    for b in range(B):
+        for i in range(per):
+            kp[bt[b, i]] = kpad[b, :, i * page : (i + 1) * page]
+            vp[bt[b, i]] = vpad[b, :, i * page : (i + 1) * page]
+    want = fastattn.attention_with_kvcache(q, k, v, lens, **kw)
+    got = fastattn.attention_with_kvcache(q, kp, vp, lens, block_table=bt, **kw)
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    fastattn.set_isa("avx512")
+    vec = fastattn.attention_with_kvcache(q, kp, vp, lens, block_table=bt, **kw)
+    assert np.any(vec.view(np.uint8) != got.view(np.uint8))
+    np.testing.assert_allclose(got.astype(np.float32), vec.astype(np.float32), rtol=0.05, atol=0.05)
+
+
+def test_paged_chunked_prefill_is_the_packed_call_bit_for_bit(rng):
+    """varlen_attention over pages (decode rows of two sequences and a 40-query chunk of
+    a third, bfloat16) on the tile kernel: bit for bit the packed varlen call on the same
+    tokens."""
+    Hq, Hk, D, page = 8, 2, 64, 16
+    lens = np.array([70, 33, 100])  # keys per sequence, its queries included
+    nq = np.array([1, 1, 40])
+    per = -(-lens // page)
+    order = rng.permutation(int(per.sum()))
+    kp = rnd(rng, (order.size, page, Hk, D))
+    vp = rnd(rng, (order.size, page, Hk, D))
+    bt = np.zeros((lens.size, int(per.max())), np.int32)
+    at = 0
+    for b, n in enumerate(per):
+        bt[b, :n] = order[at : at + n]
+        at += n
+    q = rnd(rng, (int(nq.sum()), Hq, D))
+    cq = np.concatenate([[0], np.cumsum(nq)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    j = [np.arange(n) for n in lens]
+    k = np.concatenate([kp[bt[b, jb // page], jb % page] for b, jb in enumerate(j)])  # (Tk, Hk, D)
+    v = np.concatenate([vp[bt[b, jb // page], jb % page] for b, jb in enumerate(j)])
+    kw = dict(is_causal=True, enable_gqa=True)
+    want = fastattn.varlen_attention(q, k, v, cq, ck, **kw)
+    got = fastattn.varlen_attention(q, kp, vp, cq, ck, block_table=bt, **kw)
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    fastattn.set_isa("avx512")
+    vec = fastattn.varlen_attention(q, kp, vp, cq, ck, block_table=bt, **kw)
+    assert np.any(vec.view(np.uint16) != got.view(np.uint16))

@@ -141,3 +141,28 @@ def test_thread_counts_bit_identical(rng):
     for t in (2, 3):
         b = sdpa(q, k, v, is_causal=True, enable_gqa=True, num_threads=t)
         np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+@tiles_only
+@pytest.mark.parametrize("page", [1, 16, 48])
+def test_paged_prefill_is_the_contiguous_cache_bit_for_bit(rng, page):
+    """float16 pages (block_table) on the AMX-FP16 tiles: each tile's rows gathered
+    through the table, so bit for bit the contiguous cache; the float32-compute
+    kernel's output differs (the tiles are really taken)."""
+    B, Hq, Hk, D, Lq, S = 2, 8, 2, 64, 40, 130
+    lens = np.array([130, 77])
+    k, v, q = rnd(rng, (B, Hk, S, D)), rnd(rng, (B, Hk, S, D)), rnd(rng, (B, Hq, Lq, D))
+    per = -(-S // page)
+    bt = rng.permutation(B * per).reshape(B, per).astype(np.int32)
+    pad = np.zeros((2, B, Hk, per * page, D), F16)
+    pad[0, :, :, :S], pad[1, :, :, :S] = k, v
+    pools = np.zeros((2, B * per, Hk, page, D), F16)
+    for b in range(B):
+        for i in range(per):
+            pools[:, bt[b, i]] = pad[:, b, :, i * page : (i + 1) * page]
+    want = fastattn.attention_with_kvcache(q, k, v, lens)
+    got = fastattn.attention_with_kvcache(q, pools[0], pools[1], lens, block_table=bt)
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    fastattn.set_isa("avx512")
+    vec = fastattn.attention_with_kvcache(q, pools[0], pools[1], lens, block_table=bt)
+    assert np.any(vec.view(np.uint16) != got.view(np.uint16))
