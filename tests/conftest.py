@@ -92,6 +92,19 @@ def randn(rng, shape, dtype=np.float32, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(dtype)
 
 
+def to_pages(rng, x, page):
+    """The (B, H, S, X) cache ``x`` as a pool of shuffled pages (num_pages, H, page, X)
+    and its (B, ceil(S / page)) int32 block table; slots past S hold zeros."""
+    B, H, S, X = x.shape
+    per = -(-S // page)
+    pad = np.zeros((B, H, per * page, X), x.dtype)
+    pad[:, :, :S] = x
+    bt = rng.permutation(B * per).reshape(B, per).astype(np.int32)
+    pool = np.empty((B * per, H, page, X), x.dtype)
+    pool[bt.ravel()] = pad.reshape(B, H, per, page, X).transpose(0, 2, 1, 3, 4).reshape(B * per, H, page, X)
+    return pool, bt
+
+
 def assert_close(out, expected, dtype=None, tol=None, what="output"):
     """Compare at ``tol`` relative to the scale of ``expected`` (max |expected|,
     at least 1); NaN and +-inf must sit at the same places."""

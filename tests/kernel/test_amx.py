@@ -18,7 +18,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import ISAS
+from conftest import ISAS, to_pages
 from naive_bf16 import check_naive_contract, naive_bf16_error
 
 import fastattn
@@ -234,18 +234,8 @@ def test_paged_prefill_is_the_contiguous_cache_bit_for_bit(rng, tile_isa, page, 
     kw = {} if inputs == "bfloat16" else {"precision": inputs}
     k, v = rnd(rng, (B, Hk, S, D), dt), rnd(rng, (B, Hk, S, D), dt)
     q = rnd(rng, (B, Hq, Lq, D), dt)
-    per = -(-S // page)
-    order = rng.permutation(B * per)
-    kp = np.zeros((B * per, Hk, page, D), dt)
-    vp = np.zeros_like(kp)
-    kpad = np.zeros((B, Hk, per * page, D), dt)
-    vpad = np.zeros_like(kpad)
-    kpad[:, :, :S], vpad[:, :, :S] = k, v
-    bt = order.reshape(B, per).astype(np.int32)
-    for b in range(B):
-        for i in range(per):
-            kp[bt[b, i]] = kpad[b, :, i * page : (i + 1) * page]
-            vp[bt[b, i]] = vpad[b, :, i * page : (i + 1) * page]
+    kv, bt = to_pages(rng, np.concatenate([k, v], axis=-1), page)  # one table for K and V
+    kp, vp = kv[..., :D], kv[..., D:]
     want = fastattn.attention_with_kvcache(q, k, v, lens, **kw)
     got = fastattn.attention_with_kvcache(q, kp, vp, lens, block_table=bt, **kw)
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))

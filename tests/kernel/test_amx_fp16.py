@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import ISAS
+from conftest import ISAS, to_pages
 from naive_bf16 import check_naive_contract
 
 import fastattn
@@ -152,17 +152,11 @@ def test_paged_prefill_is_the_contiguous_cache_bit_for_bit(rng, page):
     B, Hq, Hk, D, Lq, S = 2, 8, 2, 64, 40, 130
     lens = np.array([130, 77])
     k, v, q = rnd(rng, (B, Hk, S, D)), rnd(rng, (B, Hk, S, D)), rnd(rng, (B, Hq, Lq, D))
-    per = -(-S // page)
-    bt = rng.permutation(B * per).reshape(B, per).astype(np.int32)
-    pad = np.zeros((2, B, Hk, per * page, D), F16)
-    pad[0, :, :, :S], pad[1, :, :, :S] = k, v
-    pools = np.zeros((2, B * per, Hk, page, D), F16)
-    for b in range(B):
-        for i in range(per):
-            pools[:, bt[b, i]] = pad[:, b, :, i * page : (i + 1) * page]
+    kv, bt = to_pages(rng, np.concatenate([k, v], axis=-1), page)  # one table for K and V
+    kp, vp = kv[..., :D], kv[..., D:]
     want = fastattn.attention_with_kvcache(q, k, v, lens)
-    got = fastattn.attention_with_kvcache(q, pools[0], pools[1], lens, block_table=bt)
+    got = fastattn.attention_with_kvcache(q, kp, vp, lens, block_table=bt)
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
     fastattn.set_isa("avx512")
-    vec = fastattn.attention_with_kvcache(q, pools[0], pools[1], lens, block_table=bt)
+    vec = fastattn.attention_with_kvcache(q, kp, vp, lens, block_table=bt)
     assert np.any(vec.view(np.uint16) != got.view(np.uint16))
