@@ -9,7 +9,10 @@ to the extension modules in the package, as it does them:
 
 - ``FASTATTN_NATIVE=1``: add ``-march=native`` (local builds only; wheels never).
 - ``FASTATTN_CUDA=1``: also build the optional ``fastattn._cuda`` extension.
-- OpenMP is used when the compiler accepts ``-fopenmp``; otherwise one thread.
+- OpenMP is used when the compiler accepts ``-fopenmp``; with Apple clang (no such flag),
+  ``-Xpreprocessor -fopenmp`` and LLVM's libomp where one is found
+  (``FASTATTN_LIBOMP_PREFIX``, else Homebrew's ``brew --prefix libomp``); otherwise one
+  thread (``show_config()``: ``openmp False``).  ``FASTATTN_OPENMP=0`` builds without it.
 - ``FASTATTN_EMULATE_AVX512=1`` (tests only): build the AVX-512 kernel from
   AVX2 register pairs so its width-16 logic runs on CPUs without AVX-512
   (``tools/emulate_avx512.sh``).  Never for a real install.
@@ -138,8 +141,8 @@ if IS_ARM64:
 EXT_UNITS = {"fastattn._kernels": ISA_UNITS, "fastattn._family": FAMILY_UNITS}
 
 
-def _compiler_accepts(flag):
-    """True when the C compiler builds and links a small OpenMP program with flag."""
+def _compiler_accepts(cflags, ldflags=()):
+    """True when the C compiler builds and links a small OpenMP program with these flags."""
     cc = os.environ.get("CC", "cc")
     src = "#include <omp.h>\nint main(void){return omp_get_max_threads() > 0 ? 0 : 1;}\n"
     with tempfile.TemporaryDirectory() as d:
@@ -147,13 +150,57 @@ def _compiler_accepts(flag):
         with open(path, "w") as f:
             f.write(src)
         try:
-            r = subprocess.run([cc, flag, path, "-o", os.path.join(d, "t")], capture_output=True, timeout=60)
+            r = subprocess.run(
+                [cc, *cflags, path, "-o", os.path.join(d, "t"), *ldflags], capture_output=True, timeout=60
+            )
         except (OSError, subprocess.SubprocessError):
             return False
         return r.returncode == 0
 
 
-OPENMP = os.environ.get("FASTATTN_OPENMP", "1") != "0" and _compiler_accepts("-fopenmp")
+def _libomp_prefix():
+    """Where LLVM's OpenMP runtime is installed, for a compiler without -fopenmp (Apple
+    clang): FASTATTN_LIBOMP_PREFIX, else on macOS Homebrew's libomp (``brew --prefix
+    libomp``, then its usual places); None if none is found."""
+    env = os.environ.get("FASTATTN_LIBOMP_PREFIX")
+    if env:
+        return env
+    if platform.system() != "Darwin":
+        return None
+    try:
+        r = subprocess.run(["brew", "--prefix", "libomp"], capture_output=True, text=True, timeout=60)
+        if r.returncode == 0 and os.path.isdir(r.stdout.strip()):
+            return r.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    for d in ("/opt/homebrew/opt/libomp", "/usr/local/opt/libomp"):
+        if os.path.isdir(d):
+            return d
+    return None
+
+
+def _openmp_flags():
+    """(compile flags, link flags) for OpenMP; ([], []) builds a one-thread fastattn.
+
+    GCC and LLVM clang: -fopenmp.  Apple clang has OpenMP's front end but neither the
+    driver flag nor the runtime: -Xpreprocessor -fopenmp with LLVM's libomp
+    (_libomp_prefix; the rpath lets a build from source find it, and delocate copies it
+    into a macOS wheel).  FASTATTN_OPENMP=0 builds without OpenMP."""
+    if os.environ.get("FASTATTN_OPENMP", "1") == "0":
+        return [], []
+    if _compiler_accepts(["-fopenmp"]):
+        return ["-fopenmp"], ["-fopenmp"]
+    prefix = _libomp_prefix()
+    if prefix:
+        cflags = ["-Xpreprocessor", "-fopenmp", f"-I{prefix}/include"]
+        ldflags = [f"-L{prefix}/lib", f"-Wl,-rpath,{prefix}/lib", "-lomp"]
+        if _compiler_accepts(cflags, ldflags):
+            return cflags, ldflags
+    return [], []
+
+
+OMP_CFLAGS, OMP_LDFLAGS = _openmp_flags()
+OPENMP = bool(OMP_CFLAGS)
 
 AMX_FLAGS = [
     "-mamx-tile",
@@ -279,7 +326,7 @@ def _build_config_text():
         f"AMX_FP16_BUILT = {AMX_FP16!r}\n"
         f"EMULATE_AVX512BF16 = {EMULATE_AVX512BF16!r}\nAVX512BF16_BUILT = {AVX512BF16!r}\n"
         f"SVE_BUILT = {SVE!r}\n"
-        f"CFLAGS = {' '.join(BASE_FLAGS)!r}\n"
+        f"CFLAGS = {' '.join(BASE_FLAGS + OMP_CFLAGS)!r}\n"
     )
 
 
@@ -426,7 +473,6 @@ class BuildExt(build_ext):
                 self.compiler.compile = compile_one
 
 
-omp = ["-fopenmp"] if OPENMP else []
 extensions = [
     Extension(
         "fastattn._kernels",
@@ -439,8 +485,8 @@ extensions = [
         ],
         include_dirs=["csrc", np.get_include()],
         depends=[os.path.join("csrc", f) for f in os.listdir(os.path.join(HERE, "csrc")) if f.endswith(".h")],
-        extra_compile_args=BASE_FLAGS + omp,
-        extra_link_args=omp,
+        extra_compile_args=BASE_FLAGS + OMP_CFLAGS,
+        extra_link_args=OMP_LDFLAGS,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     ),
     Extension(
@@ -448,8 +494,8 @@ extensions = [
         sources=["fastattn/_family.pyx", "csrc/family.c"],
         include_dirs=["csrc", np.get_include()],
         depends=[os.path.join("csrc", f) for f in os.listdir(os.path.join(HERE, "csrc")) if f.endswith(".h")],
-        extra_compile_args=BASE_FLAGS + omp,
-        extra_link_args=omp,
+        extra_compile_args=BASE_FLAGS + OMP_CFLAGS,
+        extra_link_args=OMP_LDFLAGS,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     ),
 ]
