@@ -9,7 +9,10 @@ server).  The two calls alternate in one process (interleaved rounds, median per
 so the ratio ``paged / contiguous`` (speed, higher is better: 1.0 = no cost) is measured
 under the same machine state.  Both outputs are checked equal to float32 rounding first.
 
-    python benchmarks/paged_decode.py [--quick] [--page 16] [--threads 2]
+    python benchmarks/paged_decode.py [--quick] [--page 16] [--threads 2] [--heads 32/8] [--seq 8192]
+
+``--heads 32/32`` times multi-head attention (one query row per kv head, whose kv heads'
+tasks run together over pages).
 """
 
 from __future__ import annotations
@@ -64,9 +67,12 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--heads", default="32/8", help="query heads / kv heads (default 32/8)")
+    ap.add_argument("--seq", type=int, default=8192, help="cached tokens per sequence (default 8192)")
     args = ap.parse_args()
-    B, Hq, Hk, D = 4, 32, 8, 128
-    S = 2048 if args.quick else 8192
+    Hq, Hk = (int(x) for x in args.heads.split("/"))
+    B, D = 4, 128
+    S = 2048 if args.quick else args.seq
     rounds = 5 if args.quick else args.rounds
     rng = np.random.default_rng(0)
     print(f"CPU: {cpu_name()}; fastattn ISA {fastattn.get_isa()}; {args.threads} threads")

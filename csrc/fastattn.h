@@ -143,6 +143,12 @@ int64_t fa_tiles_rows(int64_t D, int64_t Dv, int64_t L, int dtype, int causal, i
 int fa_openmp_enabled(void);
 int fa_omp_max_threads(void);
 
+/* Test hook: whether paged single-row decode runs the tasks of several kv heads
+ * together (kernel.h run_heads; on by default).  Sets it, returns the old value;
+ * for tests that compare it with one task per head (process-wide: not for
+ * concurrent calls). */
+int fa_heads_together(int on);
+
 /* Test hook: the vectorised exp2 of an ISA path applied to n floats. */
 int fa_exp2_isa(int isa, const float *x, float *y, int64_t n);
 

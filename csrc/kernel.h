@@ -40,7 +40,16 @@ typedef struct fa_kernel {
     /* run for calls with dropout (fa_params.dropout_p > 0); NULL where the
      * kernel has none (the AMX kernels: fa_select_kernel never picks them then). */
     void (*run_dropout)(const fa_params *p, const fa_task *t, void *scratch);
+    /* The decode tasks of n <= FA_HEADS_MAX consecutive kv heads of one sequence
+     * and key range, t[0], t[stride], ..., run together (kernel_impl.h: paged
+     * single-row decode reads each page's rows of all n heads in turn), each
+     * with its own part of the scratch, part bytes (scratch_bytes, rounded up
+     * to 64) apart; the results are each task's own.  NULL: none (the driver
+     * runs every task alone). */
+    void (*run_heads)(const fa_params *p, const fa_task *t, int64_t n, int64_t stride, void *scratch, size_t part);
 } fa_kernel;
+
+#define FA_HEADS_MAX 8 /* kv heads per run_heads unit */
 
 enum { FA_BAND_PLAIN = 0, FA_BAND_L2 = 1 };
 

@@ -800,33 +800,56 @@ FA_INLINE void FA_NAME(prefetch_scales)(const fa_ctx *c, int64_t js, int64_t je)
  * one page keep their strides), its mask and softmax once per tile.  Tiles
  * of one page each (16 keys) were 0.56-0.70x of the contiguous decode on
  * Zen 3 (B4 H8 S512-8192 D128 bf16), cache-resident ones too: the per-tile
- * softmax, not the reads. */
-FA_INLINE void FA_NAME(path_row1)(const fa_ctx *c, const fa_ws *w)
+ * softmax, not the reads.
+ * nh > 1 (run_heads: paged, the tasks of nh consecutive kv heads of one
+ * sequence and key range, each its own ctx and scratch): the heads' segments
+ * of each page in turn, page by page, so that a page's rows of all nh heads
+ * (adjacent in the native page layout) are read together rather than one
+ * head's whole key range after another's; each head's operations are those
+ * of its own task (nh = 1): the same bits. */
+FA_INLINE void FA_NAME(path_row1)(const fa_ctx *cs, const fa_ws *ws, int64_t nh)
 {
-    const fa_params *p = c->p;
+    const fa_params *p = cs->p;
     const int64_t TN = FA_ROW_TN;
-    for (int64_t jt = c->jlo; jt < c->jhi; jt += TN) {
-        const int64_t nj = fa_min64(TN, c->jhi - jt), je = jt + nj;
-        const int mst = FA_NAME(tile_mask_state)(c, jt, nj);
-        if (mst == FA_TM_HIDDEN || FA_NAME(tile_hidden)(c, jt, nj)) continue;
-        for (int64_t js = jt, ns; js < je; js += ns) {
-            ns = FA_NAME(seg_len)(c, js, je);
-            fa_stream st, ps;
-            FA_NAME(seg_streams)(c, jt, js, ns, je, &st, &ps);
-            FA_NAME(prefetch_scales)(c, js + TN, fa_min64(js + TN + ns, c->jhi));
-            REAL *S = w->S + (js - jt);
-            FA_NAME(qk_rows_nd)(1, p->k_dtype, w->Qs, c->Dp, st.k, p->k_sl, ns, S, TN, NULL, 0, 0, &st);
-            if (c->kts) FA_NAME(scale_keys)(S, TN, 1, st.ks, c->kts_sl, ns);
+    for (int64_t jt = cs->jlo; jt < cs->jhi; jt += TN) { /* (every task of cs: the same keys) */
+        const int64_t nj = fa_min64(TN, cs->jhi - jt), je = jt + nj;
+        int mst[FA_HEADS_MAX];
+        int any = 0;
+        for (int64_t h = 0; h < nh; h++) {
+            mst[h] = FA_NAME(tile_mask_state)(&cs[h], jt, nj);
+            if (mst[h] != FA_TM_HIDDEN && FA_NAME(tile_hidden)(&cs[h], jt, nj)) mst[h] = FA_TM_HIDDEN;
+            any |= mst[h] != FA_TM_HIDDEN;
         }
-        FA_NAME(mask_tile)(c, w->S, TN, jt, nj, c->elem_always && mst != FA_TM_VISIBLE);
-        FA_NAME(softmax_tile)(c, w, TN, nj);
+        if (!any) continue;
         for (int64_t js = jt, ns; js < je; js += ns) {
-            ns = FA_NAME(seg_len)(c, js, je);
-            fa_stream qs, st;
-            FA_NAME(seg_streams)(c, jt, js, ns, je, &qs, &st);
-            REAL *P = w->S + (js - jt);
-            if (c->vts) FA_NAME(scale_keys)(P, TN, 1, st.vs, c->vts_sl, ns);
-            FA_NAME(pv_row1_n)(c->Dvp / VW, p->v_dtype, P, ns, st.v, p->v_sl, w->O, &st);
+            ns = FA_NAME(seg_len)(cs, js, je);
+            for (int64_t h = 0; h < nh; h++) {
+                if (mst[h] == FA_TM_HIDDEN) continue;
+                const fa_ctx *c = &cs[h];
+                fa_stream st, ps;
+                FA_NAME(seg_streams)(c, jt, js, ns, je, &st, &ps);
+                FA_NAME(prefetch_scales)(c, js + TN, fa_min64(js + TN + ns, c->jhi));
+                REAL *S = ws[h].S + (js - jt);
+                FA_NAME(qk_rows_nd)(1, p->k_dtype, ws[h].Qs, c->Dp, st.k, p->k_sl, ns, S, TN, NULL, 0, 0, &st);
+                if (c->kts) FA_NAME(scale_keys)(S, TN, 1, st.ks, c->kts_sl, ns);
+            }
+        }
+        for (int64_t h = 0; h < nh; h++) {
+            if (mst[h] == FA_TM_HIDDEN) continue;
+            FA_NAME(mask_tile)(&cs[h], ws[h].S, TN, jt, nj, cs[h].elem_always && mst[h] != FA_TM_VISIBLE);
+            FA_NAME(softmax_tile)(&cs[h], &ws[h], TN, nj);
+        }
+        for (int64_t js = jt, ns; js < je; js += ns) {
+            ns = FA_NAME(seg_len)(cs, js, je);
+            for (int64_t h = 0; h < nh; h++) {
+                if (mst[h] == FA_TM_HIDDEN) continue;
+                const fa_ctx *c = &cs[h];
+                fa_stream qs, st;
+                FA_NAME(seg_streams)(c, jt, js, ns, je, &qs, &st);
+                REAL *P = ws[h].S + (js - jt);
+                if (c->vts) FA_NAME(scale_keys)(P, TN, 1, st.vs, c->vts_sl, ns);
+                FA_NAME(pv_row1_n)(c->Dvp / VW, p->v_dtype, P, ns, st.v, p->v_sl, ws[h].O, &st);
+            }
         }
     }
 }
@@ -1230,6 +1253,119 @@ FA_PATH void FA_NAME(path_prefill)(const fa_ctx *c, const fa_ws *w)
     }
 }
 
+enum { FA_PATH_PREFILL, FA_PATH_ROWS, FA_PATH_ROW1 };
+
+/* A task's constants (c) and its scratch carved (w), Q loaded; returns the
+ * path that runs it.  drop: the task applies dropout (run_dropout). */
+FA_INLINE int FA_NAME(task_init)(const fa_params *p, const fa_task *t, void *scratch, int drop, fa_ctx *c, fa_ws *w)
+{
+    FA_NAME(carve)(p, t->rows, scratch, w);
+    c->p = p;
+    c->t = t;
+    c->G = p->Hq / p->Hk;
+    c->D = p->D;
+    c->Dv = p->Dv;
+    c->b = t->b;
+    c->Dp = fa_rup(c->D, VW);
+    c->Dvp = fa_rup(c->Dv, VW);
+    c->bi = fa_batch_info(p, c->b);
+    c->delta = c->bi.Sb - c->bi.Lb;
+    c->ni = fa_min64(t->ni, c->bi.Lb - t->i0);
+    if (c->ni < 0) c->ni = 0;
+    c->R = c->G * c->ni;
+    /* Every buffer of the scratch holds cap_rows rows (attention.c checks the
+     * whole scratch with a guard zone in debug builds). */
+    FA_DEBUG_CHECK(c->G * t->ni <= FA_NAME(cap_rows)(p, t->rows), "task stacks more rows than its scratch holds");
+    c->use_log2 = p->softcap == 0.0;
+    c->ksz = (int64_t)fa_dtype_size(p->k_dtype);
+    c->vsz = (int64_t)fa_dtype_size(p->v_dtype);
+    /* Paged: tile_stream finds each tile's rows (and per-token scales) through
+     * the block table; k_sb is then a page stride, not a batch one. */
+    c->page = p->block_table ? p->page_size : 0;
+    c->page_shift = -1;
+    if (c->page > 0 && (c->page & (c->page - 1)) == 0)
+        for (c->page_shift = 0; ((int64_t)1 << c->page_shift) < c->page; c->page_shift++) {}
+    c->bt = p->block_table ? p->block_table + c->b * p->bt_sb : NULL;
+    c->kbase = (const char *)p->k + (c->page ? 0 : (c->b * p->k_sb + t->hk * p->k_sh + c->bi.koff * p->k_sl) * c->ksz);
+    c->vbase = (const char *)p->v + (c->page ? 0 : (c->b * p->v_sb + t->hk * p->v_sh + c->bi.koff * p->v_sl) * c->vsz);
+    const int kdirect = p->k_dtype == FA_SELF_DT && c->D % VW == 0;
+    c->vdirect = p->v_dtype == FA_SELF_DT && c->Dv % VW == 0;
+    /* The decode paths widen 16- and 8-bit K/V rows as they load them. */
+    const int wide16 = sizeof(REAL) == 4;
+    c->kfuse = c->D % VW == 0 && (kdirect || (wide16 && (fa_dtype_16(p->k_dtype) || fa_dtype_8(p->k_dtype))));
+    c->vfuse = c->Dv % VW == 0 && (c->vdirect || (wide16 && (fa_dtype_16(p->v_dtype) || fa_dtype_8(p->v_dtype))));
+    /* 8-bit scales (fa_ctx): a per-token one at key 0 of this (batch, kv
+     * head), else a per-channel (or per-head) one. */
+    c->kts = c->vts = c->kcs = c->vcs = NULL;
+    c->kts_sl = c->vts_sl = c->kcs_sd = c->vcs_sd = 0;
+    if (p->k_scale) {
+        if (p->ks_sl) { /* per token (paged: with the pages, tile_stream) */
+            c->kts = p->k_scale + (c->page ? 0 : c->b * p->ks_sb + t->hk * p->ks_sh + c->bi.koff * p->ks_sl);
+            c->kts_sl = p->ks_sl;
+        } else { c->kcs = p->k_scale + c->b * p->ks_sb + t->hk * p->ks_sh; c->kcs_sd = p->ks_sd; }
+    }
+    if (p->v_scale) {
+        if (p->vs_sl) {
+            c->vts = p->v_scale + (c->page ? 0 : c->b * p->vs_sb + t->hk * p->vs_sh + c->bi.koff * p->vs_sl);
+            c->vts_sl = p->vs_sl;
+        } else { c->vcs = p->v_scale + c->b * p->vs_sb + t->hk * p->vs_sh; c->vcs_sd = p->vs_sd; }
+    }
+
+    /* Key range any row may see, and the range every row sees (visible ranges
+     * grow with the row: the first row has the smallest lo, the last the
+     * largest hi, mask.h). */
+    c->jlo = c->jhi = c->flo = c->fhi = 0;
+    if (c->R > 0) {
+        int64_t lo0, hi0, lo1, hi1;
+        fa_row_range(p, t->i0 + c->delta, c->bi.Sb, &lo0, &hi0);
+        fa_row_range(p, t->i0 + c->ni - 1 + c->delta, c->bi.Sb, &lo1, &hi1);
+        c->jlo = fa_max64(lo0, t->j0);
+        c->jhi = fa_min64(hi1, fa_min64(t->j1, c->bi.Sb));
+        c->flo = lo1;
+        c->fhi = hi0;
+    }
+    c->elem_always = p->mask_kind != FA_MASK_NONE || p->alibi || !c->use_log2 || p->bmask;
+    c->mask_only = p->mask_kind != FA_MASK_NONE && !p->alibi && c->use_log2 && !p->bmask;
+    /* Q.K^T's loop order (qk_packed): panel by panel when the packed K tile
+     * would not stay in L1 beside a block's queries and scores (over 3/4 of
+     * L1d; 32 KiB where cpuid does not tell). */
+    {
+        int64_t l1d, l2, l3;
+        fa_cache_sizes(&l1d, &l2, &l3);
+        if (l1d <= 0) l1d = 32768;
+        c->panel_outer = (int64_t)(FA_BLK_BN * sizeof(REAL)) * c->Dp * 4 > 3 * l1d;
+        /* The call's K and V come from DRAM where they are over half the L3
+         * (an unknown L3: assumed so): then path_rows has P.V prefetch the
+         * next tile's K (pv_rows; where they stayed in L3 between calls that
+         * prefetch cost 3-8%). */
+        const int64_t kv_bytes = p->B * p->Hk * p->S * (p->D * c->ksz + p->Dv * c->vsz);
+        c->kv_dram = l3 <= 0 || kv_bytes > l3 / 2;
+    }
+
+    /* The path, chosen once per task.  A single row read in place takes
+     * path_row1 when its output row fits pv_row1's registers (its long tile
+     * fits the S scratch: cap_rows keeps at least FA_ROW_TN / FA_BLK_BN rows);
+     * other tasks of at most FA_BLK_RD rows take path_rows; the rest, and
+     * every task with dropout (applied to the probability tiles of
+     * path_prefill only: dropout is for training, whose calls are prefill
+     * shapes), path_prefill. */
+    const int64_t nvo = c->Dvp / VW;
+    const int rows = c->R <= FA_BLK_RD && !drop;
+    const int row1 = c->R == 1 && rows && c->kfuse && c->vfuse && (nvo == 4 || nvo == 8 || nvo == 12 || nvo == 16);
+    FA_NAME(load_q)(c, w, !rows); /* path_prefill's Q is packed by register block */
+    /* The head K buffer (head_keys), when this task's keys fit it: a fresh
+     * (batch, kv head, key range) starts it empty. */
+    c->kh = NULL;
+    if (!rows && w->Kh && c->jhi - c->jlo <= w->kh_keys) {
+        fa_scratch_state *hs = w->st;
+        if (!(hs->valid && hs->b == c->b && hs->hk == t->hk && hs->j0 == c->jlo && hs->j1 == c->jhi)) {
+            hs->valid = 1; hs->b = c->b; hs->hk = t->hk; hs->j0 = c->jlo; hs->j1 = c->jhi; hs->upto = c->jlo;
+        }
+        c->kh = w->Kh;
+    }
+    return row1 ? FA_PATH_ROW1 : rows ? FA_PATH_ROWS : FA_PATH_PREFILL;
+}
+
 #define FA_RUN_NAME run
 #define FA_RUN_DROP 0
 #include "kernel_run.h"
@@ -1241,6 +1377,26 @@ FA_PATH void FA_NAME(path_prefill)(const fa_ctx *c, const fa_ws *w)
 #undef FA_RUN_NAME
 #undef FA_RUN_DROP
 
+/* Decode tasks of n <= FA_HEADS_MAX consecutive kv heads of one sequence
+ * and key range (t[0], t[stride], ...; kernel.h), each with its own part of
+ * the scratch (part bytes apart), run together by path_row1; tasks it does
+ * not take run one by one. */
+FA_PATH void FA_NAME(run_heads)(const fa_params *p, const fa_task *t, int64_t n, int64_t stride, void *scratch,
+                                size_t part)
+{
+    fa_ctx c[FA_HEADS_MAX];
+    fa_ws w[FA_HEADS_MAX];
+    int row1 = n >= 1 && n <= FA_HEADS_MAX;
+    for (int64_t h = 0; h < n && row1; h++)
+        row1 = FA_NAME(task_init)(p, &t[h * stride], (char *)scratch + h * part, 0, &c[h], &w[h]) == FA_PATH_ROW1;
+    if (!row1) { /* (n < 1: nothing) */
+        for (int64_t h = 0; h < n; h++) FA_NAME(run)(p, &t[h * stride], (char *)scratch + h * part);
+        return;
+    }
+    FA_NAME(path_row1)(c, w, n);
+    for (int64_t h = 0; h < n; h++) FA_NAME(write_out)(&c[h], &w[h]);
+}
+
 #ifndef FA_BLK_BMR_SHORT
 #define FA_BLK_BMR_SHORT FA_BLK_BMR
 #endif
@@ -1249,7 +1405,7 @@ FA_PATH void FA_NAME(path_prefill)(const fa_ctx *c, const fa_ws *w)
 #endif
 const fa_kernel FA_NAME(fa_kernel) = { FA_NAME(scratch_bytes), FA_NAME(run), FA_BLK_BMR, FA_BLK_BMR_SHORT, FA_BLK_BN,
                                        FA_BLK_ROWS_MAX, FA_BLK_MR, FA_NAME(row_bytes), FA_BAND_L2, 1,
-                                       FA_NAME(run_dropout) };
+                                       FA_NAME(run_dropout), FA_NAME(run_heads) };
 
 #if defined(FA_ISA_SUFFIX)
 /* Test hook: the vectorised exp2 of this ISA over n values. */

@@ -103,6 +103,7 @@ cdef extern from "fastattn.h":
     int64_t fa_tiles_get_rows()
     int64_t fa_tiles_rows(int64_t D, int64_t Dv, int64_t L, int dtype, int causal, int64_t heads)
     int fa_exp2_isa(int isa, const float *x, float *y, int64_t n) nogil
+    int fa_heads_together(int on)
 
 cdef extern from "backward.h":
     ctypedef struct fa_bwd_params:

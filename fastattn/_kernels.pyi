@@ -87,6 +87,11 @@ def attention(plan: Plan) -> None:
 def small_call_dims(q: object, k: object, v: object) -> tuple[int, int, int, int, int, int] | None:
     """``(B, Hq, L, D, S, Dv)`` when q, k, v suit the small-call fast path unchanged, else None."""
 
+def heads_together(on: bool) -> bool:
+    """Paged single-row decode runs several kv heads' tasks together (on, the default)
+    or one task per head; returns the old setting (a test hook, process-wide)."""
+    ...
+
 def exp2(x: npt.NDArray[np.float32], isa: str) -> npt.NDArray[np.float32]:
     """The vectorised exp2 of one ISA path (a test hook)."""
 

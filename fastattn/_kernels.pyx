@@ -217,6 +217,12 @@ def attention(object plan):
     _status(rc, p.num_threads, "kernel")
 
 
+def heads_together(bint on):
+    """Paged single-row decode runs several kv heads' tasks together (on, the default)
+    or one task per head; returns the old setting (a test hook, process-wide)."""
+    return bool(fa_heads_together(on))
+
+
 def exp2(cnp.ndarray[cnp.float32_t, ndim=1, mode="c"] x, str isa):
     """The vectorised exp2 of one ISA path (a test hook)."""
     cdef cnp.ndarray[cnp.float32_t, ndim=1, mode="c"] y = x.copy()

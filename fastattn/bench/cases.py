@@ -157,7 +157,8 @@ def _kv8_cases() -> list[Case]:
 def _paged_cases() -> list[Case]:
     """Paged decode of B4 GQA 32/8 sequences of 8192 tokens, D128, in 16-token pages (vLLM's
     size) with K/V in bfloat16, the run's dtype and int8 (per-token scales paged with the
-    tokens), and of one int8 sequence of 512 tokens; and one chunked-prefill call: decode
+    tokens), of B4 multi-head (32/32) sequences of 2048 tokens in bfloat16 and int8, and of
+    one int8 sequence of 512 tokens; and one chunked-prefill call: decode
     rows of 6 sequences of 4096 cached tokens beside a 512-query prefill chunk of a seventh
     (2048 tokens with the chunk), bottom-right causal, the same pages."""
     out = [
@@ -174,6 +175,23 @@ def _paged_cases() -> list[Case]:
             page=16,
         )
         for dt, kv in (("bfloat16", " bf16kv"), (None, ""), ("int8", " int8kv"))
+    ]
+    # Multi-head (no GQA: Llama-2-class models), one query row per kv head: the decode's
+    # single-row path, whose products per key are a quarter of GQA 32/8's.
+    out += [
+        Case(
+            f"B4 H32 S2048 D128 decode{kv} page16",
+            4,
+            32,
+            32,
+            1,
+            2048,
+            128,
+            kv_dtype=dt,
+            kind="decode",
+            page=16,
+        )
+        for dt, kv in (("bfloat16", " bf16kv"), ("int8", " int8kv"))
     ]
     # A short context (one sequence of 512 tokens): the call's fixed cost, checks included,
     # weighs beside its 1 MiB of pages as it does in a serving step of a small batch.

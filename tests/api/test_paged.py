@@ -14,9 +14,10 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import assert_close, to_pages
 
 import fastattn
+from fastattn import _kernels
 from fastattn import reference as ref
 from fastattn.flash_compat import flash_attn_with_kvcache
 
@@ -217,6 +218,74 @@ def test_paged_equals_contiguous_bits_when_pages_are_in_order(rng):
     got = fastattn.attention_with_kvcache(q, kp, vp, lens, block_table=bt)
     want = fastattn.attention_with_kvcache(q, kd, vd, lens)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("page", [1, 16, 48])
+@pytest.mark.parametrize("dt", [F32, BF16, I8])
+@pytest.mark.parametrize(
+    "opts", [{}, {"softcap": 4.0}, {"window": (300, 0)}, {"alibi": True}, {"return_lse": True}]
+)
+def test_paged_decode_heads_together_are_each_heads_own_tasks(rng, page, dt, opts):
+    """One query row per kv head over pages (multi-head decode) runs the tasks of up to 8 kv
+    heads of a sequence together, page by page (the kernel's run_heads): the same bits as
+    one task per head (the test hook turns the grouping off), output and LSE, for 12 heads
+    (a group of 8 and one of 4), sequences of different lengths, 1 and 3 threads, alone and
+    with the keys split over tasks (B1: 12 tasks); and equal to a call on each head alone
+    where that call's tasks are the same (no split: sequences under 1024 keys)."""
+    H, D = 12, 64
+
+    def case(lens):
+        B, S = len(lens), int(max(lens))
+        kf = rng.standard_normal((B, H, S, D)).astype(F32)
+        vf = rng.standard_normal((B, H, S, D)).astype(F32)
+        q = rng.standard_normal((B, H, 1, D)).astype(F32)
+        kw: dict = {k: v for k, v in opts.items() if k != "alibi"}
+        if opts.get("alibi"):
+            kw["alibi_slopes"] = rng.uniform(0.01, 0.2, (B, H))
+        if dt == I8:
+            k, ks = fastattn.quantize_kv(kf, dt)
+            v, vs = fastattn.quantize_kv(vf, dt)
+            kw["k_scale"] = to_pages(np.random.default_rng(3), ks, page)[0]
+            kw["v_scale"] = to_pages(np.random.default_rng(3), vs, page)[0]
+        else:
+            q, k, v = q.astype(dt), kf.astype(dt), vf.astype(dt)
+        kp, bt = to_pages(np.random.default_rng(3), k, page)
+        vp, _ = to_pages(np.random.default_rng(3), v, page)
+        return q, kp, vp, bt, np.array(lens), kw
+
+    def call(c, h, threads):
+        q, kp, vp, bt, lens, kw = c
+        hk = {n: a[:, h] for n, a in kw.items() if n in ("k_scale", "v_scale", "alibi_slopes")}
+        hk.update({n: a for n, a in kw.items() if n not in hk})
+        out = fastattn.attention_with_kvcache(
+            q[:, h], kp[:, h], vp[:, h], lens, block_table=bt, num_threads=threads, **hk
+        )
+        return [np.asarray(x) for x in (out if isinstance(out, tuple) else (out,))]
+
+    def same(a, b):
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
+
+    every = slice(0, H)
+    for lens in ([900, 333], [5000]):  # no split; split over tasks
+        c = case(lens)
+        together = [call(c, every, n) for n in (1, 3)]
+        old = _kernels.heads_together(False)
+        try:
+            alone = call(c, every, 1)
+        finally:
+            _kernels.heads_together(old)
+        for got in together:
+            same(got, alone)
+        if lens[0] < 1024:
+            for h in range(H):
+                same([x[:, h : h + 1] for x in together[0]], call(c, slice(h, h + 1), 1))
+    if not opts:  # and the float64 reference on the gathered pages
+        q, kp, vp, bt, lens, kw = c
+        kd = kp.astype(F64) * (kw["k_scale"] if dt == I8 else 1.0)
+        vd = vp.astype(F64) * (kw["v_scale"] if dt == I8 else 1.0)
+        ro, _ = reference(q, kd, vd, bt, lens, is_causal=True)
+        assert_close(together[0][0], ro, tol=TOL[BF16] if dt == BF16 else TOL[F32])
 
 
 def test_flash_compat_block_table(rng):
