@@ -379,15 +379,6 @@ int fa_attention(const fa_params *p)
     int nt = p->num_threads < 1 ? 1 : p->num_threads > FA_MAX_THREADS ? FA_MAX_THREADS : p->num_threads;
     if (nt > ntask) nt = (int)ntask;
     const size_t ws_bytes = kern->scratch_bytes(p, rows);
-    /* Paged single-row decode (one query row per kv head: L == 1, G == 1): the
-     * tasks of up to FA_HEADS_MAX kv heads of a sequence run together
-     * (run_heads), reading each page's rows of all of them in turn.  Measured
-     * (Zen 3, 2 threads, B4 H32 S2048 D128, 16-token shuffled pages, against
-     * one task per head): see kernel_impl.h's path_row1. */
-    const int64_t heads = kern->run_heads && __atomic_load_n(&fa_heads_on, __ATOMIC_RELAXED) && p->block_table && p->L == 1 && G == 1 && !p->cu_q &&
-                                  p->dropout_p == 0.0 && p->Hk > 1
-                              ? FA_HEADS_MAX
-                              : 1; /* (L == 1: one query block, the queue (b, kv head, split) causal or not) */
     {
         double macs = (double)p->B * (double)p->Hq * (double)p->L * (double)p->S * (double)(p->D + p->Dv);
         if (p->causal) macs *= 0.5;
@@ -396,6 +387,22 @@ int fa_attention(const fa_params *p)
     if (nt > 1 && (nt = fa_team_size(nt)) == 0) {
         free(tasks); free(part_o); free(part_lse);
         return FA_ETHREADS;
+    }
+    /* Paged single-row decode (one query row per kv head: L == 1, G == 1; one
+     * query block, so the queue is (b, kv head, split) causal or not): the
+     * tasks of up to FA_HEADS_MAX kv heads of a sequence run together
+     * (run_heads), reading each page's rows of all of them in turn, in units
+     * of as many heads as leave two units per thread (the dynamic schedule's
+     * balance; a unit's results are its tasks' own, so this depends on the
+     * thread count freely).  Zen 3, 2 threads, B4 H32 S2048 D128, 16-token
+     * shuffled pages, against one task per head: int8 1.20-1.34x, bfloat16
+     * 1.10-1.15x (tools/ab_builds.py; CHANGELOG). */
+    int64_t heads = 1;
+    if (kern->run_heads && __atomic_load_n(&fa_heads_on, __ATOMIC_RELAXED) && p->block_table && p->L == 1 &&
+        G == 1 && !p->cu_q && p->dropout_p == 0.0) {
+        heads = ntask / (2 * (int64_t)nt); /* (under 2: no unit) */
+        if (heads > FA_HEADS_MAX) heads = FA_HEADS_MAX;
+        if (heads > p->Hk) heads = p->Hk;
     }
     if (nt == 1) {
         fa_run_tasks(kern, p, tasks, ntask, heads, nsplit, ws_bytes, &failed);

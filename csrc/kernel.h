@@ -49,7 +49,10 @@ typedef struct fa_kernel {
     void (*run_heads)(const fa_params *p, const fa_task *t, int64_t n, int64_t stride, void *scratch, size_t part);
 } fa_kernel;
 
-#define FA_HEADS_MAX 8 /* kv heads per run_heads unit */
+/* The most kv heads per run_heads unit: a 16-token page's rows of 8 heads are
+ * 16 KiB of int8 K (bfloat16: 32 KiB), read in one run; 8 is the only size
+ * measured (attention.c). */
+#define FA_HEADS_MAX 8
 
 enum { FA_BAND_PLAIN = 0, FA_BAND_L2 = 1 };
 
