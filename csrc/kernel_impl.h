@@ -806,8 +806,11 @@ FA_INLINE void FA_NAME(prefetch_scales)(const fa_ctx *c, int64_t js, int64_t je)
  * of each page in turn, page by page, so that a page's rows of all nh heads
  * (adjacent in the native page layout) are read together rather than one
  * head's whole key range after another's; each head's operations are those
- * of its own task (nh = 1): the same bits. */
-FA_INLINE void FA_NAME(path_row1)(const fa_ctx *cs, const fa_ws *ws, int64_t nh)
+ * of its own task (nh = 1): the same bits.  Out of line (FA_PATH): run()
+ * and run_heads() both call it, and inlined in both its products were
+ * compiled twice (the sanitizer build of this stop's CI rehearsal took
+ * 2305 s, against about 1500 s before). */
+FA_PATH void FA_NAME(path_row1)(const fa_ctx *cs, const fa_ws *ws, int64_t nh)
 {
     const fa_params *p = cs->p;
     const int64_t TN = FA_ROW_TN;
