@@ -121,7 +121,7 @@ typedef struct amx_ws {
     uint16_t *Kc, *Kcl, *Vc, *Vcl; /* a tile's K, V rows in bf16 (hi, lo), before packing */
 } amx_ws;
 
-static size_t amx_scratch_bytes(const fa_params *p, int64_t rows)
+static size_t amx_own_scratch_bytes(const fa_params *p, int64_t rows)
 {
     const int64_t Dq = amx_rup(p->D, 32), Dvq = amx_rup(p->Dv, 32), RC = amx_rows_cap(p, rows), NG = RC / AMX_RG;
     return amx_al((size_t)(RC * Dq) * 2) + amx_al((size_t)(AMX_BN * Dq) * 2) + amx_al((size_t)(AMX_BN * Dvq) * 2) +
@@ -130,6 +130,30 @@ static size_t amx_scratch_bytes(const fa_params *p, int64_t rows)
            5 * amx_al((size_t)NG * 8) + amx_al((size_t)RC * 64) + amx_al((size_t)(RC * Dq) * 2) + 3 * amx_al((size_t)(AMX_BN * Dq) * 2) +
            3 * amx_al((size_t)(AMX_BN * Dvq) * 2) + amx_al((size_t)(2 * AMX_RG * AMX_BN) * 2) + AMX_ALIGN +
            sizeof(fa_scratch_state);
+}
+
+/* A task of fewer than FA_AMX_MIN_ROWS stacked rows runs on the AVX-512 vector
+ * kernel, as a whole call of so few rows does (dispatch.c): a packed varlen call
+ * holds prefill chunks (whose row count picks this kernel) and decode rows of
+ * other sequences (G rows each); on the tiles such a task pads G rows to 32 and
+ * packs its whole key range for them.  Measured (Zen 4, avx512bf16, 2 threads,
+ * benchmarks/paged_decode.py's chunked prefill: 6 decode rows + a 512-query
+ * chunk, bf16, 16-token pages): one call was 0.88x (GQA 32/8, S8192) and 0.63x
+ * (32/32, S2048) of the separate calls, whose decode call takes the vector
+ * kernel; see the CHANGELOG for after.  The choice follows the task's rows
+ * only, never the thread count; the vector kernel keeps its head state in the
+ * scratch's first bytes (kernel.h), which this kernel leaves alone. */
+static int amx_task_on_vectors(const fa_params *p, const fa_task *t)
+{
+    const fa_batch bi = fa_batch_info(p, t->b);
+    const int64_t ni = fa_min64(t->ni, bi.Lb - t->i0);
+    return ni > 0 && (p->Hq / p->Hk) * ni < FA_AMX_MIN_ROWS;
+}
+
+static size_t amx_scratch_bytes(const fa_params *p, int64_t rows)
+{
+    const size_t own = amx_own_scratch_bytes(p, rows), vec = fa_kernel_f32_avx512.scratch_bytes(p, rows);
+    return own > vec ? own : vec;
 }
 
 static void amx_carve(const fa_params *p, int64_t rows, void *scratch, amx_ws *w)
@@ -801,6 +825,10 @@ static void amx_run(const fa_params *p, const fa_task *t, void *scratch)
 {
     const int64_t G = p->Hq / p->Hk, D = p->D, Dv = p->Dv, b = t->b;
     const int64_t Dq = amx_rup(D, 32), Dvq = amx_rup(Dv, 32);
+    if (amx_task_on_vectors(p, t)) {
+        fa_kernel_f32_avx512.run(p, t, scratch);
+        return;
+    }
     amx_ws w;
     amx_carve(p, t->rows, scratch, &w);
     const fa_batch bi = fa_batch_info(p, b);

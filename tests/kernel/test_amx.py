@@ -274,3 +274,40 @@ def test_paged_chunked_prefill_is_the_packed_call_bit_for_bit(rng):
     fastattn.set_isa("avx512")
     vec = fastattn.varlen_attention(q, kp, vp, cq, ck, block_table=bt, **kw)
     assert np.any(vec.view(np.uint16) != got.view(np.uint16))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("nq", [(1, 3, 40), (40, 1, 7, 1)])
+def test_varlen_tasks_of_few_rows_take_the_vector_kernel(rng, paged, nq):
+    """A packed varlen call whose prefill chunks pick the tile kernel also holds
+    sequences of G * Lb < 32 stacked rows (decode rows): those run on the float32
+    vector kernel, as a call of so few rows does (kernel_bf16_amx.c), so their rows are
+    bit for bit the same call's on the vector path, and the chunks' rows are not."""
+    Hq, Hk, D, page = 8, 2, 64, 16  # G = 4: 1, 3 and 7 queries are 4, 12, 28 rows
+    nq = np.array(nq)
+    lens = nq + rng.integers(5, 90, nq.size)  # keys per sequence, its queries included
+    per = -(-lens // page)
+    order = rng.permutation(int(per.sum()))
+    kp = rnd(rng, (order.size, page, Hk, D))
+    vp = rnd(rng, (order.size, page, Hk, D))
+    bt = np.zeros((lens.size, int(per.max())), np.int32)
+    at = 0
+    for b, n in enumerate(per):
+        bt[b, :n] = order[at : at + n]
+        at += n
+    q = rnd(rng, (int(nq.sum()), Hq, D))
+    cq = np.concatenate([[0], np.cumsum(nq)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    j = [np.arange(n) for n in lens]
+    k = np.concatenate([kp[bt[b, jb // page], jb % page] for b, jb in enumerate(j)])  # (Tk, Hk, D)
+    v = np.concatenate([vp[bt[b, jb // page], jb % page] for b, jb in enumerate(j)])
+    kv = dict(k=kp, v=vp, block_table=bt) if paged else dict(k=k, v=v)
+    kw = dict(is_causal=True, enable_gqa=True)
+    got = fastattn.varlen_attention(q, cu_seqlens_q=cq, cu_seqlens_k=ck, **kv, **kw)
+    fastattn.set_isa("avx512")
+    vec = fastattn.varlen_attention(q, cu_seqlens_q=cq, cu_seqlens_k=ck, **kv, **kw)
+    few = np.repeat((Hq // Hk) * nq < 32, nq)  # the packed rows of few-row sequences
+    np.testing.assert_array_equal(got[few].view(np.uint16), vec[few].view(np.uint16))
+    assert np.any(got[~few].view(np.uint16) != vec[~few].view(np.uint16))
+    want = fastattn.reference.varlen_attention(q, k, v, cq, ck, **kw)
+    np.testing.assert_allclose(got.astype(np.float64), want, atol=2e-2)
