@@ -156,41 +156,42 @@ int fa_heads_together(int on)
     return __atomic_exchange_n(&fa_heads_on, on != 0, __ATOMIC_RELAXED);
 }
 
-/* One thread's share of the tasks (all of them when called outside a team).
- * heads > 1: units of up to that many tasks of consecutive kv heads (the
- * tasks of one (b, kv head) are nsplit apart in the queue), each run by
- * kern->run_heads with a scratch part per head; units are (b, head group,
- * split) in that order. */
+/* A unit of work: n tasks of consecutive kv heads, t[first], t[first +
+ * stride], ..., of one sequence, query block and key range.  n > 1 runs them
+ * together (kern->run_heads), each with its own part of the scratch. */
+typedef struct fa_unit {
+    int64_t first, n, stride;
+} fa_unit;
+
+/* One thread's share of the work (all of it when called outside a team):
+ * the units (nunit of them, in the queue order), or, where units is NULL,
+ * every task alone.  heads: the most tasks of a unit (scratch parts). */
 static void fa_run_tasks(const fa_kernel *kern, const fa_params *p, const fa_task *tasks, int64_t ntask,
-                         int64_t heads, int64_t nsplit, size_t ws_bytes, int *failed)
+                         const fa_unit *units, int64_t nunit, int64_t heads, size_t ws_bytes, int *failed)
 {
     fa_fpenv env;
     fa_fpenv_enter(&env); /* nearest, FTZ/DAZ inside the kernel only; restored below */
     const size_t part = (ws_bytes + 63) / 64 * 64;
-    const size_t total = heads > 1 ? part * (size_t)heads : ws_bytes;
+    const int64_t nparts = units ? heads : 1;
+    const size_t total = units ? part * (size_t)nparts : ws_bytes;
     void *ws = fa_ws_get(total);
     if (ws) /* nothing kept from an earlier call (kernel.h), in any part */
-        for (int64_t h = 0; h < (heads > 1 ? heads : 1); h++)
-            memset((char *)ws + (size_t)h * part, 0, sizeof(fa_scratch_state));
+        for (int64_t h = 0; h < nparts; h++) memset((char *)ws + (size_t)h * part, 0, sizeof(fa_scratch_state));
     if (!ws) {
 #ifdef _OPENMP
 #pragma omp atomic write
 #endif
         *failed = 1;
     }
+    const int64_t nwork = units ? nunit : ntask;
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
-    for (int64_t t = 0; t < (heads > 1 ? 0 : ntask); t++)
-        if (ws) (p->dropout_p > 0.0 ? kern->run_dropout : kern->run)(p, &tasks[t], ws);
-    const int64_t ng = heads > 1 ? (p->Hk + heads - 1) / heads : 0; /* head groups per sequence */
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-    for (int64_t u = 0; u < p->B * ng * nsplit; u++) {
-        const int64_t b = u / (ng * nsplit), hk0 = (u / nsplit) % ng * heads, s = u % nsplit;
-        const int64_t n = p->Hk - hk0 < heads ? p->Hk - hk0 : heads;
-        if (ws) kern->run_heads(p, &tasks[(b * p->Hk + hk0) * nsplit + s], n, nsplit, ws, part);
+    for (int64_t u = 0; u < nwork; u++) {
+        if (!ws) continue;
+        if (!units) (p->dropout_p > 0.0 ? kern->run_dropout : kern->run)(p, &tasks[u], ws);
+        else if (units[u].n == 1) kern->run(p, &tasks[units[u].first], ws);
+        else kern->run_heads(p, &tasks[units[u].first], units[u].n, units[u].stride, ws, part);
     }
     if (ws) fa_ws_put(ws, total);
     fa_fpenv_exit(&env);
@@ -388,30 +389,47 @@ int fa_attention(const fa_params *p)
         free(tasks); free(part_o); free(part_lse);
         return FA_ETHREADS;
     }
-    /* Paged single-row decode (one query row per kv head: L == 1, G == 1; one
-     * query block, so the queue is (b, kv head, split) causal or not): the
-     * tasks of up to FA_HEADS_MAX kv heads of a sequence run together
-     * (run_heads), reading each page's rows of all of them in turn, in units
-     * of as many heads as leave two units per thread (the dynamic schedule's
-     * balance; a unit's results are its tasks' own, so this depends on the
-     * thread count freely).  Zen 3, 2 threads, B4 H32 S2048 D128, 16-token
-     * shuffled pages, against one task per head: int8 1.20-1.34x, bfloat16
-     * 1.10-1.15x (tools/ab_builds.py; CHANGELOG). */
-    int64_t heads = 1;
-    if (kern->run_heads && __atomic_load_n(&fa_heads_on, __ATOMIC_RELAXED) && p->block_table && p->L == 1 &&
-        G == 1 && !p->cu_q && p->dropout_p == 0.0) {
+    /* Paged single-row decode (one query row per kv head: G == 1): the tasks
+     * of up to FA_HEADS_MAX kv heads of a sequence run together (run_heads),
+     * reading each page's rows of all of them in turn, in units of as many
+     * heads as leave two units per thread (the dynamic schedule's balance; a
+     * unit's results are its tasks' own, so this depends on the thread count
+     * freely).  Zen 3, 2 threads, B4 H32 S2048 D128, 16-token shuffled pages,
+     * against one task per head: int8 1.20-1.34x, bfloat16 1.10-1.15x
+     * (tools/ab_builds.py; CHANGELOG).  A call with L == 1 groups every task;
+     * a packed varlen call (chunked prefill) the first query block's tasks of
+     * its one-query sequences, each other task its own unit. */
+    int64_t heads = 1, nunit = 0;
+    fa_unit *units = NULL;
+    if (kern->run_heads && __atomic_load_n(&fa_heads_on, __ATOMIC_RELAXED) && p->block_table && G == 1 &&
+        (p->L == 1 || p->cu_q) && p->dropout_p == 0.0) {
         heads = ntask / (2 * (int64_t)nt); /* (under 2: no unit) */
         if (heads > FA_HEADS_MAX) heads = FA_HEADS_MAX;
         if (heads > p->Hk) heads = p->Hk;
     }
+    if (heads > 1) {
+        /* The queue holds a (b, kv head)'s tasks nsplit apart where query
+         * blocks run outer (causal) or there is one, nqb * nsplit otherwise. */
+        const int64_t stride = qblocks_outer || nqb == 1 ? nsplit : nqb * nsplit;
+        units = (fa_unit *)malloc((size_t)ntask * sizeof(fa_unit));
+        if (!units) { free(tasks); free(part_o); free(part_lse); return FA_ENOMEM; }
+        for (int64_t i = 0; i < ntask; i++) {
+            const fa_task *t = &tasks[i];
+            const int together = t->i0 == 0 && (p->L == 1 || fa_batch_info(p, t->b).Lb == 1);
+            if (!together) units[nunit++] = (fa_unit){ i, 1, 0 };
+            else if (t->hk % heads == 0) units[nunit++] = (fa_unit){ i, fa_min64(heads, p->Hk - t->hk), stride };
+            /* (else: in the unit of its group's first head) */
+        }
+    }
     if (nt == 1) {
-        fa_run_tasks(kern, p, tasks, ntask, heads, nsplit, ws_bytes, &failed);
+        fa_run_tasks(kern, p, tasks, ntask, units, nunit, heads, ws_bytes, &failed);
     } else {
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nt)
 #endif
-        fa_run_tasks(kern, p, tasks, ntask, heads, nsplit, ws_bytes, &failed);
+        fa_run_tasks(kern, p, tasks, ntask, units, nunit, heads, ws_bytes, &failed);
     }
+    free(units);
     if (!failed && nsplit > 1) {
         if (nt == 1) {
             fa_merge(p, tasks, base, nsplit, G);

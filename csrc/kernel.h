@@ -44,7 +44,8 @@ typedef struct fa_kernel {
      * and key range, t[0], t[stride], ..., run together (kernel_impl.h: paged
      * single-row decode reads each page's rows of all n heads in turn), each
      * with its own part of the scratch, part bytes (scratch_bytes, rounded up
-     * to 64) apart; the results are each task's own.  NULL: none (the driver
+     * to 64) apart; the results are each task's own (the tile kernels: the
+     * vector kernel's, for units of decode rows).  NULL: none (the driver
      * runs every task alone). */
     void (*run_heads)(const fa_params *p, const fa_task *t, int64_t n, int64_t stride, void *scratch, size_t part);
 } fa_kernel;

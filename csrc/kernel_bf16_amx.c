@@ -1002,6 +1002,22 @@ static void amx_run(const fa_params *p, const fa_task *t, void *scratch)
     }
 }
 
+/* Tasks of consecutive kv heads (kernel.h run_heads; attention.c gives it the
+ * decode rows of a packed varlen call): the vector kernel's run_heads where
+ * every one of them is the vector kernel's (amx_task_on_vectors), else one
+ * by one.  part is this kernel's scratch_bytes rounded up, at least the
+ * vector kernel's. */
+static void amx_run_heads(const fa_params *p, const fa_task *t, int64_t n, int64_t stride, void *scratch, size_t part)
+{
+    int vec = 1;
+    for (int64_t h = 0; h < n; h++) vec &= amx_task_on_vectors(p, &t[h * stride]);
+    if (vec) {
+        fa_kernel_f32_avx512.run_heads(p, t, n, stride, scratch, part);
+        return;
+    }
+    for (int64_t h = 0; h < n; h++) amx_run(p, &t[h * stride], (char *)scratch + (size_t)h * part);
+}
+
 /* rows_max: 512 rows (measured: 1024 gave +6% on L2048/L4096 causal but cost L1024
  * 38% through the key split it forces; see the notes of AMX_BMR). */
-const fa_kernel AMX_KERNEL = { amx_scratch_bytes, amx_run, AMX_BMR, AMX_BMR_SHORT, AMX_BN, AMX_BMR, AMX_RG, amx_row_bytes, FA_BAND_PLAIN, 0, NULL };
+const fa_kernel AMX_KERNEL = { amx_scratch_bytes, amx_run, AMX_BMR, AMX_BMR_SHORT, AMX_BN, AMX_BMR, AMX_RG, amx_row_bytes, FA_BAND_PLAIN, 0, NULL, amx_run_heads };

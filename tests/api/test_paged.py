@@ -394,6 +394,62 @@ def test_paged_varlen_chunked_prefill(rng, page):
     np.testing.assert_array_equal(fo, out)
 
 
+@pytest.mark.parametrize("dt", [F32, BF16, I8])
+@pytest.mark.parametrize("causal", [True, False])
+def test_paged_chunked_prefill_heads_together_are_each_heads_own_tasks(rng, dt, causal):
+    """A chunked-prefill call with one query row per kv head (G = 1) runs the tasks of its
+    one-query sequences' kv heads together (run_heads), as a multi-head decode call does;
+    its chunks' tasks one by one.  The same bits as with the grouping off, for 1 and 3
+    threads (12 heads: groups of 8 + 4 or 4 + 4 + 4), query blocks outer (causal) or kv
+    heads outer; on the tile kernels (bf16 chunks of >= 32 rows) as on the vector ones;
+    against the float64 reference per sequence."""
+    H, D, page = 12, 64, 16
+    nq = np.array([1, 300, 1, 1, 130])  # chunks of several query blocks (tasks of <= 128 rows)
+    lens = nq + np.array([300, 20, 77, 0, 150])  # keys per sequence (its queries included)
+    kf, vf, bt, _ = make_pool(rng, lens, page, H, D, D, F32)
+    kw: dict = {}
+    if dt == I8:
+        kp, ks = fastattn.quantize_kv(kf, I8)
+        vp, vs = fastattn.quantize_kv(vf, I8)
+        kw = dict(k_scale=ks.transpose(0, 2, 1, 3), v_scale=vs.transpose(0, 2, 1, 3))
+        kd, vd = kp.astype(F64) * ks, vp.astype(F64) * vs
+        qdt = F32
+    else:
+        kp, vp = kf.astype(dt), vf.astype(dt)
+        kd, vd = kp.astype(F64), vp.astype(F64)
+        qdt = dt
+    cq = np.concatenate([[0], np.cumsum(nq)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q = rng.standard_normal((int(cq[-1]), H, D)).astype(qdt)
+
+    def call(threads):
+        return fastattn.varlen_attention(
+            q,
+            kp.transpose(0, 2, 1, 3),
+            vp.transpose(0, 2, 1, 3),
+            cq,
+            ck,
+            block_table=bt,
+            is_causal=causal,
+            num_threads=threads,
+            **kw,
+        )
+
+    together = [call(n) for n in (1, 3)]
+    old = _kernels.heads_together(False)
+    try:
+        alone = call(1)
+    finally:
+        _kernels.heads_together(old)
+    for got in together:
+        np.testing.assert_array_equal(got.view(np.uint8), alone.view(np.uint8))
+    tol = TOL[BF16 if dt == BF16 else F32]
+    for b in range(len(lens)):
+        qb = q[cq[b] : cq[b + 1]].swapaxes(0, 1)[None]
+        ro, _ = reference(qb, kd, vd, bt[b : b + 1], lens[b : b + 1], is_causal=causal)
+        assert_close(together[0][cq[b] : cq[b + 1]], ro[0].swapaxes(0, 1), tol=tol)
+
+
 @pytest.mark.parametrize("Hq", [2, 8])
 def test_paged_head_dim_not_whole_vectors(rng, Hq):
     """D = 20: K rows are converted to whole vectors page by page before Q.K^T."""
