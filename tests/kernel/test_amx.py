@@ -245,13 +245,11 @@ def test_paged_prefill_is_the_contiguous_cache_bit_for_bit(rng, tile_isa, page, 
     np.testing.assert_allclose(got.astype(np.float32), vec.astype(np.float32), rtol=0.05, atol=0.05)
 
 
-def test_paged_chunked_prefill_is_the_packed_call_bit_for_bit(rng):
-    """varlen_attention over pages (decode rows of two sequences and a 40-query chunk of
-    a third, bfloat16) on the tile kernel: bit for bit the packed varlen call on the same
-    tokens."""
-    Hq, Hk, D, page = 8, 2, 64, 16
-    lens = np.array([70, 33, 100])  # keys per sequence, its queries included
-    nq = np.array([1, 1, 40])
+def packed_over_pages(rng, lens, nq, Hq, Hk, D, page):
+    """Packed varlen queries of sequences with ``lens`` keys (``nq`` queries each, the last
+    positions) over a shuffled pool of bf16 pages in flash-attn's layout ``(pages, page,
+    Hk, D)``: (q, k_pool, v_pool, block_table, cu_seqlens_q, cu_seqlens_k) and the same
+    keys and values packed contiguously ``(total_k, Hk, D)``."""
     per = -(-lens // page)
     order = rng.permutation(int(per.sum()))
     kp = rnd(rng, (order.size, page, Hk, D))
@@ -267,6 +265,17 @@ def test_paged_chunked_prefill_is_the_packed_call_bit_for_bit(rng):
     j = [np.arange(n) for n in lens]
     k = np.concatenate([kp[bt[b, jb // page], jb % page] for b, jb in enumerate(j)])  # (Tk, Hk, D)
     v = np.concatenate([vp[bt[b, jb // page], jb % page] for b, jb in enumerate(j)])
+    return q, kp, vp, bt, cq, ck, k, v
+
+
+def test_paged_chunked_prefill_is_the_packed_call_bit_for_bit(rng):
+    """varlen_attention over pages (decode rows of two sequences and a 40-query chunk of
+    a third, bfloat16) on the tile kernel: bit for bit the packed varlen call on the same
+    tokens."""
+    Hq, Hk, D, page = 8, 2, 64, 16
+    lens = np.array([70, 33, 100])  # keys per sequence, its queries included
+    nq = np.array([1, 1, 40])
+    q, kp, vp, bt, cq, ck, k, v = packed_over_pages(rng, lens, nq, Hq, Hk, D, page)
     kw = dict(is_causal=True, enable_gqa=True)
     want = fastattn.varlen_attention(q, k, v, cq, ck, **kw)
     got = fastattn.varlen_attention(q, kp, vp, cq, ck, block_table=bt, **kw)
@@ -286,21 +295,7 @@ def test_varlen_tasks_of_few_rows_take_the_vector_kernel(rng, paged, nq):
     Hq, Hk, D, page = 8, 2, 64, 16  # G = 4: 1, 3 and 7 queries are 4, 12, 28 rows
     nq = np.array(nq)
     lens = nq + rng.integers(5, 90, nq.size)  # keys per sequence, its queries included
-    per = -(-lens // page)
-    order = rng.permutation(int(per.sum()))
-    kp = rnd(rng, (order.size, page, Hk, D))
-    vp = rnd(rng, (order.size, page, Hk, D))
-    bt = np.zeros((lens.size, int(per.max())), np.int32)
-    at = 0
-    for b, n in enumerate(per):
-        bt[b, :n] = order[at : at + n]
-        at += n
-    q = rnd(rng, (int(nq.sum()), Hq, D))
-    cq = np.concatenate([[0], np.cumsum(nq)]).astype(np.int32)
-    ck = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    j = [np.arange(n) for n in lens]
-    k = np.concatenate([kp[bt[b, jb // page], jb % page] for b, jb in enumerate(j)])  # (Tk, Hk, D)
-    v = np.concatenate([vp[bt[b, jb // page], jb % page] for b, jb in enumerate(j)])
+    q, kp, vp, bt, cq, ck, k, v = packed_over_pages(rng, lens, nq, Hq, Hk, D, page)
     kv = dict(k=kp, v=vp, block_table=bt) if paged else dict(k=k, v=v)
     kw = dict(is_causal=True, enable_gqa=True)
     got = fastattn.varlen_attention(q, cu_seqlens_q=cq, cu_seqlens_k=ck, **kv, **kw)
